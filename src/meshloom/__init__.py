@@ -1,0 +1,3 @@
+"""meshloom: train transformers with any mix of data, tensor, pipeline and context parallelism."""
+
+__version__ = "0.1.0"

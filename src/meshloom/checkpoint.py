@@ -1,0 +1,124 @@
+"""Checkpoints: sharded save/load with torch.distributed.checkpoint, committed atomically.
+
+A checkpoint is written into `RUN_DIR/checkpoints/.tmp-step_NNNNNNN`, and only when every rank has
+finished writing does rank 0 add `meta.json` and rename the folder to `step_NNNNNNN`. A folder
+without `meta.json` (a crash mid-write) is never picked up for a resume, and older complete
+checkpoints are pruned only after a newer one is committed, so there is always one to go back to.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+FORMAT_VERSION = 1
+
+
+def checkpoint_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def complete_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Committed checkpoints, oldest first."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for d in root.iterdir():
+        m = _STEP_DIR.match(d.name)
+        if m and (d / "meta.json").is_file():
+            found.append((int(m.group(1)), d))
+    return [d for _, d in sorted(found)]
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    found = complete_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    return json.loads((Path(path) / "meta.json").read_text())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module,
+                    optimizer: torch.optim.Optimizer, meta: dict[str, Any], *,
+                    keep: int = 2) -> Path:
+    """Collective: every rank calls it. Returns the committed folder."""
+    rank = dist.get_rank()
+    root = checkpoint_root(run_dir)
+    final = root / f"step_{step:07d}"
+    tmp = root / f".tmp-step_{step:07d}"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():  # left over from a run that died while writing
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    # RNG streams differ per rank, so they go beside the shared tensors, one small file each.
+    torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
+    dist.barrier()
+    if rank == 0:
+        full_meta = {"format": FORMAT_VERSION, "step": step, "time": time.time(),
+                     "world_size": dist.get_world_size(), **meta}
+        meta_tmp = tmp / "meta.json.partial"
+        with open(meta_tmp, "w") as f:
+            json.dump(full_meta, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(meta_tmp, tmp / "meta.json")
+        if final.exists():  # the same step saved again (e.g. a resumed run's last step)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        for old in complete_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(path: str | Path, model: nn.Module,
+                    optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Collective: restore model and optimizer in place; returns the checkpoint's meta."""
+    path = Path(path)
+    meta = read_meta(path)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    rng_file = path / f"rng_rank{dist.get_rank()}.pt"
+    if meta.get("world_size") == dist.get_world_size() and rng_file.is_file():
+        rng = torch.load(rng_file, weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    return meta

@@ -1,0 +1,174 @@
+"""`meshloom` command line: train (launching ranks through torchrun) and layout."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from importlib import resources
+from pathlib import Path
+
+from meshloom.config import Config, ConfigError, dump_toml, load_config, validate
+
+EXIT_BAD_INPUT = 2
+
+
+def builtin_config(name: str) -> Path:
+    """Path of a config shipped inside the package (the demo)."""
+    return Path(str(resources.files("meshloom") / "configs" / f"{name}.toml"))
+
+
+def default_nproc(cfg: Config) -> int:
+    """Processes implied by the config's axes when --nproc is not given (dp_shard=-1 counts 1)."""
+    p = cfg.parallel
+    return p.pp * p.dp_replicate * max(p.dp_shard, 1) * p.cp * p.tp
+
+
+def resolve_run_dir(cfg: Config, resume: bool) -> Path:
+    """run.dir, or a new timestamped folder under runs/; --resume picks the newest one with a
+    checkpoint."""
+    from meshloom import checkpoint
+
+    if cfg.run.dir:
+        run_dir = Path(cfg.run.dir)
+        if not resume and checkpoint.latest_checkpoint(run_dir) is not None:
+            raise ConfigError(f"run.dir={run_dir} already holds checkpoints: pass --resume to "
+                              "continue that run, or --set run.dir=NEW_FOLDER")
+        return run_dir
+    if resume:
+        earlier = sorted(Path("runs").glob(f"{cfg.name}-*"))
+        with_ckpt = [d for d in earlier if checkpoint.latest_checkpoint(d) is not None]
+        if with_ckpt:
+            return with_ckpt[-1]
+    return Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _train(args: argparse.Namespace) -> int:
+    from meshloom.data import DataError
+    from meshloom.train import prepare_data, print_layout
+
+    try:
+        cfg = load_config(args.config or builtin_config("demo"), args.overrides)
+        if args.config is None:
+            cfg.name = "demo"
+        nproc = args.nproc or default_nproc(cfg)
+        dims = validate(cfg, nproc * args.nnodes)
+        run_dir = resolve_run_dir(cfg, args.resume)
+        cfg.run.dir = str(run_dir)
+        print_layout(cfg, dims, ranks_per_node=nproc)
+        t0 = time.perf_counter()
+        token_file = prepare_data(cfg)
+        print(f"data: {token_file} ({time.perf_counter() - t0:.1f}s)", flush=True)
+    except (ConfigError, DataError) as e:
+        print(f"meshloom: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    run_dir.mkdir(parents=True, exist_ok=True)
+    resolved = run_dir / "config.toml"
+    resolved.write_text(dump_toml(cfg))
+    rank_args = [str(resolved)] + (["--resume"] if args.resume else [])
+    if nproc * args.nnodes == 1:
+        from meshloom.train import main as rank_main
+
+        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                           "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"})
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        return rank_main(rank_args)
+    return _torchrun(args, nproc, rank_args)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(args: argparse.Namespace, nproc: int, rank_args: list[str]) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    # Each rank gets its share of the cores (torchrun would otherwise set 1 thread and warn).
+    threads = max(1, len(os.sched_getaffinity(0)) // nproc)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    launch = ["--nproc-per-node", str(nproc)]
+    if args.nnodes > 1 or args.rdzv_endpoint:
+        launch += ["--nnodes", str(args.nnodes), "--node-rank", str(args.node_rank),
+                   "--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint or "",
+                   "--rdzv-id", args.rdzv_id]
+    else:
+        launch += ["--standalone"]
+    launch += ["--max-restarts", "0", "-m", "meshloom.train", *rank_args]
+    try:
+        run(get_args_parser().parse_args(launch))
+    except ChildFailedError as e:
+        codes = {f.exitcode for f in e.failures.values()}
+        ranks = ", ".join(str(r) for r in sorted(e.failures))
+        if codes == {EXIT_BAD_INPUT}:
+            return EXIT_BAD_INPUT
+        exits = ", ".join(str(c) for c in sorted(codes))
+        print(f"meshloom: training failed on rank {ranks} (exit codes {exits}); "
+              "see the messages above", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _layout(args: argparse.Namespace) -> int:
+    from meshloom.train import print_layout
+
+    try:
+        cfg = load_config(args.config or builtin_config("demo"), args.overrides)
+        nproc = args.nproc or default_nproc(cfg)
+        dims = validate(cfg, nproc, check_data=False)
+    except ConfigError as e:
+        print(f"meshloom: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print_layout(cfg, dims, ranks_per_node=args.ranks_per_node or nproc)
+    return 0
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", help="TOML config (default: the built-in demo)")
+    p.add_argument("--nproc", type=int, default=0, help="processes per node")
+    p.add_argument("--set", dest="overrides", action="append", default=[],
+                   metavar="KEY=VALUE", help="override a config key, e.g. train.steps=200")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, like every other bad input
+        print(f"meshloom: error: {message} (see meshloom --help)", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="meshloom", description="Train transformers with any mix of parallelism.")
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    t = sub.add_parser("train", help="train a model (no config: the built-in demo)")
+    _add_config_args(t)
+    t.add_argument("--resume", action="store_true",
+                   help="continue from the latest complete checkpoint of the run")
+    t.add_argument("--nnodes", type=int, default=1, help="nodes (multi-node: with --rdzv-endpoint)")
+    t.add_argument("--node-rank", type=int, default=0)
+    t.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the rendezvous")
+    t.add_argument("--rdzv-id", default="meshloom")
+    t.set_defaults(func=_train)
+    lay = sub.add_parser("layout", help="print which rank holds what, without training")
+    _add_config_args(lay)
+    lay.add_argument("--ranks-per-node", type=int, default=0)
+    lay.set_defaults(func=_layout)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "nproc", 0) < 0:
+        print(f"meshloom: error: --nproc={args.nproc} must be >= 1", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,413 @@
+"""Run configuration: dataclasses, TOML loading, `--set` overrides and validation.
+
+Everything a rank needs is decided here, in the parent process, before any rank is launched: a bad
+config is one line naming the key (`ConfigError`), never a traceback from inside a rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+BACKENDS = ("auto", "nccl", "gloo", "mpi")
+
+
+class ConfigError(ValueError):
+    """A bad config value; the message is one line that names the key."""
+
+
+@dataclass
+class ModelConfig:
+    # A preset from meshloom.models.llama.PRESETS; any field below that is set overrides it.
+    preset: str = "tiny"
+    dim: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    vocab_size: int | None = None  # None: the tokenizer's vocabulary size
+    ffn_hidden: int | None = None
+    max_seq_len: int | None = None
+    rope_theta: float | None = None
+    norm_eps: float | None = None
+    tie_embeddings: bool | None = None
+    init_std: float | None = None
+
+
+@dataclass
+class DataConfig:
+    source: str | list[str] = "stdlib"  # "stdlib", files, folders, globs or .jsonl files
+    tokenizer: str = "byte"  # "byte" or a local tokenizer.json
+    seq_len: int = 64
+    val_fraction: float = 0.05
+    max_bytes: int = 0  # cap on corpus bytes read; 0 = no cap
+    jsonl_field: str = "text"
+    cache_dir: str = ""  # "" = ~/.cache/meshloom/tokens
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    seed: int = 0
+    global_batch: int = 16  # sequences per optimizer step, over all data-parallel ranks
+    micro_batch: int = 0  # sequences per forward pass per rank; 0 = the whole local batch
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # global grad-norm clip; 0 = off
+    eval_every: int = 50  # 0 = only at the end
+    eval_sequences: int = 64
+    log_every: int = 1
+    sample_tokens: int = 0  # tokens generated at the end; 0 = no sample
+    sample_prompt: str = "def "
+    sample_temperature: float = 0.8
+    sample_top_k: int = 40
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1: whatever the other axes leave of the world size
+    zero_stage: int = 0  # 0 = no sharding (dp_shard acts as plain data parallel)
+    tp: int = 1
+    sequence_parallel: bool = False
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int = 0
+    pp_virtual_stages: int = 1
+    cp: int = 1
+    ddp_bucket_mb: float = 25.0
+
+
+@dataclass
+class RunConfig:
+    dir: str = ""  # "" = runs/<config name>-<timestamp>
+    backend: str = "auto"
+    device: str = "auto"  # auto | cpu | cuda
+    checkpoint_every: int = 0  # 0 = only at the last step
+    keep_checkpoints: int = 2
+    tensorboard: bool = False
+    peak_tflops: float = 0.0  # device peak for MFU; 0 = from the built-in table
+    threads: int = 0  # torch threads per rank; 0 = cores / local ranks
+    timeout_s: float = 600.0  # collective time-out
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    name: str = "run"  # the config file's stem; names the default run folder
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------- loading and overrides
+
+
+def _sections() -> dict[str, type]:
+    return {f.name: f.default_factory for f in dataclasses.fields(Config) if f.name != "name"}
+
+
+def _closest(word: str, options: list[str]) -> str:
+    match = difflib.get_close_matches(word, options, n=1)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def _type_name(tp: Any) -> str:
+    if isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Check `value` against the annotated type `tp`; ints are accepted where floats are."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(key, value, arg)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    if tp is type(None):
+        if value is None:
+            return None
+        raise ConfigError(f"{key}: expected None, got {value!r}")
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(key, v, item) for v in value]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+
+
+def _apply(cfg: Config, key: str, value: Any) -> None:
+    parts = key.split(".")
+    sections = _sections()
+    if len(parts) != 2:
+        raise ConfigError(f"{key}: keys have the form section.name; sections: "
+                          f"{', '.join(sections)}")
+    sec, name = parts
+    if sec not in sections:
+        raise ConfigError(f"{key}: unknown section '{sec}'{_closest(sec, list(sections))}")
+    obj = getattr(cfg, sec)
+    hints = typing.get_type_hints(type(obj))
+    if name not in hints:
+        raise ConfigError(f"{key}: unknown key{_closest(name, list(hints))}")
+    setattr(obj, name, _coerce(key, value, hints[name]))
+
+
+def _parse_value(text: str) -> Any:
+    """A --set value is read as a TOML value when it is one, else as a bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Build a Config from a TOML file (None = the defaults) and `section.key=value` overrides."""
+    cfg = Config()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            raw = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p}: not valid TOML: {e}") from None
+        cfg.name = p.stem
+        if isinstance(raw.get("name"), str):
+            cfg.name = raw.pop("name")
+        for sec, table in raw.items():
+            if not isinstance(table, dict):
+                hint = _closest(sec, list(_sections()))
+                raise ConfigError(f"{sec}: expected a [section] table{hint}")
+            for name, value in table.items():
+                _apply(cfg, f"{sec}.{name}", value)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item}: expected key=value, e.g. --set train.steps=100")
+        key, text = item.split("=", 1)
+        _apply(cfg, key.strip(), _parse_value(text.strip()))
+    return cfg
+
+
+def dump_toml(cfg: Config) -> str:
+    """The resolved config as TOML (None values are left out: they mean 'from the preset')."""
+    lines = [f"name = {_toml_value(cfg.name)}"]
+    for sec in _sections():
+        lines.append(f"\n[{sec}]")
+        for k, v in dataclasses.asdict(getattr(cfg, sec)).items():
+            if v is not None:
+                lines.append(f"{k} = {_toml_value(v)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    escaped = str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{escaped}"'
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def model_config(cfg: Config, vocab_size: int | None = None):
+    """The LlamaConfig the run will build: the preset with the config's overrides applied."""
+    from meshloom.models.llama import PRESETS, config_from_preset
+
+    _require(cfg.model.preset in PRESETS,
+             f"model.preset: unknown preset '{cfg.model.preset}'"
+             f"{_closest(cfg.model.preset, list(PRESETS))}; presets: {', '.join(PRESETS)}")
+    overrides = {k: v for k, v in dataclasses.asdict(cfg.model).items()
+                 if k != "preset" and v is not None}
+    if "vocab_size" not in overrides and vocab_size is not None:
+        overrides["vocab_size"] = vocab_size
+    try:
+        return config_from_preset(cfg.model.preset, **overrides)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def validate(cfg: Config, world_size: int, *, check_data: bool = True):
+    """Check every rule that can be checked before launch; returns the resolved ParallelDims.
+
+    Raises ConfigError with a one-line message naming the key.
+    """
+    from meshloom.mesh import ParallelDims
+
+    p, t, d, r = cfg.parallel, cfg.train, cfg.data, cfg.run
+    _require(world_size >= 1, f"--nproc={world_size} must be >= 1")
+    try:
+        dims = ParallelDims.resolve(world_size, pp=p.pp, dp_replicate=p.dp_replicate,
+                                    dp_shard=p.dp_shard, cp=p.cp, tp=p.tp)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+    # -- layout
+    _require(p.zero_stage in (0, 1, 2, 3),
+             f"parallel.zero_stage={p.zero_stage} must be 0, 1, 2 or 3")
+    _require(p.zero_stage == 0 or dims.dp_shard > 1,
+             f"parallel.zero_stage={p.zero_stage} shards over parallel.dp_shard, which is 1")
+    _require(p.pp_schedule in PP_SCHEDULES,
+             f"parallel.pp_schedule: unknown schedule '{p.pp_schedule}'"
+             f"{_closest(p.pp_schedule, list(PP_SCHEDULES))}; one of {', '.join(PP_SCHEDULES)}")
+    _require(p.pp_microbatches >= 0, f"parallel.pp_microbatches={p.pp_microbatches} must be >= 0")
+    _require(p.pp_virtual_stages >= 1,
+             f"parallel.pp_virtual_stages={p.pp_virtual_stages} must be >= 1")
+    _require(not p.sequence_parallel or dims.tp > 1,
+             "parallel.sequence_parallel needs parallel.tp > 1 (it splits the tensor-parallel "
+             "group's activations)")
+    _require(p.ddp_bucket_mb > 0, f"parallel.ddp_bucket_mb={p.ddp_bucket_mb} must be > 0")
+    # Strategies this version does not have yet are refused here rather than ignored in a rank.
+    for axis in ("tp", "pp", "cp"):
+        _require(getattr(dims, axis) == 1,
+                 f"parallel.{axis}={getattr(dims, axis)}: this meshloom version implements data "
+                 f"parallel only; set parallel.{axis}=1")
+    _require(p.zero_stage == 0, f"parallel.zero_stage={p.zero_stage}: this meshloom version "
+             "implements data parallel only (ZeRO is not available yet); set it to 0")
+
+    # -- training
+    _require(t.steps >= 1, f"train.steps={t.steps} must be >= 1")
+    _require(t.global_batch >= 1, f"train.global_batch={t.global_batch} must be >= 1")
+    _require(t.global_batch % dims.dp == 0,
+             f"train.global_batch={t.global_batch} must be divisible by the data-parallel degree "
+             f"{dims.dp} (parallel.dp_replicate x parallel.dp_shard)")
+    local = t.global_batch // dims.dp
+    _require(t.micro_batch >= 0, f"train.micro_batch={t.micro_batch} must be >= 0 (0 = whole "
+             "local batch)")
+    _require(t.micro_batch == 0 or local % t.micro_batch == 0,
+             f"train.micro_batch={t.micro_batch} must divide the per-rank batch {local} "
+             f"(train.global_batch {t.global_batch} / data-parallel degree {dims.dp})")
+    _require(t.lr > 0, f"train.lr={t.lr} must be > 0")
+    _require(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
+    _require(t.warmup_steps >= 0, f"train.warmup_steps={t.warmup_steps} must be >= 0")
+    _require(t.weight_decay >= 0, f"train.weight_decay={t.weight_decay} must be >= 0")
+    _require(0 <= t.beta1 < 1, f"train.beta1={t.beta1} must be in [0, 1)")
+    _require(0 <= t.beta2 < 1, f"train.beta2={t.beta2} must be in [0, 1)")
+    _require(t.eps > 0, f"train.eps={t.eps} must be > 0")
+    _require(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0 (0 = off)")
+    _require(t.eval_every >= 0, f"train.eval_every={t.eval_every} must be >= 0")
+    _require(t.eval_sequences >= 0 and t.eval_sequences % t.global_batch == 0,
+             f"train.eval_sequences={t.eval_sequences} must be a multiple of train.global_batch="
+             f"{t.global_batch} (so that every layout evaluates the same sequences)")
+    _require(t.log_every >= 1, f"train.log_every={t.log_every} must be >= 1")
+    _require(t.sample_tokens >= 0, f"train.sample_tokens={t.sample_tokens} must be >= 0")
+    _require(t.sample_temperature >= 0,
+             f"train.sample_temperature={t.sample_temperature} must be >= 0")
+    _require(t.sample_top_k >= 0, f"train.sample_top_k={t.sample_top_k} must be >= 0")
+
+    # -- run
+    _check_backend(r)
+    _require(r.checkpoint_every >= 0, f"run.checkpoint_every={r.checkpoint_every} must be >= 0")
+    _require(r.keep_checkpoints >= 1, f"run.keep_checkpoints={r.keep_checkpoints} must be >= 1")
+    _require(r.peak_tflops >= 0, f"run.peak_tflops={r.peak_tflops} must be >= 0")
+    _require(r.threads >= 0, f"run.threads={r.threads} must be >= 0")
+    _require(r.timeout_s > 0, f"run.timeout_s={r.timeout_s} must be > 0")
+    if r.tensorboard:
+        import importlib.util
+
+        _require(importlib.util.find_spec("tensorboard") is not None,
+                 "run.tensorboard=true needs the tensorboard package: pip install tensorboard")
+
+    # -- data and model (the model's vocabulary comes from the tokenizer unless set)
+    _require(d.seq_len >= 1, f"data.seq_len={d.seq_len} must be >= 1")
+    _require(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must be in (0, 1)")
+    _require(d.max_bytes >= 0, f"data.max_bytes={d.max_bytes} must be >= 0 (0 = no cap)")
+    vocab = None
+    if check_data:
+        from meshloom.data import DataError, load_tokenizer, resolve_sources
+
+        try:
+            vocab = load_tokenizer(d.tokenizer).vocab_size
+            resolve_sources(d.source)
+        except DataError as e:
+            raise ConfigError(str(e)) from None
+    mcfg = model_config(cfg, vocab)
+    _require(vocab is None or mcfg.vocab_size >= vocab,
+             f"model.vocab_size={mcfg.vocab_size} is smaller than the tokenizer's vocabulary "
+             f"({vocab}, data.tokenizer={d.tokenizer!r})")
+    _require(d.seq_len <= mcfg.max_seq_len,
+             f"data.seq_len={d.seq_len} exceeds model.max_seq_len={mcfg.max_seq_len}")
+    _require(mcfg.n_heads % dims.tp == 0,
+             f"model.n_heads={mcfg.n_heads} must be divisible by parallel.tp={dims.tp}")
+    _require(dims.cp == 1 or d.seq_len % (2 * dims.cp) == 0,
+             f"data.seq_len={d.seq_len} must be divisible by 2 x parallel.cp = {2 * dims.cp}")
+    _require(dims.pp <= mcfg.n_layers,
+             f"parallel.pp={dims.pp} exceeds model.n_layers={mcfg.n_layers}")
+    return dims
+
+
+def _check_backend(r: RunConfig) -> None:
+    import torch
+    import torch.distributed as dist
+
+    _require(r.backend in BACKENDS,
+             f"run.backend: unknown backend '{r.backend}'{_closest(r.backend, list(BACKENDS))}; "
+             f"one of {', '.join(BACKENDS)}")
+    _require(r.device in ("auto", "cpu", "cuda"),
+             f"run.device: '{r.device}' is not auto, cpu or cuda")
+    _require(r.device != "cuda" or torch.cuda.is_available(),
+             "run.device=cuda but no CUDA device is available to this PyTorch build")
+    _require(dist.is_available(), "this PyTorch build has no torch.distributed support")
+    available = {"nccl": dist.is_nccl_available(), "gloo": dist.is_gloo_available(),
+                 "mpi": dist.is_mpi_available()}
+    if r.backend != "auto":
+        _require(available[r.backend],
+                 f"run.backend={r.backend} is not available in this PyTorch build "
+                 f"(available: {', '.join(k for k, v in available.items() if v) or 'none'})")
+    _require(not (r.backend == "nccl" and resolve_device(r) == "cpu"),
+             "run.backend=nccl needs GPUs, but run.device resolves to cpu; use gloo or auto")
+
+
+def resolve_device(r: RunConfig) -> str:
+    import torch
+
+    if r.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return r.device
+
+
+def resolve_backend(r: RunConfig) -> str:
+    if r.backend != "auto":
+        return r.backend
+    return "nccl" if resolve_device(r) == "cuda" else "gloo"

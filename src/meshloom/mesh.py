@@ -1,0 +1,175 @@
+"""The device mesh: named parallel axes, the groups behind them, and a drawing of who holds what.
+
+Axes, outermost first: pp, dp_replicate, dp_shard, cp, tp. `tp` is innermost so that the ranks of a
+tensor-parallel group are neighbours (same node, fastest links). Components ask a `Mesh` for the
+group of an axis by name; nothing else in meshloom does rank arithmetic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from meshloom.comm import CommCounter
+
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# Flattened views several components need: all data-parallel ranks (gradient averaging), and
+# data x context parallel (the ranks whose losses are averaged).
+FLAT_AXES = {"dp": ("dp_replicate", "dp_shard"), "dp_cp": ("dp_replicate", "dp_shard", "cp")}
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+
+    @classmethod
+    def resolve(cls, world_size: int, *, pp: int = 1, dp_replicate: int = 1, dp_shard: int = -1,
+                cp: int = 1, tp: int = 1) -> ParallelDims:
+        """Fill in dp_shard=-1 from the world size; ValueError naming the key if inconsistent."""
+        given = {"pp": pp, "dp_replicate": dp_replicate, "cp": cp, "tp": tp}
+        for name, deg in {**given, "dp_shard": dp_shard}.items():
+            if deg < 1 and not (name == "dp_shard" and deg == -1):
+                hint = " (or -1 to infer it)" if name == "dp_shard" else ""
+                raise ValueError(f"parallel.{name}={deg} must be >= 1{hint}")
+        others = pp * dp_replicate * cp * tp
+        if dp_shard == -1:
+            if world_size % others:
+                raise ValueError(
+                    f"parallel.dp_shard=-1 cannot be inferred: {world_size} processes do not "
+                    f"divide by pp*dp_replicate*cp*tp = {others}")
+            dp_shard = world_size // others
+        dims = cls(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp)
+        if dims.world_size != world_size:
+            raise ValueError(
+                f"parallel: pp*dp_replicate*dp_shard*cp*tp = {dims.world_size} "
+                f"({dims.describe()}) but {world_size} processes are launched (--nproc)")
+        return dims
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def degree(self, axis: str) -> int:
+        if axis in FLAT_AXES:
+            n = 1
+            for a in FLAT_AXES[axis]:
+                n *= getattr(self, a)
+            return n
+        if axis == "world":
+            return self.world_size
+        return getattr(self, axis)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, a) for a in AXES)
+
+    def describe(self) -> str:
+        return " x ".join(f"{a}={getattr(self, a)}" for a in AXES)
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Axis coordinates of a global rank (row-major over AXES, tp fastest)."""
+        coords = {}
+        for axis, size in zip(reversed(AXES), reversed(self.shape), strict=True):
+            coords[axis] = rank % size
+            rank //= size
+        return {a: coords[a] for a in AXES}
+
+    def coordinate(self, rank: int, axis: str) -> int:
+        c = self.coordinates(rank)
+        if axis in FLAT_AXES:
+            idx = 0
+            for a in FLAT_AXES[axis]:
+                idx = idx * getattr(self, a) + c[a]
+            return idx
+        if axis == "world":
+            return rank
+        return c[axis]
+
+    def group_ranks(self, axis: str) -> list[list[int]]:
+        """Every group of the axis (or flattened axes) as lists of global ranks."""
+        members = FLAT_AXES.get(axis, (axis,))
+        if axis == "world":
+            return [list(range(self.world_size))]
+        fixed = [a for a in AXES if a not in members]
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for rank in range(self.world_size):
+            c = self.coordinates(rank)
+            groups.setdefault(tuple(c[a] for a in fixed), []).append(rank)
+        return list(groups.values())
+
+
+class Mesh:
+    """The process groups of every axis for this rank, plus the comm counter they report to."""
+
+    def __init__(self, dims: ParallelDims, rank: int, device_type: str, counter: CommCounter):
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.dims, self.rank, self.device_type, self.counter = dims, rank, device_type, counter
+        self.device_mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=AXES)
+        self._groups: dict[str, dist.ProcessGroup] = {}
+        for axis in AXES:
+            self._groups[axis] = self.device_mesh.get_group(axis)
+        # Flattened groups are made with new_group on every rank in the same order (a collective
+        # call), rather than DeviceMesh's private _flatten.
+        for name in FLAT_AXES:
+            for ranks in dims.group_ranks(name):
+                g = dist.new_group(ranks)
+                if rank in ranks:
+                    self._groups[name] = g
+        self._groups["world"] = dist.group.WORLD
+
+    def group(self, axis: str) -> dist.ProcessGroup:
+        return self._groups[axis]
+
+    def size(self, axis: str) -> int:
+        return self.dims.degree(axis)
+
+    def coord(self, axis: str) -> int:
+        return self.dims.coordinate(self.rank, axis)
+
+    def group_ranks(self, axis: str) -> list[int]:
+        return next(g for g in self.dims.group_ranks(axis) if self.rank in g)
+
+
+def draw_layout(dims: ParallelDims, ranks_per_node: int | None = None, backend: str = "",
+                device: str = "") -> str:
+    """A text picture of the layout: each rank's coordinates on the axes that are split, by node."""
+    split = [a for a in AXES if getattr(dims, a) > 1]
+    per_node = ranks_per_node or dims.world_size
+    head = f"mesh: {dims.describe()}  ({dims.world_size} rank{'s' * (dims.world_size > 1)}"
+    head += f", {backend}" if backend else ""
+    head += f" on {device}" if device else ""
+    lines = [head + ")"]
+    for node in range((dims.world_size + per_node - 1) // per_node):
+        lines.append(f"  node {node}")
+        for rank in range(node * per_node, min((node + 1) * per_node, dims.world_size)):
+            c = dims.coordinates(rank)
+            axes = "  ".join(f"{a} {c[a]}/{getattr(dims, a)}" for a in split) or "single process"
+            lines.append(f"    rank {rank:>3}  {axes:<40} {_holds(dims, c)}")
+    return "\n".join(lines)
+
+
+def _holds(dims: ParallelDims, c: dict[str, int]) -> str:
+    parts = []
+    parts.append(f"stage {c['pp']}" if dims.pp > 1 else "all layers")
+    if dims.tp > 1:
+        parts.append(f"tp slice {c['tp']}")
+    if dims.dp > 1:
+        dp_idx = c["dp_replicate"] * dims.dp_shard + c["dp_shard"]
+        parts.append(f"batch part {dp_idx}")
+    if dims.cp > 1:
+        parts.append(f"sequence chunks {c['cp']},{2 * dims.cp - 1 - c['cp']}")
+    return "holds: " + ", ".join(parts)
+

@@ -1,0 +1,126 @@
+"""Training metrics: throughput, MFU, memory, comm bytes -> console, metrics.jsonl, TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+# Dense bf16 peak TFLOP/s by device-name fragment (published figures; see docs/metrics.md).
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0,
+               "4090": 165.0, "3090": 71.0, "V100": 125.0, "TITAN RTX": 130.0}
+
+
+def device_peak_flops(device: torch.device, configured_tflops: float = 0.0) -> float | None:
+    """Peak FLOP/s for MFU: the configured value, else the table for the GPU; None on CPU."""
+    if configured_tflops > 0:
+        return configured_tflops * 1e12
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, tflops in PEAK_TFLOPS.items():
+            if key.lower() in name.lower():
+                return tflops * 1e12
+    return None
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak allocated bytes on a GPU (CUDA allocator); peak resident set size on the CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    # ru_maxrss is KiB on Linux.
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _fmt_count(x: float) -> str:
+    for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= div:
+            return f"{x / div:.1f}{unit}"
+    return f"{x:.0f}"
+
+
+def _fmt_time(s: float) -> str:
+    s = int(max(0, s))
+    if s >= 3600:
+        return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+    return f"{s // 60}:{s % 60:02d}"
+
+
+class ProgressBar:
+    """One updating line on a terminal; occasional plain lines when output is a file or a pipe."""
+
+    def __init__(self, total: int, start: int = 0, stream: TextIO | None = None, width: int = 24):
+        self.total, self.start, self.width = total, start, width
+        self.stream = stream or sys.stdout
+        self.tty = self.stream.isatty()
+        self.t0 = time.perf_counter()
+        self._last_plain = -1
+        self._plain_every = max(1, (total - start) // 20)
+
+    def update(self, done: int, fields: str) -> None:
+        elapsed = time.perf_counter() - self.t0
+        rate = (done - self.start) / elapsed if elapsed > 0 and done > self.start else 0.0
+        eta = (self.total - done) / rate if rate > 0 else 0.0
+        filled = int(self.width * done / max(1, self.total))
+        bar = "#" * filled + "." * (self.width - filled)
+        text = f"[{bar}] {done}/{self.total} {fields} | eta {_fmt_time(eta)}"
+        if self.tty:
+            self.stream.write("\r" + text + "\x1b[K")
+            if done >= self.total:
+                self.stream.write("\n")
+            self.stream.flush()
+        elif done >= self.total or done - self._last_plain >= self._plain_every or done == 1:
+            self._last_plain = done
+            print(text, file=self.stream, flush=True)
+
+    def message(self, text: str) -> None:
+        """A line that must not be overwritten by the bar."""
+        if self.tty:
+            self.stream.write("\r\x1b[K")
+        print(text, file=self.stream, flush=True)
+
+
+class MetricsLogger:
+    """Writes metrics.jsonl and TensorBoard events and drives the console on the main rank."""
+
+    def __init__(self, run_dir: Path, *, main: bool, total_steps: int, start_step: int,
+                 tensorboard: bool = False):
+        self.main = main
+        self.file = open(run_dir / "metrics.jsonl", "a") if main else None  # noqa: SIM115
+        self.bar = ProgressBar(total_steps, start_step) if main else None
+        self.tb = None
+        if main and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.main:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self.tb.add_scalar(key, value, record["step"])
+                elif isinstance(value, dict):
+                    for sub, v in value.items():
+                        self.tb.add_scalar(f"{key}/{sub}", v, record["step"])
+
+    def progress(self, step: int, loss: float, tokens_per_s: float, extra: str = "") -> None:
+        if self.bar is not None:
+            self.bar.update(step, f"loss {loss:.4f} | {_fmt_count(tokens_per_s)} tok/s{extra}")
+
+    def message(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.message(text)
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        if self.tb is not None:
+            self.tb.close()

@@ -1,0 +1,77 @@
+"""Optimizer, learning-rate schedule and gradient clipping across mesh axes."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from meshloom import comm
+from meshloom.config import TrainConfig
+from meshloom.mesh import Mesh
+
+
+def build_optimizer(model: nn.Module, tcfg: TrainConfig, *, fused: bool | None = None
+                    ) -> torch.optim.AdamW:
+    """AdamW; matrices decay, vectors (norm gains) don't."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": tcfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    kwargs = {}
+    if fused is None:
+        fused = all(p.is_cuda for p in decay + no_decay) and bool(decay + no_decay)
+    if fused:
+        kwargs["fused"] = True
+    else:
+        # foreach is the fast path on CPU as well and is numerically the plain loop's result.
+        kwargs["foreach"] = True
+    return torch.optim.AdamW(groups, lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), eps=tcfg.eps,
+                             **kwargs)
+
+
+def lr_at(step: int, tcfg: TrainConfig) -> float:
+    """Linear warm-up to train.lr, then cosine decay to lr * min_lr_ratio at the last step."""
+    if tcfg.warmup_steps and step < tcfg.warmup_steps:
+        return tcfg.lr * (step + 1) / tcfg.warmup_steps
+    span = max(1, tcfg.steps - tcfg.warmup_steps)
+    progress = min(1.0, (step - tcfg.warmup_steps) / span)
+    floor = tcfg.lr * tcfg.min_lr_ratio
+    return floor + (tcfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for g in optimizer.param_groups:
+        g["lr"] = lr
+
+
+def grad_norm(params: Iterable[nn.Parameter], mesh: Mesh | None = None,
+              sharded_axes: Sequence[str] = ()) -> float:
+    """Global L2 norm of the gradients.
+
+    Each rank sums the squares of the gradient elements it owns; `sharded_axes` are the mesh axes
+    over which those elements are disjoint (sharded or split parameters), whose partial sums are
+    added up. Replicated gradients (plain DDP) need no communication.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    sq = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
+    for axis in sharded_axes:
+        if mesh is not None and mesh.size(axis) > 1:
+            comm.all_reduce(sq, mesh, axis, label="all_reduce_scalars")
+    return float(sq.sqrt())
+
+
+def clip_grads(params: Sequence[nn.Parameter], max_norm: float, norm: float) -> None:
+    """Scale gradients so that their global norm is at most max_norm (0 = no clipping)."""
+    if max_norm <= 0 or not math.isfinite(norm):
+        return
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        grads = [p.grad for p in params if p.grad is not None]
+        torch._foreach_mul_(grads, coef)

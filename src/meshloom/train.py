@@ -1,0 +1,323 @@
+"""The training loop, one for every layout; and the per-rank entry point.
+
+`python -m meshloom.train CONFIG.toml [--set k=v ...] [--resume]` is what `meshloom train` launches
+on every rank through torchrun (and what a user may launch with torchrun directly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from meshloom import checkpoint, comm
+from meshloom.comm import CommCounter
+from meshloom.config import (
+    Config,
+    ConfigError,
+    load_config,
+    model_config,
+    resolve_backend,
+    resolve_device,
+    validate,
+)
+from meshloom.data import BatchLoader, TokenDataset, build_token_cache, eval_batches, load_tokenizer
+from meshloom.mesh import Mesh, draw_layout
+from meshloom.metrics import MetricsLogger, device_peak_flops, peak_memory_bytes
+from meshloom.models.generate import generate
+from meshloom.models.llama import build_model
+from meshloom.optim import build_optimizer, clip_grads, grad_norm, lr_at, set_lr
+from meshloom.parallel import parallelize
+
+
+@dataclass
+class TrainResult:
+    summary: dict[str, Any]
+    losses: list[float] = field(default_factory=list)
+    eval_losses: dict[int, float] = field(default_factory=dict)
+    model: nn.Module | None = None
+    counter: CommCounter | None = None
+    grad_bytes: int = 0
+
+
+def default_run_dir(cfg: Config) -> Path:
+    return Path("runs") / cfg.name
+
+
+def prepare_data(cfg: Config) -> Path:
+    """Tokenise the corpus into the shared cache (once; later calls return at once)."""
+    tok = load_tokenizer(cfg.data.tokenizer)
+    cache = cfg.data.cache_dir or str(Path.home() / ".cache" / "meshloom" / "tokens")
+    return build_token_cache(cfg.data.source, tok, cache, max_bytes=cfg.data.max_bytes or None,
+                             jsonl_field=cfg.data.jsonl_field)
+
+
+def _rank_env() -> tuple[int, int, int, int]:
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return rank, world, local_rank, local_world
+
+
+def _init_distributed(cfg: Config, world: int, rank: int, local_rank: int) -> torch.device:
+    device_type = resolve_device(cfg.run)
+    device = torch.device(device_type, local_rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    if not dist.is_initialized():
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend=resolve_backend(cfg.run), world_size=world, rank=rank,
+                                timeout=datetime.timedelta(seconds=cfg.run.timeout_s), **kwargs)
+    return device
+
+
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = model(x)
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: list, mesh: Mesh, device: torch.device) -> float | None:
+    if not batches:
+        return None
+    was_training = model.training
+    model.eval()
+    total = sum(_loss(model, x.to(device), y.to(device)).item() for x, y in batches)
+    model.train(was_training)
+    # Every rank holds the same number of equal-sized batches, so the mean of means is exact.
+    (total,) = comm.all_reduce_scalars([total / len(batches)], mesh, "dp")
+    return total / mesh.size("dp")
+
+
+def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> TrainResult:
+    """Run training on this rank. Expects RANK/WORLD_SIZE (and a rendezvous) in the environment."""
+    rank, world, local_rank, local_world = _rank_env()
+    threads = cfg.run.threads or max(1, len(os.sched_getaffinity(0)) // local_world)
+    torch.set_num_threads(threads)
+    dims = validate(cfg, world, check_data=False)
+    device = _init_distributed(cfg, world, rank, local_rank)
+    counter = CommCounter()
+    mesh = Mesh(dims, rank, device.type, counter)
+    main = rank == 0
+    run_dir = Path(cfg.run.dir) if cfg.run.dir else default_run_dir(cfg)
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+
+    # Data: one process per node tokenises, the others then find the cache ready.
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    if local_rank == 0:
+        prepare_data(cfg)
+    dist.barrier()
+    token_file = prepare_data(cfg)
+    train_ds = TokenDataset(token_file, cfg.data.seq_len, "train", cfg.data.val_fraction)
+    val_ds = TokenDataset(token_file, cfg.data.seq_len, "val", cfg.data.val_fraction)
+    dp_rank, dp_size = mesh.coord("dp"), mesh.size("dp")
+    micro = cfg.train.micro_batch or cfg.train.global_batch // dp_size
+    loader = BatchLoader(train_ds, global_batch=cfg.train.global_batch, micro_batch=micro,
+                         dp_rank=dp_rank, dp_size=dp_size, seed=cfg.train.seed)
+    evals = eval_batches(val_ds, n_sequences=cfg.train.eval_sequences, micro_batch=micro,
+                         dp_rank=dp_rank, dp_size=dp_size)
+
+    mcfg = model_config(cfg, tokenizer.vocab_size)
+    model = build_model(mcfg, cfg.train.seed, device=device)
+    par = parallelize(model, mesh, cfg.parallel)
+    model = par.model
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(model, cfg.train)
+
+    start = 0
+    if resume:
+        ckpt = checkpoint.latest_checkpoint(run_dir)
+        if ckpt is not None:
+            meta = checkpoint.load_checkpoint(ckpt, model, optimizer)
+            start = meta["step"]
+            if main:
+                print(f"resumed from {ckpt} (step {start})", flush=True)
+        elif main:
+            print(f"no checkpoint in {run_dir}: starting from step 0", flush=True)
+    par.grads.zero_grad()
+
+    tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
+    flops_per_token = mcfg.flops_per_token(cfg.data.seq_len)
+    peak = device_peak_flops(device, cfg.run.peak_tflops)
+    logger = MetricsLogger(run_dir, main=main, total_steps=cfg.train.steps, start_step=start,
+                           tensorboard=cfg.run.tensorboard)
+    if main:
+        n_params = mcfg.num_params()
+        print(f"model: llama {cfg.model.preset} ({n_params / 1e6:.2f}M parameters), "
+              f"{len(train_ds)} train / {len(val_ds)} val sequences of {cfg.data.seq_len} tokens, "
+              f"global batch {cfg.train.global_batch} = {dp_size} x {loader.accum_steps} x {micro}",
+              flush=True)
+
+    result = TrainResult(summary={}, counter=counter)
+    result.grad_bytes = getattr(par.grads, "grad_bytes", 0)
+    ckpt_meta = {"layout": vars(dims) | {"zero_stage": cfg.parallel.zero_stage},
+                 "config": cfg.to_dict()}
+    t_start, train_time, eval_loss = time.perf_counter(), 0.0, None
+    for step in range(start, cfg.train.steps):
+        t0 = time.perf_counter()
+        before = counter.snapshot()
+        lr = lr_at(step, cfg.train)
+        set_lr(optimizer, lr)
+        batches = loader.micro_batches(step)
+        local_loss = 0.0
+        for i, (x, y) in enumerate(batches):
+            last = i == len(batches) - 1
+            with par.grads.no_sync() if not last else _nullcontext():
+                loss = _loss(model, x.to(device), y.to(device)) / len(batches)
+                loss.backward()
+            local_loss += loss.item()
+        par.grads.finish()
+        norm = grad_norm(params, mesh)
+        clip_grads(params, cfg.train.grad_clip, norm)
+        optimizer.step()
+        par.grads.zero_grad()
+        (loss_sum,) = comm.all_reduce_scalars([local_loss], mesh, "dp")
+        step_loss = loss_sum / dp_size
+        dt = time.perf_counter() - t0
+        train_time += dt
+        done = step + 1
+        result.losses.append(step_loss)
+        tps = tokens_per_step / dt
+        record = {"step": done, "loss": step_loss, "lr": lr, "grad_norm": norm,
+                  "tokens_per_s": tps,
+                  "mfu": flops_per_token * tps / (peak * world) if peak else None,
+                  "peak_mem_bytes": peak_memory_bytes(device),
+                  "comm_bytes": counter.by_axis(since=before), "step_time_s": dt}
+        if (cfg.train.eval_every and done % cfg.train.eval_every == 0) or done == cfg.train.steps:
+            eval_loss = evaluate(model, evals, mesh, device)
+            if eval_loss is not None:
+                record["eval_loss"] = eval_loss
+                result.eval_losses[done] = eval_loss
+                logger.message(f"step {done}: eval loss {eval_loss:.4f}")
+        if done % cfg.train.log_every == 0 or done == cfg.train.steps:
+            logger.log(record)
+        logger.progress(done, step_loss, tps)
+        if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) \
+                or done == cfg.train.steps:
+            path = checkpoint.save_checkpoint(run_dir, done, model, optimizer, ckpt_meta,
+                                              keep=cfg.run.keep_checkpoints)
+            if done == cfg.train.steps:
+                result.summary["checkpoint"] = str(path)
+
+    sample = None
+    if main and cfg.train.sample_tokens:
+        sample = _sample(model, tokenizer, cfg, device)
+    peaks = [0.0] * world
+    peaks[rank] = float(peak_memory_bytes(device))
+    peaks = comm.all_reduce_scalars(peaks, mesh, "world")
+    total_steps = cfg.train.steps - start
+    result.summary.update({
+        "run_dir": str(run_dir), "steps": cfg.train.steps, "start_step": start,
+        "final_loss": result.losses[-1] if result.losses else None,
+        "first_loss": result.losses[0] if result.losses else None,
+        "final_eval_loss": eval_loss,
+        "tokens_per_s": tokens_per_step * total_steps / train_time if train_time else None,
+        "wall_time_s": time.perf_counter() - t_start,
+        "params": mcfg.num_params(), "layout": vars(dims), "world_size": world,
+        "peak_mem_bytes_per_rank": [int(p) for p in peaks],
+        "comm_bytes": {f"{a}/{o}": n for (a, o), n in counter.bytes.items()},
+        "sample": sample,
+    })
+    if main:
+        (run_dir / "summary.json").write_text(json.dumps(result.summary, indent=2))
+    logger.close()
+    if keep_model:
+        result.model = model
+    return result
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _sample(model: nn.Module, tokenizer, cfg: Config, device: torch.device) -> str:
+    t = cfg.train
+    prompt = torch.tensor([tokenizer.encode(t.sample_prompt)], dtype=torch.long, device=device)
+    gen = torch.Generator(device=device).manual_seed(t.seed)
+    out = generate(model, prompt, t.sample_tokens, temperature=t.sample_temperature,
+                   top_k=t.sample_top_k or None, generator=gen, eos_id=tokenizer.eos_id,
+                   max_seq_len=cfg.data.seq_len)
+    return tokenizer.decode(out[0].tolist())
+
+
+# ---------------------------------------------------------------- per-rank entry point
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m meshloom.train")
+    ap.add_argument("config", nargs="?")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--resume", action="store_true")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    rank, world, _, _ = _rank_env()
+    try:
+        from meshloom.cli import builtin_config
+
+        cfg = load_config(args.config or builtin_config("demo"), args.overrides)
+        validate(cfg, world)
+        run_dir = Path(cfg.run.dir) if cfg.run.dir else default_run_dir(cfg)
+        if not args.resume and checkpoint.latest_checkpoint(run_dir) is not None:
+            raise ConfigError(f"run.dir={run_dir} already holds checkpoints: pass --resume to "
+                              "continue that run, or --set run.dir=NEW_FOLDER")
+    except ConfigError as e:
+        if rank == 0:
+            print(f"meshloom: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        result = train(cfg, resume=args.resume)
+    except Exception as e:  # noqa: BLE001 - one line per rank; the traceback goes to a file
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / f"error_rank{rank}.txt").write_text(traceback.format_exc())
+        print(f"meshloom: rank {rank} failed: {type(e).__name__}: {e} "
+              f"(traceback in {run_dir / f'error_rank{rank}.txt'})", file=sys.stderr)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if rank == 0:
+        _print_ending(result.summary)
+    return 0
+
+
+def _print_ending(summary: dict[str, Any]) -> None:
+    if summary.get("sample"):
+        print("\n--- sample ---\n" + summary["sample"] + "\n--------------")
+    first, last = summary.get("first_loss"), summary.get("final_loss")
+    if first is not None:
+        ev = summary.get("final_eval_loss")
+        print(f"loss {first:.3f} -> {last:.3f}" + (f", eval loss {ev:.3f}" if ev else "")
+              + f", {summary['tokens_per_s']:.0f} tokens/s")
+    print(f"run directory: {summary['run_dir']}", flush=True)
+
+
+def print_layout(cfg: Config, dims, ranks_per_node: int | None = None) -> None:
+    print(draw_layout(dims, ranks_per_node, backend=resolve_backend(cfg.run),
+                      device=resolve_device(cfg.run)), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

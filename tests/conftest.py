@@ -1,0 +1,21 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).parent))
+
+from meshloom.config import Config, load_config  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def token_cache(tmp_path_factory) -> str:
+    """One shared token cache for the whole session (the stdlib corpus, capped)."""
+    return str(tmp_path_factory.mktemp("token-cache"))
+
+
+def tiny_config(run_dir, cache_dir: str, *overrides: str) -> Config:
+    """configs/tiny.toml with a test's run folder and overrides."""
+    return load_config(ROOT / "configs" / "tiny.toml",
+                       [f"run.dir={run_dir}", f"data.cache_dir={cache_dir}", *overrides])
