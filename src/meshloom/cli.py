@@ -23,7 +23,10 @@ def builtin_config(name: str) -> Path:
 def default_nproc(cfg: Config) -> int:
     """Processes implied by the config's axes when --nproc is not given (dp_shard=-1 counts 1)."""
     p = cfg.parallel
-    return p.pp * p.dp_replicate * max(p.dp_shard, 1) * p.cp * p.tp
+    n = 1
+    for degree in (p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp):
+        n *= max(degree, 1)  # a bad degree is reported by validate(), by name
+    return n
 
 
 def resolve_run_dir(cfg: Config, resume: bool) -> Path:

@@ -1,0 +1,375 @@
+"""Reference Llama-3-style decoder: the one model every parallel strategy in meshloom rewrites.
+
+The model is plain PyTorch on purpose. Strategies never branch inside it; they read the data it
+declares (``Llama.TP_PLAN``, ``pipeline_cut_points()``, ``fsdp_units()``) and swap or slice its
+submodules. That is why every projection is a plain ``nn.Linear`` attribute and the blocks live in
+a plain ``nn.ModuleList``.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class LlamaConfig:
+    dim: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    vocab_size: int = 257
+    ffn_hidden: int | None = None
+    multiple_of: int = 32
+    ffn_dim_multiplier: float | None = None
+    max_seq_len: int = 2048
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def hidden(self) -> int:
+        """SwiGLU width: ``ffn_hidden`` if set, else Meta's rule (2/3 of 4*dim, rounded up)."""
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return -(-hidden // self.multiple_of) * self.multiple_of
+
+    def _layer_matmul_params(self) -> int:
+        kv_dim = self.kv_heads * self.head_dim
+        return 2 * self.dim * self.dim + 2 * self.dim * kv_dim + 3 * self.dim * self.hidden
+
+    def num_params(self, include_embeddings: bool = True) -> int:
+        """Exact parameter count of ``Llama(self)``; a tied head is counted once.
+
+        ``include_embeddings=False`` drops the token-embedding table only. An untied output head
+        is a real matmul, so it stays counted; a tied one *is* the table, so it goes with it.
+        """
+        n = self.n_layers * (self._layer_matmul_params() + 2 * self.dim) + self.dim
+        table = self.vocab_size * self.dim
+        if include_embeddings:
+            n += table
+        if not self.tie_embeddings:
+            n += table
+        return n
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs (forward + backward = 3x forward) per token at context ``seq_len``.
+
+        ``6 * N + 6 * n_layers * seq_len * dim`` where N counts every matmul weight: all block
+        projections plus the output head (tied or not: the head matmul runs either way). Norms and
+        the embedding lookup are not matmuls and are ignored. The second term is attention: QK^T
+        and AV cost 2*s*d multiply-adds per token per layer = 4*s*d forward FLOPs, 12*L*s*d for
+        training without a mask (PaLM's convention); we halve it to 6*L*s*d for the causal mask.
+        """
+        # Halved because causal kernels (flash/SDPA) skip the masked upper triangle, so this is
+        # the work actually done; MFU from PaLM's unhalved 12*L*s*d would flatter long contexts.
+        matmul = self.n_layers * self._layer_matmul_params() + self.vocab_size * self.dim
+        return 6.0 * matmul + 6.0 * self.n_layers * seq_len * self.dim
+
+    def validate(self) -> None:
+        for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model.{name}={getattr(self, name)} must be positive")
+        for name in ("n_kv_heads", "ffn_hidden", "ffn_dim_multiplier"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"model.{name}={value} must be positive (or unset)")
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"model.{name}={getattr(self, name)} must be positive")
+        if self.dim % self.n_heads:
+            raise ValueError(
+                f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}"
+            )
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"model.n_heads={self.n_heads} must be divisible by "
+                             f"model.n_kv_heads={self.kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(
+                f"model.dim={self.dim} / model.n_heads={self.n_heads} gives head_dim="
+                f"{self.head_dim}, which must be even for RoPE"
+            )
+
+
+_LLAMA3 = dict(n_kv_heads=8, vocab_size=128256, rope_theta=500000.0, max_seq_len=8192)
+
+PRESETS: dict[str, dict] = {
+    "tiny": dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=257, max_seq_len=256),
+    "demo": dict(dim=128, n_layers=6, n_heads=4, n_kv_heads=2, vocab_size=257, max_seq_len=512),
+    "small": dict(dim=384, n_layers=6, n_heads=6, n_kv_heads=2, vocab_size=257, max_seq_len=1024),
+    "llama3-1b": dict(_LLAMA3, dim=2048, n_layers=16, n_heads=32, ffn_hidden=8192,
+                      tie_embeddings=True),
+    "llama3-8b": dict(_LLAMA3, dim=4096, n_layers=32, n_heads=32, ffn_hidden=14336),
+    "llama3-70b": dict(_LLAMA3, dim=8192, n_layers=80, n_heads=64, ffn_hidden=28672),
+    "llama3-405b": dict(_LLAMA3, dim=16384, n_layers=126, n_heads=128, ffn_hidden=53248),
+}
+
+
+def config_from_preset(name: str, **overrides) -> LlamaConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of: {', '.join(PRESETS)}")
+    known = {f.name for f in fields(LlamaConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"unknown model config field(s) {unknown}; known: {sorted(known)}")
+    cfg = LlamaConfig(**{**PRESETS[name], **overrides})
+    cfg.validate()
+    return cfg
+
+
+def _rope_table(cfg: LlamaConfig, device: torch.device) -> Tensor:
+    """complex64 [max_seq_len, head_dim // 2]: e^{i * pos * theta^(-2j/head_dim)}."""
+    shape = (cfg.max_seq_len, cfg.head_dim // 2)
+    if device.type == "meta":
+        return torch.empty(shape, dtype=torch.complex64, device=device)
+    # float64 on CPU: angles reach max_seq_len radians, where fp32 phase error is visible.
+    exponents = torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim
+    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64),
+                         cfg.rope_theta ** -exponents)
+    return torch.polar(torch.ones_like(angles), angles).to(torch.complex64).to(device)
+
+
+def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
+    """Rotate ``x`` [b, s, heads, head_dim] by ``rope`` (from ``Llama.rope``), in fp32.
+
+    Interleaved form: dims (2j, 2j+1) are one rotating pair, the layout of Meta's reference
+    code, so its checkpoints load without permuting wq/wk.
+    """
+    pairs = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    cos, sin = rope[..., 0], rope[..., 1]
+    rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, q_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, kv_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, kv_dim, bias=False)
+        self.wo = nn.Linear(q_dim, cfg.dim, bias=False)
+
+    def forward(self, x: Tensor, rope: Tensor) -> Tensor:
+        # Head counts come from the projected shapes, never from the config: a tensor-parallel
+        # rewrite that keeps a slice of the heads in wq/wk/wv (and wo's columns) runs unchanged.
+        q = self.wq(x).unflatten(-1, (-1, self.head_dim))
+        k = self.wk(x).unflatten(-1, (-1, self.head_dim))
+        v = self.wv(x).unflatten(-1, (-1, self.head_dim))
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        n_rep = q.shape[1] // k.shape[1]
+        if n_rep > 1:
+            # Explicit repeat rather than enable_gqa: every SDPA backend (and torch 2.4) accepts it.
+            k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).flatten(2))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, cfg.hidden)
+
+    def forward(self, x: Tensor, rope: Tensor) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    TP_PLAN: ClassVar[dict[str, str]] = {
+        "tok_embeddings": "vocab",
+        "layers.*.attention.wq": "colwise",
+        "layers.*.attention.wk": "colwise",
+        "layers.*.attention.wv": "colwise",
+        "layers.*.attention.wo": "rowwise",
+        "layers.*.feed_forward.w1": "colwise",
+        "layers.*.feed_forward.w3": "colwise",
+        "layers.*.feed_forward.w2": "rowwise",
+        "layers.*.attention_norm": "sequence",
+        "layers.*.ffn_norm": "sequence",
+        "norm": "sequence",
+        "output": "colwise_vocab",
+    }
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        # A tied head's own weight is thrown away at once, so don't allocate it.
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False,
+                                device="meta" if cfg.tie_embeddings else None)
+        self.tie_weights()
+        # complex64, not cos/sin floats: model.to(bfloat16) casts float buffers but leaves
+        # complex ones alone, so the table keeps full precision in low-precision models.
+        self.register_buffer("freqs_cis", _rope_table(cfg, torch.get_default_device()),
+                             persistent=False)
+
+    def tie_weights(self) -> None:
+        """(Re-)share the head with the embedding; ``to_empty()`` silently unties them."""
+        if self.cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def reset_rope(self) -> None:
+        """Recompute the RoPE table in place (needed after ``to_empty()``; no-op on meta)."""
+        self.freqs_cis = _rope_table(self.cfg, self.freqs_cis.device)
+
+    def rope(self, seq_len: int, positions: Tensor | None = None) -> Tensor:
+        """fp32 (cos, sin) for the blocks: [s, 1, head_dim // 2, 2] ([b, s, ...] for 2-D positions).
+
+        Public so a pipeline stage that holds only some blocks can feed them itself.
+        """
+        if positions is None:
+            if seq_len > self.freqs_cis.shape[0]:
+                raise ValueError(
+                    f"sequence length {seq_len} exceeds model.max_seq_len={self.cfg.max_seq_len}"
+                )
+            freqs = self.freqs_cis[:seq_len]
+        else:
+            freqs = self.freqs_cis[positions]
+        return torch.view_as_real(freqs).unsqueeze(-3)
+
+    def forward(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
+        """tokens [b, s] -> logits [b, s, vocab]. ``positions`` (int64 [s] or [b, s], each below
+        max_seq_len; default arange(s)) are absolute positions, e.g. of a context-parallel chunk."""
+        rope = self.rope(tokens.shape[1], positions)
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, rope)
+        return self.output(self.norm(h))
+
+    def pipeline_cut_points(self) -> list[str]:
+        """Blocks the model may be cut between; embedding precedes the first, norm+output follow."""
+        return [f"layers.{i}" for i in range(len(self.layers))]
+
+    def fsdp_units(self) -> list[str]:
+        """Submodule names to shard as units, innermost first; ``""`` is the root module.
+
+        The root unit owns whatever no earlier unit claimed: ``norm`` and ``output`` (and, with
+        tied embeddings, the shared table, since one parameter can belong to only one unit).
+        ``model.get_submodule(name)`` resolves every entry, the root included.
+        """
+        embed = [] if self.cfg.tie_embeddings else ["tok_embeddings"]
+        return embed + self.pipeline_cut_points() + [""]
+
+
+_RESIDUAL_OUT = ("attention.wo.weight", "feed_forward.w2.weight")
+_PLAIN = ("tok_embeddings.weight", "output.weight", "attention.wq.weight", "attention.wk.weight",
+          "attention.wv.weight", "feed_forward.w1.weight", "feed_forward.w3.weight")
+# Segments that wrappers (activation checkpointing, torch.compile, FSDP1) insert into names.
+_WRAPPER_SEGMENTS = {"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"}
+
+
+def canonical_name(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
+
+
+def param_seed(seed: int, name: str) -> int:
+    """32-bit generator seed of one parameter.
+
+    crc32 is linear, so whether two names of equal length collide does not depend on ``seed``:
+    checking the names once (the tests do, for 1000 layers) covers every seed.
+    """
+    return zlib.crc32(f"{seed}:{name}".encode())
+
+
+def init_tensor(name: str, shape: Sequence[int], cfg: LlamaConfig, seed: int) -> Tensor:
+    """The full fp32 CPU initial value of the parameter with canonical name ``name``.
+
+    Sharded strategies call this with the global shape and keep their slice; drawing on CPU keeps
+    values identical whatever device the parameter finally lives on.
+    """
+    if name.endswith("norm.weight"):
+        return torch.ones(tuple(shape))
+    if name.endswith(_RESIDUAL_OUT):
+        # 2*n_layers branches add into the residual stream; shrinking their outputs keeps the
+        # stream's variance at init from growing with depth (the GPT-2 scheme).
+        std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    elif name.endswith(_PLAIN):
+        std = cfg.init_std
+    else:
+        raise ValueError(f"no init rule for parameter {name!r}")
+    # crc32, not hash(): Python salts str hashes per process, and every rank must agree. The CPU
+    # generator keeps only 32 seed bits, so seed and name are hashed together into 32 bits.
+    generator = torch.Generator().manual_seed(param_seed(seed, name))
+    return torch.empty(tuple(shape)).normal_(0.0, std, generator=generator)
+
+
+@torch.no_grad()
+def init_weights(model: Llama, seed: int) -> None:
+    """Initialise every materialised parameter from its own (seed, name)-seeded generator.
+
+    Embedding, q/k/v, w1/w3 and an untied head: normal(0, init_std); wo and w2: normal(0,
+    init_std / sqrt(2 * n_layers)); norms: ones. Meta parameters are skipped, so a process holding
+    any subset gets the same values as one holding them all. A tied head is initialised once,
+    under the embedding's name. Also recomputes the RoPE table.
+    """
+    for name, param in model.named_parameters():
+        if not param.is_meta:
+            param.copy_(init_tensor(canonical_name(name), param.shape, model.cfg, seed))
+    model.reset_rope()
+
+
+def build_model(
+    cfg: LlamaConfig, seed: int, device: str | torch.device = "cpu", dtype=torch.float32
+) -> Llama:
+    """Validate, construct without allocating, materialise on ``device`` and initialise."""
+    cfg.validate()
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = Llama(cfg).to(dtype)
+    if device.type == "meta":
+        return model
+    model.to_empty(device=device)
+    model.tie_weights()
+    init_weights(model, seed)
+    return model
