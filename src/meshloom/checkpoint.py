@@ -105,11 +105,35 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module,
     return final
 
 
+def _materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's lazily made state, so that a load has tensors to fill.
+
+    torch's state-dict helper skips this when gradients already exist (our DDP keeps `.grad`
+    bound to its buckets), and DCP then silently loads nothing. A step with zero gradients at
+    lr 0 creates every state tensor and leaves the parameters untouched; the load overwrites it.
+    """
+    if optimizer.state:
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    grads = [p.grad for p in params]
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, lrs, strict=True):
+        g["lr"] = lr
+    for p, grad in zip(params, grads, strict=True):
+        p.grad = grad
+
+
 def load_checkpoint(path: str | Path, model: nn.Module,
                     optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Collective: restore model and optimizer in place; returns the checkpoint's meta."""
     path = Path(path)
     meta = read_meta(path)
+    _materialize_optimizer_state(optimizer)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
