@@ -18,6 +18,10 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+# Imported here, in the parent, so that forked ranks start with torch already loaded.
+import torch
+import torch.distributed as dist
+
 
 class RankError(RuntimeError):
     pass
@@ -35,8 +39,6 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, kwargs:
                        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(port)})
     try:
-        import torch
-
         torch.set_num_threads(threads)
         out = fn(*args, **kwargs)
         # Plain pickle: multiprocessing's own pickler would share tensors through file
@@ -45,8 +47,6 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, kwargs:
     except BaseException:  # noqa: BLE001 - everything goes back to the test
         results.put((rank, "error", traceback.format_exc()))
     finally:
-        import torch.distributed as dist
-
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
 
@@ -83,6 +83,10 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
             if status == "error":
                 raise RankError(f"rank {rank} raised:\n{value}")
             out[rank] = pickle.loads(value)
+    except BaseException:
+        for p in procs:  # a failed or hung run: no rank is waited for
+            p.kill()
+        raise
     finally:
         for p in procs:
             p.join(timeout=5)

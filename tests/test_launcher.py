@@ -67,3 +67,19 @@ def test_single_process_and_resume_via_cli(tmp_path, token_cache):
     assert more.returncode == 0, more.stderr[-3000:]
     assert "resumed from" in more.stdout
     assert [r["step"] for r in _records(run_dir)] == [1, 2, 3]
+
+
+def test_failing_rank_is_named_and_exits_1(tmp_path, token_cache):
+    """A checkpoint folder that claims to be complete but holds no data: the ranks fail on
+    resume; the user gets one line per rank naming it, exit status 1."""
+    run_dir = tmp_path / "run"
+    bad = run_dir / "checkpoints" / "step_0000001"
+    bad.mkdir(parents=True)
+    (bad / "meta.json").write_text('{"step": 1, "world_size": 2}')
+    proc = _run([sys.executable, "-m", "meshloom.cli", "train", TINY, "--nproc", "2", "--resume",
+                 "--set", "train.steps=2", "--set", f"run.dir={run_dir}",
+                 "--set", f"data.cache_dir={token_cache}"], tmp_path)
+    assert proc.returncode == 1
+    assert "meshloom: rank 0 failed:" in proc.stderr
+    assert "meshloom: training failed on rank" in proc.stderr
+    assert (run_dir / "error_rank0.txt").is_file()

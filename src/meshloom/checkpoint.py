@@ -26,6 +26,10 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 FORMAT_VERSION = 1
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names the folder."""
+
+
 def checkpoint_root(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
@@ -133,6 +137,8 @@ def load_checkpoint(path: str | Path, model: nn.Module,
     """Collective: restore model and optimizer in place; returns the checkpoint's meta."""
     path = Path(path)
     meta = read_meta(path)
+    if not (path / ".metadata").is_file():
+        raise CheckpointError(f"checkpoint {path} is incomplete: it has no DCP .metadata file")
     _materialize_optimizer_state(optimizer)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}

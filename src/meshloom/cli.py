@@ -96,7 +96,9 @@ def _torchrun(args: argparse.Namespace, nproc: int, rank_args: list[str]) -> int
     # Each rank gets its share of the cores (torchrun would otherwise set 1 thread and warn).
     threads = max(1, len(os.sched_getaffinity(0)) // nproc)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    # The elastic agent logs each failure with its own tables; we print one line per failure.
+    os.environ.setdefault("LOGLEVEL", "CRITICAL")
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     launch = ["--nproc-per-node", str(nproc)]
     if args.nnodes > 1 or args.rdzv_endpoint:
         launch += ["--nnodes", str(args.nnodes), "--node-rank", str(args.node_rank),
@@ -115,6 +117,9 @@ def _torchrun(args: argparse.Namespace, nproc: int, rank_args: list[str]) -> int
         exits = ", ".join(str(c) for c in sorted(codes))
         print(f"meshloom: training failed on rank {ranks} (exit codes {exits}); "
               "see the messages above", file=sys.stderr)
+        return 1
+    except Exception as e:  # noqa: BLE001 - e.g. a rendezvous that never completes
+        print(f"meshloom: launch failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     return 0
 

@@ -289,7 +289,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         result = train(cfg, resume=args.resume)
-    except Exception as e:  # noqa: BLE001 - one line per rank; the traceback goes to a file
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / f"error_rank{rank}.txt").write_text(traceback.format_exc())
         print(f"meshloom: rank {rank} failed: {type(e).__name__}: {e} "

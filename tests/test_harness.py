@@ -1,0 +1,54 @@
+"""The multi-process harness itself: results in rank order, errors re-raised, hangs bounded."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from dist_harness import RankError, run_ranks
+
+
+def _rank_id():
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def _fail_on_one():
+    if os.environ["RANK"] == "1":
+        raise ValueError("boom on rank 1")
+    return "ok"
+
+
+def _hang_on_one():
+    if os.environ["RANK"] == "1":
+        time.sleep(600)
+    return "ok"
+
+
+def _die_on_one():
+    if os.environ["RANK"] == "1":
+        os._exit(7)
+    time.sleep(600)
+
+
+def test_results_in_rank_order():
+    assert run_ranks(_rank_id, 3) == [(0, 3), (1, 3), (2, 3)]
+
+
+def test_rank_exception_is_reraised_with_traceback():
+    with pytest.raises(RankError, match="rank 1 raised:(.|\n)*boom on rank 1"):
+        run_ranks(_fail_on_one, 2)
+
+
+def test_hung_rank_fails_within_the_timeout():
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ranks \[1\] did not finish within 3s"):
+        run_ranks(_hang_on_one, 2, timeout=3)
+    assert time.monotonic() - t0 < 15
+
+
+def test_dead_rank_is_reported_without_waiting_for_the_timeout():
+    t0 = time.monotonic()
+    with pytest.raises(RankError, match="rank 1 died with exit code 7"):
+        run_ranks(_die_on_one, 2, timeout=60)
+    assert time.monotonic() - t0 < 15
