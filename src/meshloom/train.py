@@ -7,6 +7,7 @@ on every rank through torchrun (and what a user may launch with torchrun directl
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -178,7 +179,7 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
         local_loss = 0.0
         for i, (x, y) in enumerate(batches):
             last = i == len(batches) - 1
-            with par.grads.no_sync() if not last else _nullcontext():
+            with par.grads.no_sync() if not last else contextlib.nullcontext():
                 loss = _loss(model, x.to(device), y.to(device)) / len(batches)
                 loss.backward()
             local_loss += loss.item()
@@ -240,14 +241,6 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
     if keep_model:
         result.model = model
     return result
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def _sample(model: nn.Module, tokenizer, cfg: Config, device: torch.device) -> str:
