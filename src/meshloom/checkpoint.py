@@ -20,10 +20,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 class CheckpointError(RuntimeError):
@@ -71,8 +70,32 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
+ADAM_STATS = ("exp_avg", "exp_avg_sq")
+
+
+def whole_optimizer_state(named_params: list[tuple[str, nn.Parameter]],
+                          optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Optimizer state of whole parameters (one process, DDP), in the canonical layout:
+    `optim/<parameter name>/<stat>` as a flat tensor over the parameter's elements. The values
+    are views of the live state, so a load fills it in place."""
+    return {f"optim/{name}/{k}": optimizer.state[p][k].view(-1)
+            for name, p in named_params for k in ADAM_STATS}
+
+
+def _training_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                    strategy) -> dict[str, Any]:
+    """What a checkpoint holds, keyed by parameter name so that it does not depend on the
+    layout: `model/<name>` tensors and `optim/<name>/<stat>` flat tensors (whole, or this rank's
+    pieces as ShardedTensors when the optimizer is sharded), plus the AdamW step count."""
+    state: dict[str, Any] = {f"model/{k}": v for k, v in model.state_dict().items()}
+    state.update(strategy.optimizer_state(optimizer))
+    steps = [st["step"] for st in optimizer.state.values() if "step" in st]
+    state["optim/step"] = torch.tensor(float(steps[0]) if steps else 0.0)
+    return state
+
+
 def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module,
-                    optimizer: torch.optim.Optimizer, meta: dict[str, Any], *,
+                    optimizer: torch.optim.Optimizer, strategy, meta: dict[str, Any], *,
                     keep: int = 2) -> Path:
     """Collective: every rank calls it. Returns the committed folder."""
     rank = dist.get_rank()
@@ -85,8 +108,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module,
             shutil.rmtree(tmp)
         tmp.mkdir()
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    _materialize_optimizer_state(optimizer)
+    dcp.save(_training_state(model, optimizer, strategy), checkpoint_id=str(tmp))
     # RNG streams differ per rank, so they go beside the shared tensors, one small file each.
     torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
     dist.barrier()
@@ -112,9 +135,9 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module,
 def _materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create the optimizer's lazily made state, so that a load has tensors to fill.
 
-    torch's state-dict helper skips this when gradients already exist (our DDP keeps `.grad`
-    bound to its buckets), and DCP then silently loads nothing. A step with zero gradients at
-    lr 0 creates every state tensor and leaves the parameters untouched; the load overwrites it.
+    A step with zero gradients at lr 0 creates every state tensor and leaves the parameters
+    untouched; the load then overwrites it. (torch's own state-dict helper skips this whenever
+    `.grad` exists, as it does under our DDP, after which DCP would silently load nothing.)
     """
     if optimizer.state:
         return
@@ -132,19 +155,22 @@ def _materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         p.grad = grad
 
 
-def load_checkpoint(path: str | Path, model: nn.Module,
-                    optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    strategy) -> dict[str, Any]:
     """Collective: restore model and optimizer in place; returns the checkpoint's meta."""
     path = Path(path)
     meta = read_meta(path)
     if not (path / ".metadata").is_file():
         raise CheckpointError(f"checkpoint {path} is incomplete: it has no DCP .metadata file")
     _materialize_optimizer_state(optimizer)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state = _training_state(model, optimizer, strategy)
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+    step = state["optim/step"].item()
+    for st in optimizer.state.values():
+        if torch.is_tensor(st.get("step")):
+            st["step"].fill_(step)
+        elif "step" in st:
+            st["step"] = step
     rng_file = path / f"rng_rank{dist.get_rank()}.pt"
     if meta.get("world_size") == dist.get_world_size() and rng_file.is_file():
         rng = torch.load(rng_file, weights_only=False)

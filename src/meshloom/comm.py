@@ -1,8 +1,11 @@
 """All of meshloom's communication, and the counter that records it.
 
 Every collective a strategy issues goes through a function here, naming the mesh axis it runs on.
-The `CommCounter` records payload bytes (this rank's tensor, as handed to the collective) and
-calls per (axis, op), which is how the tests hold comm volume to the published formulas.
+The `CommCounter` records payload bytes and calls per (axis, op), which is how the tests hold comm
+volume to the published formulas. The payload is the size of the whole tensor the collective
+acts on: the tensor for all-reduce and broadcast, the gathered output for all-gather, the input
+for reduce-scatter. So a reduce-scatter plus an all-gather of Ψ bytes count 2Ψ, like one
+all-reduce of Ψ, as in the ZeRO paper's accounting.
 """
 
 from __future__ import annotations
@@ -44,6 +47,11 @@ class CommCounter:
                    if (axis is None or a == axis) and (op is None or o == op))
 
 
+# torch 2.13 renamed the flat collectives; older releases (>= 2.4) only have the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _skip(mesh: Mesh, axis: str) -> bool:
     # A group of one rank moves nothing; not calling it keeps the counter honest and saves time.
     return mesh.size(axis) == 1
@@ -74,8 +82,8 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, mesh: Mesh, axis:
     if _skip(mesh, axis):
         output.copy_(shard)
         return None
-    mesh.counter.record(axis, "all_gather", shard)
-    return dist.all_gather_into_tensor(output, shard, group=mesh.group(axis), async_op=async_op)
+    mesh.counter.record(axis, "all_gather", output)
+    return _all_gather_flat(output, shard, group=mesh.group(axis), async_op=async_op)
 
 
 def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, mesh: Mesh, axis: str, *,
@@ -84,8 +92,7 @@ def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, mesh: Mesh, ax
         output.copy_(full)
         return None
     mesh.counter.record(axis, "reduce_scatter", full)
-    return dist.reduce_scatter_tensor(output, full, op=op, group=mesh.group(axis),
-                                      async_op=async_op)
+    return _reduce_scatter_flat(output, full, op=op, group=mesh.group(axis), async_op=async_op)
 
 
 def all_reduce_scalars(values: list[float], mesh: Mesh, axis: str, *, op=dist.ReduceOp.SUM,

@@ -303,8 +303,8 @@ def validate(cfg: Config, world_size: int, *, check_data: bool = True):
         _require(getattr(dims, axis) == 1,
                  f"parallel.{axis}={getattr(dims, axis)}: this meshloom version implements data "
                  f"parallel only; set parallel.{axis}=1")
-    _require(p.zero_stage == 0, f"parallel.zero_stage={p.zero_stage}: this meshloom version "
-             "implements data parallel only (ZeRO is not available yet); set it to 0")
+    _require(p.zero_stage != 3, "parallel.zero_stage=3: ZeRO-3/FSDP is not available in this "
+             "version yet; use 1 or 2")
 
     # -- training
     _require(t.steps >= 1, f"train.steps={t.steps} must be >= 1")

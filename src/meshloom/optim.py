@@ -13,13 +13,20 @@ from meshloom.config import TrainConfig
 from meshloom.mesh import Mesh
 
 
-def build_optimizer(model: nn.Module, tcfg: TrainConfig, *, fused: bool | None = None
-                    ) -> torch.optim.AdamW:
-    """AdamW; matrices decay, vectors (norm gains) don't."""
-    decay, no_decay = [], []
-    for p in model.parameters():
-        if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
+def named_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Trainable parameters by name (tied weights once, under their first name)."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def decay_groups(params) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(decay, no_decay): matrices decay, vectors (norm gains) don't."""
+    params = [p for p in params if p.requires_grad]
+    return [p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2]
+
+
+def build_optimizer(decay: list[torch.Tensor], no_decay: list[torch.Tensor], tcfg: TrainConfig,
+                    *, fused: bool | None = None) -> torch.optim.AdamW:
+    """AdamW over the tensors this rank updates (whole parameters, or its shard's pieces)."""
     groups = [{"params": decay, "weight_decay": tcfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     kwargs = {}

@@ -49,6 +49,8 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     eval_losses: dict[int, float] = field(default_factory=dict)
     model: nn.Module | None = None
+    strategy: Any = None
+    optimizer: torch.optim.Optimizer | None = None
     counter: CommCounter | None = None
     grad_bytes: int = 0
 
@@ -138,14 +140,15 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
     model = build_model(mcfg, cfg.train.seed, device=device)
     par = parallelize(model, mesh, cfg.parallel)
     model = par.model
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(model, cfg.train)
+    decay, no_decay = par.grads.optim_param_groups()
+    params = decay + no_decay
+    optimizer = build_optimizer(decay, no_decay, cfg.train)
 
     start = 0
     if resume:
         ckpt = checkpoint.latest_checkpoint(run_dir)
         if ckpt is not None:
-            meta = checkpoint.load_checkpoint(ckpt, model, optimizer)
+            meta = checkpoint.load_checkpoint(ckpt, model, optimizer, par.grads)
             start = meta["step"]
             if main:
                 print(f"resumed from {ckpt} (step {start})", flush=True)
@@ -184,9 +187,10 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
                 loss.backward()
             local_loss += loss.item()
         par.grads.finish()
-        norm = grad_norm(params, mesh)
+        norm = grad_norm(params, mesh, par.grads.norm_axes)
         clip_grads(params, cfg.train.grad_clip, norm)
         optimizer.step()
+        par.grads.after_step()
         par.grads.zero_grad()
         (loss_sum,) = comm.all_reduce_scalars([local_loss], mesh, "dp")
         step_loss = loss_sum / dp_size
@@ -211,8 +215,8 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
         logger.progress(done, step_loss, tps)
         if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) \
                 or done == cfg.train.steps:
-            path = checkpoint.save_checkpoint(run_dir, done, model, optimizer, ckpt_meta,
-                                              keep=cfg.run.keep_checkpoints)
+            path = checkpoint.save_checkpoint(run_dir, done, model, optimizer, par.grads,
+                                              ckpt_meta, keep=cfg.run.keep_checkpoints)
             if done == cfg.train.steps:
                 result.summary["checkpoint"] = str(path)
 
@@ -239,7 +243,7 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
         (run_dir / "summary.json").write_text(json.dumps(result.summary, indent=2))
     logger.close()
     if keep_model:
-        result.model = model
+        result.model, result.strategy, result.optimizer = model, par.grads, optimizer
     return result
 
 

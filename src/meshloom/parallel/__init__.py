@@ -1,8 +1,9 @@
 """`parallelize()`: apply the layout's strategies to a plain model, always in the same order.
 
 Order (DESIGN.md): pipeline split -> tensor (+ sequence) parallel -> context parallel ->
-activation checkpointing -> data parallel. This version implements data parallel (our DDP);
-the config layer rejects the other axes before launch, so nothing here silently ignores one.
+activation checkpointing -> data parallel. This version implements data parallel: DDP, ZeRO-1/2
+and HSDP; the config layer rejects the other axes before launch, so nothing here silently
+ignores one.
 """
 
 from __future__ import annotations
@@ -12,26 +13,52 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
 from torch import nn
 
+from meshloom.checkpoint import whole_optimizer_state
 from meshloom.config import ParallelConfig
 from meshloom.mesh import Mesh
+from meshloom.optim import decay_groups, named_trainable
 from meshloom.parallel.ddp import DataParallel
+from meshloom.parallel.zero import ZeroDataParallel
 
 
 class GradSync(Protocol):
-    """What the training loop needs from a data-parallel strategy."""
+    """What the training loop needs from a data-parallel strategy.
+
+    Per step: every micro-batch but the last runs inside `no_sync()`; then `finish()` leaves the
+    averaged gradients in `.grad` of the tensors of `optim_param_groups()`, which the optimizer
+    updates; `after_step()` brings the model's parameters up to date from them; `zero_grad()`.
+    `norm_axes` are the mesh axes over which those tensors are disjoint (for the global norm).
+    """
+
+    norm_axes: tuple[str, ...]
 
     def no_sync(self) -> contextlib.AbstractContextManager: ...
     def finish(self) -> None: ...
+    def optim_param_groups(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]: ...
+    def after_step(self) -> None: ...
     def zero_grad(self) -> None: ...
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict: ...
 
 
 class LocalGrads:
     """No data parallelism: gradients stay where they are."""
 
+    norm_axes: tuple[str, ...] = ()
+
     def __init__(self, model: nn.Module):
         self.model = model
+
+    def optim_param_groups(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return decay_groups(self.model.parameters())
+
+    def after_step(self) -> None:
+        pass
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        return whole_optimizer_state(named_trainable(self.model), optimizer)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -54,8 +81,11 @@ def parallelize(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig) -> Paralleli
     for axis in ("pp", "tp", "cp"):
         if mesh.size(axis) > 1:
             raise NotImplementedError(f"parallel.{axis} > 1 is not implemented in this version")
+    if pcfg.zero_stage in (1, 2):
+        return Parallelized(model, ZeroDataParallel(model, mesh, stage=pcfg.zero_stage,
+                                                    bucket_mb=pcfg.ddp_bucket_mb))
     if pcfg.zero_stage:
-        raise NotImplementedError("parallel.zero_stage > 0 is not implemented in this version")
+        raise NotImplementedError(f"parallel.zero_stage={pcfg.zero_stage} is not implemented")
     if mesh.size("dp") > 1:
         return Parallelized(model, DataParallel(model, mesh, axis="dp",
                                                 bucket_mb=pcfg.ddp_bucket_mb))

@@ -23,7 +23,10 @@ import torch
 from torch import nn
 
 from meshloom import comm
+from meshloom.checkpoint import whole_optimizer_state
 from meshloom.mesh import Mesh
+from meshloom.optim import decay_groups, named_trainable
+from meshloom.parallel.flat import group_parameters
 
 # A small first bucket, so the first all-reduce starts as soon as the output layer's gradient is
 # ready instead of waiting for a full-sized bucket.
@@ -57,6 +60,7 @@ class DataParallel:
         self.size = mesh.size(axis)
         # model.parameters() already de-duplicates tied weights.
         params = [p for p in model.parameters() if p.requires_grad]
+        self.params = params
         if broadcast_params:
             with torch.no_grad():
                 for p in params:
@@ -70,18 +74,19 @@ class DataParallel:
 
     @staticmethod
     def _make_buckets(params: list[nn.Parameter], cap: int) -> list[_Bucket]:
-        buckets, current, size = [], [], 0
-        limit = min(cap, FIRST_BUCKET_BYTES)
-        for p in params:
-            if current and (size >= limit or p.dtype != current[0].dtype
-                            or p.device != current[0].device):
-                buckets.append(_Bucket(current))
-                current, size, limit = [], 0, cap
-            current.append(p)
-            size += p.numel() * p.element_size()
-        if current:
-            buckets.append(_Bucket(current))
-        return buckets
+        groups = group_parameters([("", p) for p in params], cap, FIRST_BUCKET_BYTES)
+        return [_Bucket([p for _, p in g]) for g in groups]
+
+    norm_axes: tuple[str, ...] = ()  # gradients are whole and identical on every rank
+
+    def optim_param_groups(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return decay_groups(self.params)
+
+    def after_step(self) -> None:
+        pass
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        return whole_optimizer_state(named_trainable(self.model), optimizer)
 
     @property
     def grad_bytes(self) -> int:

@@ -1,0 +1,201 @@
+"""ZeRO stages 1 and 2 over the `dp_shard` axis, with HSDP replication over `dp_replicate`.
+
+Parameters stay whole on every rank, living in flat padded buffers (one per bucket, buckets in the
+order backward produces gradients). Each rank owns 1/N of every buffer (N = dp_shard):
+- the optimizer (AdamW state: 8 bytes per element in fp32) exists only for the owned shard, as
+  views of it, one per parameter piece, so weight decay still applies to matrices only;
+- stage 1: gradients accumulate in full flat buffers; at the end of the step each buffer is
+  reduce-scattered and the averaged shard lands in the buffer's own shard slice;
+- stage 2: as each bucket's gradients are complete during backward, they are packed, the
+  per-parameter gradients freed, and the bucket reduce-scattered asynchronously (overlapping the
+  rest of backward) into a gradient shard, the only gradient memory kept;
+- HSDP (dp_replicate > 1): the reduced shard is then all-reduced across the replicate group;
+- after the optimizer step, each buffer's shard is all-gathered back into the whole parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+
+from meshloom import comm
+from meshloom.checkpoint import ADAM_STATS
+from meshloom.mesh import Mesh
+from meshloom.parallel.ddp import FIRST_BUCKET_BYTES
+from meshloom.parallel.flat import FlatGroup, group_parameters
+
+
+class _Bucket:
+    def __init__(self, group: FlatGroup, stage: int):
+        self.group = group
+        self.params = group.new_flat()
+        group.pack([p.detach() for p in group.params], self.params)
+        for p, view in zip(group.params, group.views(self.params), strict=True):
+            p.data = view  # the model's parameters now live in the flat buffer
+        if stage == 1:
+            self.grads = group.new_flat()  # whole gradients; the shard slice receives the result
+            self.grad_shard = group.shard_of(self.grads)
+        else:
+            self.grads = None
+            self.grad_shard = group.new_shard()
+        self.pending = len(group.params)
+        self.inflight: tuple | None = None  # (work, packed input, output shard) of stage 2
+
+    def bind_grads(self) -> None:
+        if self.grads is None:
+            return
+        for p, view in zip(self.group.params, self.group.views(self.grads), strict=True):
+            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                p.grad = view
+
+
+class ZeroDataParallel:
+    """ZeRO-1/2 on a plain model; the training loop drives it through the GradSync protocol."""
+
+    def __init__(self, model: nn.Module, mesh: Mesh, *, stage: int, bucket_mb: float = 25.0):
+        if stage not in (1, 2):
+            raise ValueError(f"ZeroDataParallel handles stages 1 and 2, not {stage}")
+        self.model, self.mesh, self.stage = model, mesh, stage
+        self.dp = mesh.size("dp")
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        with torch.no_grad():
+            for _, p in named:  # replicas start identical
+                comm.broadcast(p.data, mesh, "dp", src_coord=0)
+        n, rank = mesh.size("dp_shard"), mesh.coord("dp_shard")
+        groups = group_parameters(list(reversed(named)), int(bucket_mb * 2**20),
+                                  FIRST_BUCKET_BYTES)
+        self.buckets = [_Bucket(FlatGroup([a for a, _ in g], [b for _, b in g], n, rank), stage)
+                        for g in groups]
+        self._bucket_of = {p: b for b in self.buckets for p in b.group.params}
+        self._decay, self._no_decay = [], []
+        self._masters: dict[tuple[int, int], tuple[nn.Parameter, int]] = {}
+        for bi, b in enumerate(self.buckets):
+            for piece, view in b.group.piece_views(b.group.shard_of(b.params)):
+                master = nn.Parameter(view)  # shares storage: the update lands in the buffer
+                master.grad = b.grad_shard[piece.shard_lo:piece.shard_lo + piece.numel]
+                is_matrix = b.group.params[piece.index].ndim >= 2
+                (self._decay if is_matrix else self._no_decay).append(master)
+                self._masters[(bi, piece.index)] = (master, piece.param_lo)
+        self._next = 0
+        self._hooks = []
+        if stage == 2:
+            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                           for _, p in named]
+        for b in self.buckets:
+            b.bind_grads()
+
+    norm_axes = ("dp_shard",)
+
+    def optim_param_groups(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        """(decay, no_decay): this rank's pieces of the parameters, with .grad after finish()."""
+        return self._decay, self._no_decay
+
+    # -- stage 2: reduce-scatter during backward
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        b = self._bucket_of[p]
+        b.pending -= 1
+        self._launch_ready()
+
+    def _launch_ready(self, force: bool = False) -> None:
+        while self._next < len(self.buckets):
+            b = self.buckets[self._next]
+            if not force and b.pending > 0:
+                return
+            g = b.group
+            packed = g.pack([p.grad for p in g.params], g.new_flat())
+            for p in g.params:
+                p.grad = None  # only the shard is kept
+            out = g.new_shard()
+            work = comm.reduce_scatter_into(out, packed, self.mesh, "dp_shard", async_op=True)
+            b.inflight = (work, packed, out)
+            self._next += 1
+
+    def _drain(self) -> None:
+        """Stage 2: finish this micro-batch's reduce-scatters and add them to the shards."""
+        self._launch_ready(force=True)
+        for b in self.buckets:
+            work, _, out = b.inflight
+            if work is not None:
+                work.wait()
+            b.grad_shard.add_(out)
+            b.inflight = None
+            b.pending = len(b.group.params)
+        self._next = 0
+
+    # -- the GradSync protocol
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """A micro-batch that is not the step's last. Stage 1 communicates only at the end of
+        the step anyway; stage 2 keeps no whole gradients, so it reduces every micro-batch."""
+        yield
+        if self.stage == 2:
+            self._drain()
+
+    def finish(self) -> None:
+        if self.stage == 2:
+            self._drain()
+        for b in self.buckets:
+            if self.stage == 1:
+                out = b.group.new_shard()
+                comm.reduce_scatter_into(out, b.grads, self.mesh, "dp_shard")
+                b.grad_shard.copy_(out)
+            comm.all_reduce(b.grad_shard, self.mesh, "dp_replicate")
+            b.grad_shard.div_(self.dp)
+
+    def after_step(self) -> None:
+        """All-gather every bucket's updated shard into the whole parameters."""
+        for b in self.buckets:
+            shard = b.group.shard_of(b.params).clone()  # Gloo wants distinct input and output
+            comm.all_gather_into(b.params, shard, self.mesh, "dp_shard")
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            if b.grads is not None:
+                b.grads.zero_()
+                b.bind_grads()
+            else:
+                b.grad_shard.zero_()
+                for p in b.group.params:
+                    p.grad = None
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        """This rank's pieces of each parameter's AdamW state as ShardedTensors over the
+        dp_shard group (HSDP replicas write identical chunks, which DCP stores once), keyed
+        like the whole-parameter state so that a checkpoint does not depend on the layout."""
+        group = self.mesh.group("dp_shard")
+        rank = self.mesh.rank  # ShardedTensor placements name global ranks
+        out = {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # ShardedTensor's deprecation notices
+            for bi, b in enumerate(self.buckets):
+                for i, (name, numel) in enumerate(zip(b.group.names, b.group.numels,
+                                                      strict=True)):
+                    master, lo = self._masters.get((bi, i), (None, 0))
+                    for k in ADAM_STATS:
+                        shards = []
+                        if master is not None:
+                            t = optimizer.state[master][k]
+                            shards = [Shard(t, ShardMetadata([lo], [t.numel()],
+                                                             f"rank:{rank}/{t.device}"))]
+                        out[f"optim/{name}/{k}"] = init_from_local_shards(
+                            shards, numel, process_group=group)
+        return out
+
+    # -- inspection
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and gradient shards this rank holds (live tensors)."""
+        params = sum(b.params.numel() * b.params.element_size() for b in self.buckets)
+        grads = sum((b.grads if b.grads is not None else b.grad_shard).numel() *
+                    b.grad_shard.element_size() for b in self.buckets)
+        return {"params": params, "grads": grads}
