@@ -85,9 +85,13 @@ def whole_optimizer_state(named_params: list[tuple[str, nn.Parameter]],
 def _training_state(model: nn.Module, optimizer: torch.optim.Optimizer,
                     strategy) -> dict[str, Any]:
     """What a checkpoint holds, keyed by parameter name so that it does not depend on the
-    layout: `model/<name>` tensors and `optim/<name>/<stat>` flat tensors (whole, or this rank's
-    pieces as ShardedTensors when the optimizer is sharded), plus the AdamW step count."""
-    state: dict[str, Any] = {f"model/{k}": v for k, v in model.state_dict().items()}
+    layout: `model/<name>` and `optim/<name>/<stat>`, each a flat (1-D) tensor over the
+    parameter's elements — whole, or this rank's pieces as ShardedTensors where the layout
+    shards them — plus the AdamW step count."""
+    if hasattr(strategy, "model_state"):  # parameters that only exist as shards
+        state: dict[str, Any] = strategy.model_state()
+    else:
+        state = {f"model/{k}": v.view(-1) for k, v in model.state_dict().items()}
     state.update(strategy.optimizer_state(optimizer))
     steps = [st["step"] for st in optimizer.state.values() if "step" in st]
     state["optim/step"] = torch.tensor(float(steps[0]) if steps else 0.0)

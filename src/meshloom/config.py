@@ -89,6 +89,7 @@ class ParallelConfig:
     pp_virtual_stages: int = 1
     cp: int = 1
     ddp_bucket_mb: float = 25.0
+    reshard_after_forward: bool = True  # ZeRO-3: free gathered parameters after each forward
 
 
 @dataclass
@@ -303,8 +304,6 @@ def validate(cfg: Config, world_size: int, *, check_data: bool = True):
         _require(getattr(dims, axis) == 1,
                  f"parallel.{axis}={getattr(dims, axis)}: this meshloom version implements data "
                  f"parallel only; set parallel.{axis}=1")
-    _require(p.zero_stage != 3, "parallel.zero_stage=3: ZeRO-3/FSDP is not available in this "
-             "version yet; use 1 or 2")
 
     # -- training
     _require(t.steps >= 1, f"train.steps={t.steps} must be >= 1")

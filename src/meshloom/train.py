@@ -221,8 +221,10 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
                 result.summary["checkpoint"] = str(path)
 
     sample = None
-    if main and cfg.train.sample_tokens:
-        sample = _sample(model, tokenizer, cfg, device)
+    if cfg.train.sample_tokens:
+        # Every rank generates (same seed, same tokens): a sharded model's forward is collective.
+        text = _sample(model, tokenizer, cfg, device)
+        sample = text if main else None
     peaks = [0.0] * world
     peaks[rank] = float(peak_memory_bytes(device))
     peaks = comm.all_reduce_scalars(peaks, mesh, "world")

@@ -1,8 +1,8 @@
 """`parallelize()`: apply the layout's strategies to a plain model, always in the same order.
 
 Order (DESIGN.md): pipeline split -> tensor (+ sequence) parallel -> context parallel ->
-activation checkpointing -> data parallel. This version implements data parallel: DDP, ZeRO-1/2
-and HSDP; the config layer rejects the other axes before launch, so nothing here silently
+activation checkpointing -> data parallel. This version implements data parallel: DDP,
+ZeRO-1/2/3 and HSDP; the config layer rejects the other axes before launch, so nothing here silently
 ignores one.
 """
 
@@ -21,6 +21,7 @@ from meshloom.config import ParallelConfig
 from meshloom.mesh import Mesh
 from meshloom.optim import decay_groups, named_trainable
 from meshloom.parallel.ddp import DataParallel
+from meshloom.parallel.fsdp import FullyShardedDataParallel
 from meshloom.parallel.zero import ZeroDataParallel
 
 
@@ -84,8 +85,9 @@ def parallelize(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig) -> Paralleli
     if pcfg.zero_stage in (1, 2):
         return Parallelized(model, ZeroDataParallel(model, mesh, stage=pcfg.zero_stage,
                                                     bucket_mb=pcfg.ddp_bucket_mb))
-    if pcfg.zero_stage:
-        raise NotImplementedError(f"parallel.zero_stage={pcfg.zero_stage} is not implemented")
+    if pcfg.zero_stage == 3:
+        return Parallelized(model, FullyShardedDataParallel(
+            model, mesh, reshard_after_forward=pcfg.reshard_after_forward))
     if mesh.size("dp") > 1:
         return Parallelized(model, DataParallel(model, mesh, axis="dp",
                                                 bucket_mb=pcfg.ddp_bucket_mb))

@@ -75,15 +75,8 @@ class ZeroDataParallel:
         self.buckets = [_Bucket(FlatGroup([a for a, _ in g], [b for _, b in g], n, rank), stage)
                         for g in groups]
         self._bucket_of = {p: b for b in self.buckets for p in b.group.params}
-        self._decay, self._no_decay = [], []
-        self._masters: dict[tuple[int, int], tuple[nn.Parameter, int]] = {}
-        for bi, b in enumerate(self.buckets):
-            for piece, view in b.group.piece_views(b.group.shard_of(b.params)):
-                master = nn.Parameter(view)  # shares storage: the update lands in the buffer
-                master.grad = b.grad_shard[piece.shard_lo:piece.shard_lo + piece.numel]
-                is_matrix = b.group.params[piece.index].ndim >= 2
-                (self._decay if is_matrix else self._no_decay).append(master)
-                self._masters[(bi, piece.index)] = (master, piece.param_lo)
+        self._decay, self._no_decay, self._masters = split_pieces(
+            [(b.group, b.group.shard_of(b.params), b.grad_shard) for b in self.buckets])
         self._next = 0
         self._hooks = []
         if stage == 2:
@@ -169,27 +162,7 @@ class ZeroDataParallel:
                     p.grad = None
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
-        """This rank's pieces of each parameter's AdamW state as ShardedTensors over the
-        dp_shard group (HSDP replicas write identical chunks, which DCP stores once), keyed
-        like the whole-parameter state so that a checkpoint does not depend on the layout."""
-        group = self.mesh.group("dp_shard")
-        rank = self.mesh.rank  # ShardedTensor placements name global ranks
-        out = {}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # ShardedTensor's deprecation notices
-            for bi, b in enumerate(self.buckets):
-                for i, (name, numel) in enumerate(zip(b.group.names, b.group.numels,
-                                                      strict=True)):
-                    master, lo = self._masters.get((bi, i), (None, 0))
-                    for k in ADAM_STATS:
-                        shards = []
-                        if master is not None:
-                            t = optimizer.state[master][k]
-                            shards = [Shard(t, ShardMetadata([lo], [t.numel()],
-                                                             f"rank:{rank}/{t.device}"))]
-                        out[f"optim/{name}/{k}"] = init_from_local_shards(
-                            shards, numel, process_group=group)
-        return out
+        return pieces_state(self.mesh, [b.group for b in self.buckets], self._masters, optimizer)
 
     # -- inspection
 
@@ -199,3 +172,47 @@ class ZeroDataParallel:
         grads = sum((b.grads if b.grads is not None else b.grad_shard).numel() *
                     b.grad_shard.element_size() for b in self.buckets)
         return {"params": params, "grads": grads}
+
+
+Masters = dict[tuple[int, int], tuple[nn.Parameter, int]]
+
+
+def split_pieces(groups: list[tuple[FlatGroup, torch.Tensor, torch.Tensor]]
+                 ) -> tuple[list[nn.Parameter], list[nn.Parameter], Masters]:
+    """The optimizer's tensors for sharded groups: one leaf per parameter piece in this rank's
+    shard, a view of the parameter shard (the update lands in place) with its gradient a view
+    of the gradient shard. Returns (decay, no_decay, {(group, param index): (leaf, offset)})."""
+    decay, no_decay, masters = [], [], {}
+    for gi, (group, param_shard, grad_shard) in enumerate(groups):
+        for piece, view in group.piece_views(param_shard):
+            master = nn.Parameter(view)  # shares storage with the shard
+            master.grad = grad_shard[piece.shard_lo:piece.shard_lo + piece.numel]
+            (decay if group.params[piece.index].ndim >= 2 else no_decay).append(master)
+            masters[(gi, piece.index)] = (master, piece.param_lo)
+    return decay, no_decay, masters
+
+
+def pieces_state(mesh: Mesh, groups: list[FlatGroup], masters: Masters,
+                 optimizer: torch.optim.Optimizer | None) -> dict:
+    """This rank's pieces, keyed like whole-parameter state so that a checkpoint does not depend
+    on the layout: `optim/<name>/<stat>` (or `model/<name>` when optimizer is None) as 1-D
+    ShardedTensors over the dp_shard group. HSDP replicas write identical chunks, which DCP
+    stores once. Collective over dp_shard (every rank walks every parameter)."""
+    group = mesh.group("dp_shard")
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ShardedTensor's deprecation notices
+        for gi, g in enumerate(groups):
+            for i, (name, numel) in enumerate(zip(g.names, g.numels, strict=True)):
+                master, lo = masters.get((gi, i), (None, 0))
+                stats = ADAM_STATS if optimizer is not None else (None,)
+                for k in stats:
+                    shards = []
+                    if master is not None:
+                        t = master.detach() if k is None else optimizer.state[master][k]
+                        # ShardedTensor placements name global ranks.
+                        shards = [Shard(t, ShardMetadata([lo], [t.numel()],
+                                                         f"rank:{mesh.rank}/{t.device}"))]
+                    key = f"model/{name}" if k is None else f"optim/{name}/{k}"
+                    out[key] = init_from_local_shards(shards, numel, process_group=group)
+    return out

@@ -1,0 +1,230 @@
+"""ZeRO-3 / FSDP over the `dp_shard` axis (HSDP with `dp_replicate`).
+
+Each unit (the embedding, every transformer block, and the root: what is left, i.e. the final
+norm and output head) keeps only a flat shard of its parameters, 1/N of a padded flat buffer,
+which is also what the optimizer updates. The model's parameters are views into the unit's whole
+flat buffer, whose storage exists only while the unit is gathered:
+- forward: just before a unit runs, its buffer is all-gathered (the next unit's gather is started
+  at the same time, so it overlaps this unit's compute); after the unit, the storage is freed
+  (`reshard_after_forward`; otherwise kept until backward, ZeRO-2-like);
+- backward: a hook on the unit's output re-gathers it just before its backward (and prefetches
+  the unit before it); once all of its gradients exist they are packed, freed, and
+  reduce-scattered asynchronously into the unit's gradient shard, and the buffer is freed;
+- HSDP: the reduced shard is all-reduced across the replicate group at the end of the step.
+The root unit is gathered for the whole step, as the head's weights are used last in forward
+and first in backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from meshloom import comm
+from meshloom.mesh import Mesh
+from meshloom.parallel.flat import FlatGroup
+from meshloom.parallel.zero import pieces_state, split_pieces
+
+
+def _free(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(0)
+
+
+class _Unit:
+    def __init__(self, name: str, module: nn.Module, named: list[tuple[str, nn.Parameter]],
+                 n: int, rank: int):
+        self.name, self.module = name, module
+        self.group = g = FlatGroup([a for a, _ in named], [p for _, p in named], n, rank)
+        full = g.pack([p.detach() for p in g.params], g.new_flat())
+        self.shard = g.shard_of(full).clone()  # the only copy kept: what the optimizer updates
+        self.full = full
+        for p, view in zip(g.params, g.views(full), strict=True):
+            p.data = view
+        self.nbytes = full.numel() * full.element_size()
+        self.grad_shard = g.new_shard()
+        self.gathered, self.work = True, None
+        self.pending = len(g.params)
+        self.inflight: tuple | None = None
+        self.free()
+
+    def free(self) -> None:
+        if self.gathered:
+            _free(self.full)
+            self.gathered = False
+
+    def start_gather(self, mesh: Mesh) -> None:
+        if self.gathered or self.work is not None:
+            return
+        self.full.untyped_storage().resize_(self.nbytes)
+        self.work = comm.all_gather_into(self.full, self.shard, mesh, "dp_shard", async_op=True)
+        if self.work is None:  # a group of one: already complete
+            self.gathered = True
+
+    def wait_gather(self, mesh: Mesh) -> None:
+        self.start_gather(mesh)
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+            self.gathered = True
+
+
+class FullyShardedDataParallel:
+    """ZeRO-3 on a model that declares its units (`fsdp_units()`)."""
+
+    norm_axes = ("dp_shard",)
+
+    def __init__(self, model: nn.Module, mesh: Mesh, *, reshard_after_forward: bool = True):
+        self.model, self.mesh, self.dp = model, mesh, mesh.size("dp")
+        self.reshard_after_forward = reshard_after_forward
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        with torch.no_grad():
+            for _, p in named:
+                comm.broadcast(p.data, mesh, "dp", src_coord=0)
+        owner = self._owners(model, [n for n, _ in named])
+        n, rank = mesh.size("dp_shard"), mesh.coord("dp_shard")
+        self.units: list[_Unit] = []
+        for unit_name in model.fsdp_units():
+            mine = [(a, p) for a, p in named if owner[a] == unit_name]
+            if mine:
+                module = model.get_submodule(unit_name) if unit_name else model
+                self.units.append(_Unit(unit_name, module, mine, n, rank))
+        self.root = next((u for u in self.units if u.name == ""), None)
+        self._unit_of = {p: u for u in self.units for p in u.group.params}
+        # Forward order of the units: the last complete forward's (for forward prefetch) and the
+        # current one's (for backward prefetch, in reverse).
+        self._order: list[_Unit] = []
+        self._current: list[_Unit] = []
+        self._hooks = [model.register_forward_pre_hook(self._root_pre_forward)]
+        for u in self.units:
+            if u is self.root:
+                continue
+            self._hooks.append(u.module.register_forward_pre_hook(
+                lambda mod, args, u=u: self._pre_forward(u)))
+            self._hooks.append(u.module.register_forward_hook(
+                lambda mod, args, out, u=u: self._post_forward(u, out)))
+        for p in self._unit_of:
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        self._decay, self._no_decay, self._masters = split_pieces(
+            [(u.group, u.shard, u.grad_shard) for u in self.units])
+
+    @staticmethod
+    def _owners(model: nn.Module, names: list[str]) -> dict[str, str]:
+        """Each parameter belongs to the deepest declared unit that contains it; parameters
+        shared between units (tied embeddings) and the rest go to the root ("")."""
+        units = sorted((u for u in model.fsdp_units() if u), key=len, reverse=True)
+        owner = {}
+        for name in names:
+            owner[name] = next((u for u in units if name.startswith(u + ".")), "")
+        return owner
+
+    # -- hooks
+
+    def _root_pre_forward(self, module: nn.Module, args) -> None:
+        if self._current:
+            self._order, self._current = self._current, []
+        if self.root is not None:
+            self.root.wait_gather(self.mesh)
+
+    def _pre_forward(self, u: _Unit) -> None:
+        self._current.append(u)
+        u.wait_gather(self.mesh)
+        nxt = self._neighbour(self._order, u, +1)
+        if nxt is not None:
+            nxt.start_gather(self.mesh)
+
+    def _post_forward(self, u: _Unit, out) -> None:
+        if self.reshard_after_forward:
+            u.free()
+        if torch.is_tensor(out) and out.requires_grad:
+            out.register_hook(lambda grad, u=u: self._pre_backward(u, grad))
+        return None
+
+    def _pre_backward(self, u: _Unit, grad: torch.Tensor) -> torch.Tensor:
+        u.wait_gather(self.mesh)
+        prev = self._neighbour(self._current, u, -1)
+        if prev is not None:
+            prev.start_gather(self.mesh)
+        return grad
+
+    @staticmethod
+    def _neighbour(order: list[_Unit], u: _Unit, step: int) -> _Unit | None:
+        if u not in order:
+            return None
+        i = order.index(u) + step
+        return order[i] if 0 <= i < len(order) else None
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        u = self._unit_of[p]
+        u.pending -= 1
+        if u.pending == 0:
+            self._reduce(u)
+
+    def _reduce(self, u: _Unit) -> None:
+        g = u.group
+        packed = g.pack([p.grad for p in g.params], g.new_flat())
+        for p in g.params:
+            p.grad = None
+        out = g.new_shard()
+        work = comm.reduce_scatter_into(out, packed, self.mesh, "dp_shard", async_op=True)
+        u.inflight = (work, packed, out)
+        u.pending = len(g.params)
+        u.free()
+
+    def _drain(self) -> None:
+        for u in self.units:
+            if u.inflight is None:  # no gradient this micro-batch (unused unit): reduce zeros
+                self._reduce(u)
+        for u in self.units:
+            work, _, out = u.inflight
+            if work is not None:
+                work.wait()
+            u.grad_shard.add_(out)
+            u.inflight = None
+
+    # -- the GradSync protocol
+
+    def optim_param_groups(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        return self._decay, self._no_decay
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Whole gradients are never kept, so every micro-batch is reduced."""
+        yield
+        self._drain()
+
+    def finish(self) -> None:
+        self._drain()
+        for u in self.units:
+            comm.all_reduce(u.grad_shard, self.mesh, "dp_replicate")
+            u.grad_shard.div_(self.dp)
+
+    def after_step(self) -> None:
+        pass  # the next forward gathers the updated shards
+
+    def zero_grad(self) -> None:
+        for u in self.units:
+            u.grad_shard.zero_()
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        return pieces_state(self.mesh, [u.group for u in self.units], self._masters, optimizer)
+
+    def model_state(self) -> dict:
+        return pieces_state(self.mesh, [u.group for u in self.units], self._masters, None)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter whole (collective: gathers each unit once)."""
+        out = {}
+        for u in self.units:
+            u.wait_gather(self.mesh)
+            for name, p in zip(u.group.names, u.group.params, strict=True):
+                out[name] = p.detach().clone()
+            u.free()
+        return out
+
+    def state_bytes(self) -> dict[str, int]:
+        return {"params": sum(u.shard.numel() * u.shard.element_size() for u in self.units),
+                "grads": sum(u.grad_shard.numel() * u.grad_shard.element_size()
+                             for u in self.units)}
