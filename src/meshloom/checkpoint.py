@@ -169,6 +169,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     _materialize_optimizer_state(optimizer)
     state = _training_state(model, optimizer, strategy)
     dcp.load(state, checkpoint_id=str(path))
+    strategy.after_step()  # sharded masters -> the working parameters
     step = state["optim/step"].item()
     for st in optimizer.state.values():
         if torch.is_tensor(st.get("step")):

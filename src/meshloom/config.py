@@ -19,6 +19,7 @@ import tomllib
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 BACKENDS = ("auto", "nccl", "gloo", "mpi")
+DTYPES = ("fp32", "bf16", "fp16")
 
 
 class ConfigError(ValueError):
@@ -74,6 +75,7 @@ class TrainConfig:
     sample_prompt: str = "def "
     sample_temperature: float = 0.8
     sample_top_k: int = 40
+    dtype: str = "fp32"  # compute dtype: fp32 | bf16 (master weights and optimizer stay fp32)
 
 
 @dataclass
@@ -90,6 +92,8 @@ class ParallelConfig:
     cp: int = 1
     ddp_bucket_mb: float = 25.0
     reshard_after_forward: bool = True  # ZeRO-3: free gathered parameters after each forward
+    reduce_dtype: str = "fp32"  # gradient reduction dtype of the sharded stages
+    cpu_offload: bool = False  # ZeRO: fp32 master shard and AdamW state (stage 3: params) on CPU
 
 
 @dataclass
@@ -299,6 +303,15 @@ def validate(cfg: Config, world_size: int, *, check_data: bool = True):
              "parallel.sequence_parallel needs parallel.tp > 1 (it splits the tensor-parallel "
              "group's activations)")
     _require(p.ddp_bucket_mb > 0, f"parallel.ddp_bucket_mb={p.ddp_bucket_mb} must be > 0")
+    _require(t.dtype in DTYPES, f"train.dtype: unknown dtype '{t.dtype}'"
+             f"{_closest(t.dtype, list(DTYPES))}; one of {', '.join(DTYPES)}")
+    _require(t.dtype != "fp16", "train.dtype=fp16 needs loss scaling, which this version does not "
+             "have yet; use bf16")
+    _require(p.reduce_dtype in DTYPES, f"parallel.reduce_dtype: unknown dtype '{p.reduce_dtype}'"
+             f"; one of {', '.join(DTYPES)}")
+    _require(not p.cpu_offload or p.zero_stage >= 1,
+             "parallel.cpu_offload needs parallel.zero_stage >= 1 (it offloads the sharded "
+             "optimizer state)")
     # Strategies this version does not have yet are refused here rather than ignored in a rank.
     for axis in ("tp", "pp", "cp"):
         _require(getattr(dims, axis) == 1,

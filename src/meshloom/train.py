@@ -40,7 +40,7 @@ from meshloom.metrics import MetricsLogger, device_peak_flops, peak_memory_bytes
 from meshloom.models.generate import generate
 from meshloom.models.llama import build_model
 from meshloom.optim import build_optimizer, clip_grads, grad_norm, lr_at, set_lr
-from meshloom.parallel import parallelize
+from meshloom.parallel import TORCH_DTYPES, parallelize
 
 
 @dataclass
@@ -138,7 +138,12 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
 
     mcfg = model_config(cfg, tokenizer.vocab_size)
     model = build_model(mcfg, cfg.train.seed, device=device)
-    par = parallelize(model, mesh, cfg.parallel)
+    par = parallelize(model, mesh, cfg.parallel, cfg.train.dtype)
+    # Unsharded layouts keep fp32 parameters (they are the master weights) and compute in the
+    # low-precision dtype under autocast; the sharded stages hold low-precision working copies.
+    autocast = (torch.autocast(device.type, dtype=TORCH_DTYPES[cfg.train.dtype])
+                if cfg.train.dtype != "fp32" and not cfg.parallel.zero_stage
+                else contextlib.nullcontext())
     model = par.model
     decay, no_decay = par.grads.optim_param_groups()
     params = decay + no_decay
@@ -183,7 +188,8 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
         for i, (x, y) in enumerate(batches):
             last = i == len(batches) - 1
             with par.grads.no_sync() if not last else contextlib.nullcontext():
-                loss = _loss(model, x.to(device), y.to(device)) / len(batches)
+                with autocast:
+                    loss = _loss(model, x.to(device), y.to(device)) / len(batches)
                 loss.backward()
             local_loss += loss.item()
         par.grads.finish()

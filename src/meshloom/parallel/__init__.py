@@ -22,7 +22,7 @@ from meshloom.mesh import Mesh
 from meshloom.optim import decay_groups, named_trainable
 from meshloom.parallel.ddp import DataParallel
 from meshloom.parallel.fsdp import FullyShardedDataParallel
-from meshloom.parallel.zero import ZeroDataParallel
+from meshloom.parallel.zero import ShardPrecision, ZeroDataParallel
 
 
 class GradSync(Protocol):
@@ -78,16 +78,25 @@ class Parallelized:
     grads: GradSync
 
 
-def parallelize(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig) -> Parallelized:
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parallelize(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig,
+                compute_dtype: str = "fp32") -> Parallelized:
+    """Apply the layout. With zero_stage >= 1 the sharded stages keep `compute_dtype` working
+    copies of the parameters and fp32 masters; without sharding the model stays fp32 and the
+    training loop runs its forward under autocast."""
     for axis in ("pp", "tp", "cp"):
         if mesh.size(axis) > 1:
             raise NotImplementedError(f"parallel.{axis} > 1 is not implemented in this version")
+    prec = ShardPrecision(param_dtype=TORCH_DTYPES[compute_dtype],
+                          reduce_dtype=TORCH_DTYPES[pcfg.reduce_dtype], offload=pcfg.cpu_offload)
     if pcfg.zero_stage in (1, 2):
         return Parallelized(model, ZeroDataParallel(model, mesh, stage=pcfg.zero_stage,
-                                                    bucket_mb=pcfg.ddp_bucket_mb))
+                                                    bucket_mb=pcfg.ddp_bucket_mb, precision=prec))
     if pcfg.zero_stage == 3:
         return Parallelized(model, FullyShardedDataParallel(
-            model, mesh, reshard_after_forward=pcfg.reshard_after_forward))
+            model, mesh, reshard_after_forward=pcfg.reshard_after_forward, precision=prec))
     if mesh.size("dp") > 1:
         return Parallelized(model, DataParallel(model, mesh, axis="dp",
                                                 bucket_mb=pcfg.ddp_bucket_mb))

@@ -26,7 +26,13 @@ from torch import nn
 from meshloom import comm
 from meshloom.mesh import Mesh
 from meshloom.parallel.flat import FlatGroup
-from meshloom.parallel.zero import pieces_state, split_pieces
+from meshloom.parallel.zero import (
+    FP32,
+    ShardPrecision,
+    all_reduce_replicas,
+    pieces_state,
+    split_pieces,
+)
 
 
 def _free(t: torch.Tensor) -> None:
@@ -35,16 +41,17 @@ def _free(t: torch.Tensor) -> None:
 
 class _Unit:
     def __init__(self, name: str, module: nn.Module, named: list[tuple[str, nn.Parameter]],
-                 n: int, rank: int):
-        self.name, self.module = name, module
+                 n: int, rank: int, prec: ShardPrecision):
+        self.name, self.module, self.prec = name, module, prec
         self.group = g = FlatGroup([a for a, _ in named], [p for _, p in named], n, rank)
-        full = g.pack([p.detach() for p in g.params], g.new_flat())
-        self.shard = g.shard_of(full).clone()  # the only copy kept: what the optimizer updates
-        self.full = full
-        for p, view in zip(g.params, g.views(full), strict=True):
+        fp32 = g.pack([p.detach().float() for p in g.params], g.new_flat(torch.float32))
+        # The fp32 shard is the only lasting copy of the parameters: what the optimizer updates.
+        self.shard = g.shard_of(fp32).to(prec.master_device(g.device), copy=True)
+        self.full = g.new_flat(prec.param_dtype)  # working copy, storage only while gathered
+        for p, view in zip(g.params, g.views(self.full), strict=True):
             p.data = view
-        self.nbytes = full.numel() * full.element_size()
-        self.grad_shard = g.new_shard()
+        self.nbytes = self.full.numel() * self.full.element_size()
+        self.grad_shard = g.new_shard(torch.float32, prec.master_device(g.device))
         self.gathered, self.work = True, None
         self.pending = len(g.params)
         self.inflight: tuple | None = None
@@ -59,14 +66,17 @@ class _Unit:
         if self.gathered or self.work is not None:
             return
         self.full.untyped_storage().resize_(self.nbytes)
-        self.work = comm.all_gather_into(self.full, self.shard, mesh, "dp_shard", async_op=True)
-        if self.work is None:  # a group of one: already complete
-            self.gathered = True
+        # The working dtype on the device; kept referenced until the gather completes.
+        src = self.shard.to(self.full.device, self.full.dtype)
+        work = comm.all_gather_into(self.full, src, mesh, "dp_shard", async_op=True)
+        self.work = (work, src)
+        if work is None:  # a group of one: already complete
+            self.work, self.gathered = None, True
 
     def wait_gather(self, mesh: Mesh) -> None:
         self.start_gather(mesh)
         if self.work is not None:
-            self.work.wait()
+            self.work[0].wait()
             self.work = None
             self.gathered = True
 
@@ -76,8 +86,9 @@ class FullyShardedDataParallel:
 
     norm_axes = ("dp_shard",)
 
-    def __init__(self, model: nn.Module, mesh: Mesh, *, reshard_after_forward: bool = True):
-        self.model, self.mesh, self.dp = model, mesh, mesh.size("dp")
+    def __init__(self, model: nn.Module, mesh: Mesh, *, reshard_after_forward: bool = True,
+                 precision: ShardPrecision = FP32):
+        self.model, self.mesh, self.dp, self.prec = model, mesh, mesh.size("dp"), precision
         self.reshard_after_forward = reshard_after_forward
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         with torch.no_grad():
@@ -90,7 +101,7 @@ class FullyShardedDataParallel:
             mine = [(a, p) for a, p in named if owner[a] == unit_name]
             if mine:
                 module = model.get_submodule(unit_name) if unit_name else model
-                self.units.append(_Unit(unit_name, module, mine, n, rank))
+                self.units.append(_Unit(unit_name, module, mine, n, rank, precision))
         self.root = next((u for u in self.units if u.name == ""), None)
         self._unit_of = {p: u for u in self.units for p in u.group.params}
         # Forward order of the units: the last complete forward's (for forward prefetch) and the
@@ -164,10 +175,10 @@ class FullyShardedDataParallel:
 
     def _reduce(self, u: _Unit) -> None:
         g = u.group
-        packed = g.pack([p.grad for p in g.params], g.new_flat())
+        packed = g.pack([p.grad for p in g.params], g.new_flat(self.prec.reduce_dtype))
         for p in g.params:
             p.grad = None
-        out = g.new_shard()
+        out = g.new_shard(self.prec.reduce_dtype)
         work = comm.reduce_scatter_into(out, packed, self.mesh, "dp_shard", async_op=True)
         u.inflight = (work, packed, out)
         u.pending = len(g.params)
@@ -181,7 +192,7 @@ class FullyShardedDataParallel:
             work, _, out = u.inflight
             if work is not None:
                 work.wait()
-            u.grad_shard.add_(out)
+            u.grad_shard.add_(out.to(u.grad_shard.device, u.grad_shard.dtype))
             u.inflight = None
 
     # -- the GradSync protocol
@@ -198,7 +209,7 @@ class FullyShardedDataParallel:
     def finish(self) -> None:
         self._drain()
         for u in self.units:
-            comm.all_reduce(u.grad_shard, self.mesh, "dp_replicate")
+            all_reduce_replicas(u.grad_shard, self.mesh, u.group.device)
             u.grad_shard.div_(self.dp)
 
     def after_step(self) -> None:
@@ -215,16 +226,12 @@ class FullyShardedDataParallel:
         return pieces_state(self.mesh, [u.group for u in self.units], self._masters, None)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter whole (collective: gathers each unit once)."""
+        """Every parameter whole, from the fp32 shards (collective over dp_shard)."""
         out = {}
         for u in self.units:
-            u.wait_gather(self.mesh)
-            for name, p in zip(u.group.names, u.group.params, strict=True):
-                out[name] = p.detach().clone()
-            u.free()
+            g = u.group
+            full = g.new_flat(torch.float32)
+            comm.all_gather_into(full, u.shard.to(g.device, copy=True), self.mesh, "dp_shard")
+            for name, view in zip(g.names, g.views(full), strict=True):
+                out[name] = view.clone()
         return out
-
-    def state_bytes(self) -> dict[str, int]:
-        return {"params": sum(u.shard.numel() * u.shard.element_size() for u in self.units),
-                "grads": sum(u.grad_shard.numel() * u.grad_shard.element_size()
-                             for u in self.units)}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -31,19 +32,48 @@ from meshloom.parallel.ddp import FIRST_BUCKET_BYTES
 from meshloom.parallel.flat import FlatGroup, group_parameters
 
 
+@dataclass(frozen=True)
+class ShardPrecision:
+    """Mixed precision and offload for the sharded stages: the model computes with
+    `param_dtype` working copies, gradients are reduced in `reduce_dtype`, and the fp32 master
+    shard with its AdamW state lives on `master_device` (the CPU when offloaded)."""
+
+    param_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype = torch.float32
+    offload: bool = False
+
+    def master_device(self, device: torch.device) -> torch.device:
+        return torch.device("cpu") if self.offload else device
+
+    def master_aliases(self) -> bool:
+        """In plain fp32 on the device, the working shard is the master: no copy."""
+        return self.param_dtype == torch.float32 and not self.offload
+
+
+FP32 = ShardPrecision()
+
+
 class _Bucket:
-    def __init__(self, group: FlatGroup, stage: int):
+    def __init__(self, group: FlatGroup, stage: int, prec: ShardPrecision):
         self.group = group
-        self.params = group.new_flat()
-        group.pack([p.detach() for p in group.params], self.params)
+        fp32 = group.pack([p.detach().float() for p in group.params], group.new_flat(torch.float32))
+        self.params = fp32 if prec.param_dtype == torch.float32 else fp32.to(prec.param_dtype)
         for p, view in zip(group.params, group.views(self.params), strict=True):
             p.data = view  # the model's parameters now live in the flat buffer
+        master_device = prec.master_device(group.device)
+        if prec.master_aliases():
+            self.master = group.shard_of(self.params)
+        else:
+            self.master = group.shard_of(fp32).to(master_device, copy=True)
         if stage == 1:
-            self.grads = group.new_flat()  # whole gradients; the shard slice receives the result
-            self.grad_shard = group.shard_of(self.grads)
+            # Whole gradients; in plain fp32 the shard slice receives the reduced result.
+            self.grads = group.new_flat(prec.param_dtype)
+            self.grad_shard = (group.shard_of(self.grads) if prec.master_aliases()
+                               and prec.reduce_dtype == torch.float32
+                               else group.new_shard(torch.float32, master_device))
         else:
             self.grads = None
-            self.grad_shard = group.new_shard()
+            self.grad_shard = group.new_shard(torch.float32, master_device)
         self.pending = len(group.params)
         self.inflight: tuple | None = None  # (work, packed input, output shard) of stage 2
 
@@ -60,10 +90,11 @@ class _Bucket:
 class ZeroDataParallel:
     """ZeRO-1/2 on a plain model; the training loop drives it through the GradSync protocol."""
 
-    def __init__(self, model: nn.Module, mesh: Mesh, *, stage: int, bucket_mb: float = 25.0):
+    def __init__(self, model: nn.Module, mesh: Mesh, *, stage: int, bucket_mb: float = 25.0,
+                 precision: ShardPrecision = FP32):
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel handles stages 1 and 2, not {stage}")
-        self.model, self.mesh, self.stage = model, mesh, stage
+        self.model, self.mesh, self.stage, self.prec = model, mesh, stage, precision
         self.dp = mesh.size("dp")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         with torch.no_grad():
@@ -72,11 +103,11 @@ class ZeroDataParallel:
         n, rank = mesh.size("dp_shard"), mesh.coord("dp_shard")
         groups = group_parameters(list(reversed(named)), int(bucket_mb * 2**20),
                                   FIRST_BUCKET_BYTES)
-        self.buckets = [_Bucket(FlatGroup([a for a, _ in g], [b for _, b in g], n, rank), stage)
-                        for g in groups]
+        self.buckets = [_Bucket(FlatGroup([a for a, _ in g], [b for _, b in g], n, rank), stage,
+                                precision) for g in groups]
         self._bucket_of = {p: b for b in self.buckets for p in b.group.params}
         self._decay, self._no_decay, self._masters = split_pieces(
-            [(b.group, b.group.shard_of(b.params), b.grad_shard) for b in self.buckets])
+            [(b.group, b.master, b.grad_shard) for b in self.buckets])
         self._next = 0
         self._hooks = []
         if stage == 2:
@@ -104,10 +135,10 @@ class ZeroDataParallel:
             if not force and b.pending > 0:
                 return
             g = b.group
-            packed = g.pack([p.grad for p in g.params], g.new_flat())
+            packed = g.pack([p.grad for p in g.params], g.new_flat(self.prec.reduce_dtype))
             for p in g.params:
                 p.grad = None  # only the shard is kept
-            out = g.new_shard()
+            out = g.new_shard(self.prec.reduce_dtype)
             work = comm.reduce_scatter_into(out, packed, self.mesh, "dp_shard", async_op=True)
             b.inflight = (work, packed, out)
             self._next += 1
@@ -119,7 +150,7 @@ class ZeroDataParallel:
             work, _, out = b.inflight
             if work is not None:
                 work.wait()
-            b.grad_shard.add_(out)
+            b.grad_shard.add_(out.to(b.grad_shard.device, b.grad_shard.dtype))
             b.inflight = None
             b.pending = len(b.group.params)
         self._next = 0
@@ -139,16 +170,18 @@ class ZeroDataParallel:
             self._drain()
         for b in self.buckets:
             if self.stage == 1:
-                out = b.group.new_shard()
-                comm.reduce_scatter_into(out, b.grads, self.mesh, "dp_shard")
+                out = b.group.new_shard(self.prec.reduce_dtype)
+                comm.reduce_scatter_into(out, b.grads.to(self.prec.reduce_dtype), self.mesh,
+                                         "dp_shard")
                 b.grad_shard.copy_(out)
-            comm.all_reduce(b.grad_shard, self.mesh, "dp_replicate")
+            all_reduce_replicas(b.grad_shard, self.mesh, b.group.device)
             b.grad_shard.div_(self.dp)
 
     def after_step(self) -> None:
         """All-gather every bucket's updated shard into the whole parameters."""
         for b in self.buckets:
-            shard = b.group.shard_of(b.params).clone()  # Gloo wants distinct input and output
+            # A copy in the working dtype on the device (Gloo wants distinct input and output).
+            shard = b.master.to(b.params.device, b.params.dtype, copy=True)
             comm.all_gather_into(b.params, shard, self.mesh, "dp_shard")
 
     def zero_grad(self) -> None:
@@ -164,17 +197,23 @@ class ZeroDataParallel:
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         return pieces_state(self.mesh, [b.group for b in self.buckets], self._masters, optimizer)
 
-    # -- inspection
-
-    def state_bytes(self) -> dict[str, int]:
-        """Bytes of parameters, gradients and gradient shards this rank holds (live tensors)."""
-        params = sum(b.params.numel() * b.params.element_size() for b in self.buckets)
-        grads = sum((b.grads if b.grads is not None else b.grad_shard).numel() *
-                    b.grad_shard.element_size() for b in self.buckets)
-        return {"params": params, "grads": grads}
+    def model_state(self) -> dict:
+        """The fp32 master pieces (after a load, `after_step()` spreads them to the params)."""
+        return pieces_state(self.mesh, [b.group for b in self.buckets], self._masters, None)
 
 
 Masters = dict[tuple[int, int], tuple[nn.Parameter, int]]
+
+
+def all_reduce_replicas(shard: torch.Tensor, mesh: Mesh, device: torch.device) -> None:
+    """HSDP: sum a reduced gradient shard over the replicate group (on the device, where the
+    backend can reach it, even when the shard itself is offloaded to the CPU)."""
+    if mesh.size("dp_replicate") == 1:
+        return
+    t = shard if shard.device == device else shard.to(device)
+    comm.all_reduce(t, mesh, "dp_replicate")
+    if t is not shard:
+        shard.copy_(t)
 
 
 def split_pieces(groups: list[tuple[FlatGroup, torch.Tensor, torch.Tensor]]
