@@ -74,3 +74,9 @@ def test_mesh_groups_reduce_over_the_right_ranks():
     # Four bytes per reduce on each real axis; nothing recorded for the size-1 tp axis.
     assert res[0]["bytes"] == {("dp_replicate", "all_reduce"): 4, ("dp_shard", "all_reduce"): 4,
                                ("dp", "all_reduce"): 4}
+
+
+def test_drawing_shows_what_each_shard_holds():
+    text = draw_layout(ParallelDims(dp_replicate=2, dp_shard=2), zero_stage=3)
+    assert "rank   1  dp_replicate 0/2  dp_shard 1/2" in text
+    assert "shard 1/2 of params + grads + optimizer" in text

@@ -144,7 +144,7 @@ class Mesh:
 
 
 def draw_layout(dims: ParallelDims, ranks_per_node: int | None = None, backend: str = "",
-                device: str = "") -> str:
+                device: str = "", zero_stage: int = 0) -> str:
     """A text picture of the layout: each rank's coordinates on the axes that are split, by node."""
     split = [a for a in AXES if getattr(dims, a) > 1]
     per_node = ranks_per_node or dims.world_size
@@ -157,13 +157,18 @@ def draw_layout(dims: ParallelDims, ranks_per_node: int | None = None, backend: 
         for rank in range(node * per_node, min((node + 1) * per_node, dims.world_size)):
             c = dims.coordinates(rank)
             axes = "  ".join(f"{a} {c[a]}/{getattr(dims, a)}" for a in split) or "single process"
-            lines.append(f"    rank {rank:>3}  {axes:<40} {_holds(dims, c)}")
+            lines.append(f"    rank {rank:>3}  {axes:<40} {_holds(dims, c, zero_stage)}")
     return "\n".join(lines)
 
 
-def _holds(dims: ParallelDims, c: dict[str, int]) -> str:
+_SHARDED = {1: "optimizer state", 2: "optimizer state + grads", 3: "params + grads + optimizer"}
+
+
+def _holds(dims: ParallelDims, c: dict[str, int], zero_stage: int = 0) -> str:
     parts = []
     parts.append(f"stage {c['pp']}" if dims.pp > 1 else "all layers")
+    if zero_stage and dims.dp_shard > 1:
+        parts.append(f"shard {c['dp_shard']}/{dims.dp_shard} of {_SHARDED[zero_stage]}")
     if dims.tp > 1:
         parts.append(f"tp slice {c['tp']}")
     if dims.dp > 1:

@@ -323,7 +323,8 @@ def _print_ending(summary: dict[str, Any]) -> None:
 
 def print_layout(cfg: Config, dims, ranks_per_node: int | None = None) -> None:
     print(draw_layout(dims, ranks_per_node, backend=resolve_backend(cfg.run),
-                      device=resolve_device(cfg.run)), flush=True)
+                      device=resolve_device(cfg.run), zero_stage=cfg.parallel.zero_stage),
+          flush=True)
 
 
 if __name__ == "__main__":
