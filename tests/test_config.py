@@ -48,7 +48,6 @@ BAD = [
     (["--set", "run.keep_checkpoints=0"], "run.keep_checkpoints=0 must be >= 1"),
     (["--nproc", "-1"], "--nproc=-1"),
     (["--set", "train.dtype=bf61"], "train.dtype: unknown dtype 'bf61' (did you mean 'bf16'?)"),
-    (["--set", "train.dtype=fp16"], "train.dtype=fp16 needs loss scaling"),
     (["--set", "parallel.cpu_offload=true"], "parallel.cpu_offload needs parallel.zero_stage"),
     (["--set", "parallel.reduce_dtype=fp8"], "parallel.reduce_dtype: unknown dtype 'fp8'"),
 ]

@@ -136,6 +136,7 @@ def test_formulas_match_the_paper():
 
 
 @pytest.mark.parametrize("world,layout", [
+    (2, ["parallel.zero_stage=1", "train.micro_batch=4"]),
     (4, ["parallel.zero_stage=2", "parallel.dp_replicate=2"]),
     (2, ["parallel.zero_stage=3", "train.micro_batch=4"]),
 ])
@@ -179,19 +180,24 @@ MIXED_CASES = [
     (4, ["parallel.zero_stage=3", "train.dtype=bf16", "parallel.dp_replicate=2",
          "train.micro_batch=2"]),
     (2, ["parallel.zero_stage=3", "parallel.cpu_offload=true", "train.eval_sequences=0"]),
+    (1, ["train.dtype=fp16"]),                                   # autocast + loss scaling
+    (2, ["parallel.zero_stage=2", "train.dtype=fp16"]),
+    (2, ["parallel.zero_stage=3", "train.dtype=fp16", "train.micro_batch=4"]),
 ]
 
 
 @pytest.mark.parametrize("world,overrides", MIXED_CASES,
                          ids=[" ".join(o) for _, o in MIXED_CASES])
 def test_mixed_precision_and_offload(tmp_path, token_cache, reference, world, overrides):
-    """bf16 compute with fp32 masters tracks the fp32 single-process run within 2e-3 relative
-    per step (measured ~3e-4 over these steps); fp32 with CPU offload matches it to 1e-5.
+    """bf16 or fp16 (loss-scaled) compute with fp32 masters tracks the fp32 single-process run
+    within 2e-3 relative per step (measured ~3e-4 over these steps); fp32 with CPU offload
+    matches it to 1e-5.
     The working parameters are bf16, the master shard and AdamW state fp32."""
+    low = any(o in overrides for o in ("train.dtype=bf16", "train.dtype=fp16"))
     bf16 = "train.dtype=bf16" in overrides
     results = run_ranks(_job, world, tmp_path, token_cache, overrides)
     got = results[0]
-    tol = 2e-3 if bf16 else 1e-5
+    tol = 2e-3 if low else 1e-5
     for step, (a, b) in enumerate(zip(reference["losses"], got["losses"], strict=True), 1):
         assert abs(a - b) <= tol * abs(a), f"step {step}: {b} vs fp32 single-process {a}"
     for r in results[1:]:  # replicas / shards agree on the whole (master) weights
@@ -202,3 +208,18 @@ def test_mixed_precision_and_offload(tmp_path, token_cache, reference, world, ov
         # Whole bf16 working parameters (2 bytes) + this rank's fp32 master shard (4 bytes).
         n_shard = world // (2 if any("dp_replicate=2" in o for o in overrides) else 1)
         assert got["mem"]["params"] == 2 * got["padded"] + 4 * got["padded"] // n_shard
+
+
+def test_loss_scaler_skips_overflow_and_grows():
+    from meshloom.optim import LossScaler
+
+    s = LossScaler(True, init_scale=1024.0, growth_interval=2)
+    assert not s.update(float("inf")) and s.scale == 512.0
+    assert s.update(3.0)
+    s.grow()
+    assert s.scale == 512.0
+    assert s.update(3.0)
+    s.grow()
+    assert s.scale == 1024.0 and s.good_steps == 0
+    off = LossScaler(False)
+    assert off.scale == 1.0 and off.update(float("nan"))

@@ -82,3 +82,37 @@ def clip_grads(params: Sequence[nn.Parameter], max_norm: float, norm: float) -> 
     if coef < 1.0:
         grads = [p.grad for p in params if p.grad is not None]
         torch._foreach_mul_(grads, coef)
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16: the loss is multiplied by `scale` before backward so that
+    small gradients survive fp16; a step whose gradients overflowed (non-finite global norm —
+    the same verdict on every rank, as the norm is global) is skipped and the scale halved;
+    after `growth_interval` good steps in a row the scale doubles."""
+
+    def __init__(self, enabled: bool, init_scale: float = 2.0**14, growth_interval: int = 200):
+        self.enabled, self.scale = enabled, init_scale if enabled else 1.0
+        self.growth_interval, self.good_steps = growth_interval, 0
+
+    def update(self, norm_scaled: float) -> bool:
+        """After finish(): True if the step may be taken (then grads must be unscaled)."""
+        if not self.enabled:
+            return True
+        if not math.isfinite(norm_scaled):
+            self.scale /= 2.0
+            self.good_steps = 0
+            return False
+        self.good_steps += 1
+        return True
+
+    def grow(self) -> None:
+        if self.enabled and self.good_steps >= self.growth_interval:
+            self.scale *= 2.0
+            self.good_steps = 0
+
+    def state(self) -> dict[str, float]:
+        return {"scale": self.scale, "good_steps": self.good_steps}
+
+    def load(self, state: dict[str, float] | None) -> None:
+        if self.enabled and state:
+            self.scale, self.good_steps = state["scale"], int(state["good_steps"])

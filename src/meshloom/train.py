@@ -39,7 +39,7 @@ from meshloom.mesh import Mesh, draw_layout
 from meshloom.metrics import MetricsLogger, device_peak_flops, peak_memory_bytes
 from meshloom.models.generate import generate
 from meshloom.models.llama import build_model
-from meshloom.optim import build_optimizer, clip_grads, grad_norm, lr_at, set_lr
+from meshloom.optim import LossScaler, build_optimizer, clip_grads, grad_norm, lr_at, set_lr
 from meshloom.parallel import TORCH_DTYPES, parallelize
 
 
@@ -149,12 +149,14 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
     params = decay + no_decay
     optimizer = build_optimizer(decay, no_decay, cfg.train)
 
+    scaler = LossScaler(cfg.train.dtype == "fp16")
     start = 0
     if resume:
         ckpt = checkpoint.latest_checkpoint(run_dir)
         if ckpt is not None:
             meta = checkpoint.load_checkpoint(ckpt, model, optimizer, par.grads)
             start = meta["step"]
+            scaler.load(meta.get("loss_scaler"))
             if main:
                 print(f"resumed from {ckpt} (step {start})", flush=True)
         elif main:
@@ -190,13 +192,21 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
             with par.grads.no_sync() if not last else contextlib.nullcontext():
                 with autocast:
                     loss = _loss(model, x.to(device), y.to(device)) / len(batches)
-                loss.backward()
+                (loss * scaler.scale).backward()
             local_loss += loss.item()
         par.grads.finish()
         norm = grad_norm(params, mesh, par.grads.norm_axes)
-        clip_grads(params, cfg.train.grad_clip, norm)
-        optimizer.step()
-        par.grads.after_step()
+        if scaler.update(norm):
+            if scaler.enabled:
+                norm /= scaler.scale
+                torch._foreach_mul_([p.grad for p in params], 1.0 / scaler.scale)
+            clip_grads(params, cfg.train.grad_clip, norm)
+            optimizer.step()
+            par.grads.after_step()
+            scaler.grow()
+        elif main:
+            logger.message(f"step {step + 1}: fp16 gradients overflowed; step skipped, "
+                           f"loss scale -> {scaler.scale:g}")
         par.grads.zero_grad()
         (loss_sum,) = comm.all_reduce_scalars([local_loss], mesh, "dp")
         step_loss = loss_sum / dp_size
@@ -222,7 +232,8 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
         if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) \
                 or done == cfg.train.steps:
             path = checkpoint.save_checkpoint(run_dir, done, model, optimizer, par.grads,
-                                              ckpt_meta, keep=cfg.run.keep_checkpoints)
+                                              {**ckpt_meta, "loss_scaler": scaler.state()},
+                                              keep=cfg.run.keep_checkpoints)
             if done == cfg.train.steps:
                 result.summary["checkpoint"] = str(path)
 
