@@ -94,6 +94,21 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
 
+def _forward_backward(model: nn.Module, grads, batches: list, device: torch.device, autocast,
+                      loss_scale: float) -> float:
+    """One optimizer step's micro-batches: the mean loss of the global batch is the mean of the
+    micro-batch means, so each is divided by their count; only the last one communicates."""
+    total = 0.0
+    for i, (x, y) in enumerate(batches):
+        last = i == len(batches) - 1
+        with grads.no_sync() if not last else contextlib.nullcontext():
+            with autocast:
+                loss = _loss(model, x.to(device), y.to(device)) / len(batches)
+            (loss * loss_scale).backward()
+        total += loss.item()
+    return total
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: list, mesh: Mesh, device: torch.device) -> float | None:
     if not batches:
@@ -185,15 +200,8 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
         before = counter.snapshot()
         lr = lr_at(step, cfg.train)
         set_lr(optimizer, lr)
-        batches = loader.micro_batches(step)
-        local_loss = 0.0
-        for i, (x, y) in enumerate(batches):
-            last = i == len(batches) - 1
-            with par.grads.no_sync() if not last else contextlib.nullcontext():
-                with autocast:
-                    loss = _loss(model, x.to(device), y.to(device)) / len(batches)
-                (loss * scaler.scale).backward()
-            local_loss += loss.item()
+        local_loss = _forward_backward(model, par.grads, loader.micro_batches(step), device,
+                                       autocast, scaler.scale)
         par.grads.finish()
         norm = grad_norm(params, mesh, par.grads.norm_axes)
         if scaler.update(norm):
