@@ -15,15 +15,9 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import multiprocessing as mp
-import os
-import pickle
-import queue
-import socket
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -34,6 +28,11 @@ from meshloom.comm import CommCounter
 from meshloom.mesh import Mesh, ParallelDims
 from meshloom.models.llama import build_model, config_from_preset
 from meshloom.parallel.ddp import FIRST_BUCKET_BYTES, DataParallel
+
+# benchmarks/ is a folder of scripts, not a package: make its shared module importable however
+# this file was loaded (as a script, or by path from a test).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _launch import batch, launch, loss_of, summary, threads_per_rank  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "ddp_vs_torch.json"
 # Same-data copies can differ only by float rounding (e.g. torch divides before the all-reduce,
@@ -63,18 +62,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 # ----------------------------------------------------------------------------- one rank
-
-
-def _batch(args: argparse.Namespace, vocab: int, rank: int, step: int,
-           device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    # Seeded by (rank, step): each rank gets its own data, and both copies get the same.
-    g = torch.Generator().manual_seed(args.seed * 1_000_003 + rank * 10_007 + step)
-    x = torch.randint(0, vocab, (args.batch, args.seq + 1), generator=g).to(device)
-    return x[:, :-1], x[:, 1:]
-
-
-def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
 
 
 def _torch_ddp_kwargs(bucket_mb: float) -> dict:
@@ -123,7 +110,7 @@ def _rank_main(args: argparse.Namespace, rank: int, world: int) -> dict | None:
     opt_theirs = torch.optim.AdamW(theirs_model.parameters(), lr=1e-3)
 
     def step_ours(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = _loss(ours, x, y)
+        loss = loss_of(ours, x, y)
         loss.backward()
         ddp.finish()
         opt_ours.step()
@@ -131,7 +118,7 @@ def _rank_main(args: argparse.Namespace, rank: int, world: int) -> dict | None:
         return loss
 
     def step_theirs(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = _loss(theirs, x, y)
+        loss = loss_of(theirs, x, y)
         loss.backward()  # torch DDP's backward returns with every bucket reduced and averaged
         opt_theirs.step()
         opt_theirs.zero_grad()  # the default set_to_none=True: what torch users run
@@ -151,7 +138,7 @@ def _rank_main(args: argparse.Namespace, rank: int, world: int) -> dict | None:
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             comm_before = mesh.counter.total(axis="dp", op="all_reduce")
-        x, y = _batch(args, cfg.vocab_size, rank, step, device)
+        x, y = batch(args, cfg.vocab_size, rank, step, device)
         order = [("ours", step_ours), ("torch", step_theirs)]
         for name, fn in order if step % 2 == 0 else order[::-1]:  # ABBA: no favoured slot
             dt, losses[name] = timed(fn, x, y)
@@ -182,68 +169,7 @@ def _rank_main(args: argparse.Namespace, rank: int, world: int) -> dict | None:
     }
 
 
-# ----------------------------------------------------------------------------- launcher
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(args: argparse.Namespace, rank: int, world: int, port: int, threads: int,
-            results: mp.Queue) -> None:
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    try:
-        # Ranks share the machine's cores: oversubscribing them would time thread contention.
-        torch.set_num_threads(threads)
-        results.put((rank, "ok", pickle.dumps(_rank_main(args, rank, world))))
-    except BaseException:  # noqa: BLE001 - reported by the parent
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _launch(args: argparse.Namespace, timeout: float = 3600.0) -> dict:
-    # fork is fast (torch is already imported), but CUDA cannot be used in a forked child.
-    ctx = mp.get_context("spawn" if args.device == "cuda" else "fork")
-    results: mp.Queue = ctx.Queue()
-    port, threads = _free_port(), max(1, len(os.sched_getaffinity(0)) // args.nproc)
-    procs = [ctx.Process(target=_worker, args=(args, r, args.nproc, port, threads, results),
-                         daemon=True) for r in range(args.nproc)]
-    for p in procs:
-        p.start()
-    out: dict[int, dict | None] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(out) < args.nproc:
-            try:
-                rank, status, value = results.get(timeout=1.0)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (0, None)]
-                if dead or time.monotonic() > deadline:
-                    raise RuntimeError(f"ranks {dead or 'all'} died or timed out") from None
-                continue
-            if status == "error":
-                raise RuntimeError(f"rank {rank} raised:\n{value}")
-            out[rank] = pickle.loads(value)
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-    return out[0]
-
-
 # ----------------------------------------------------------------------------- report
-
-
-def _summary(times: list[float]) -> dict:
-    deciles = statistics.quantiles(times, n=10, method="inclusive")
-    return {"median_s": statistics.median(times), "mean_s": statistics.mean(times),
-            "p10_s": deciles[0], "p90_s": deciles[-1], "times_s": times}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -252,8 +178,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.device == "cuda" and torch.cuda.device_count() < args.nproc:
         print(f"note: {args.nproc} CUDA devices not available, running on cpu with gloo")
         args.device = "cpu"
-    raw = _launch(args)
-    ours, theirs = _summary(raw["times"]["ours"]), _summary(raw["times"]["torch"])
+    raw = launch(_rank_main, args)
+    ours, theirs = summary(raw["times"]["ours"]), summary(raw["times"]["torch"])
     # Paired: each "ours" step against the torch step of the same pair, immune to slow drift.
     paired = [a / b for a, b in zip(ours["times_s"], theirs["times_s"], strict=True)]
     result = {
@@ -261,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
                    "warmup": args.warmup, "batch_per_rank": args.batch, "seq": args.seq,
                    "bucket_mb": args.bucket_mb, "device": args.device,
                    "backend": "nccl" if args.device == "cuda" else "gloo",
-                   "threads_per_rank": max(1, len(os.sched_getaffinity(0)) // args.nproc),
+                   "threads_per_rank": threads_per_rank(args.nproc),
                    "params": raw["params"], "torch": torch.__version__, "fairness": FAIRNESS},
         "ours": ours,
         "torch": theirs,

@@ -124,3 +124,24 @@ class MetricsLogger:
             self.file.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def live_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                     optim_params: list[torch.Tensor]) -> dict[str, int]:
+    """Bytes this rank holds right now in parameters, gradients and optimizer state, counted
+    from the live tensors' storages (each storage once: flat buffers, shards and their views)."""
+    def unique(tensors) -> int:
+        seen: dict[int, int] = {}
+        for t in tensors:
+            if t is not None:
+                st = t.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
+        return sum(seen.values())
+
+    params = list(model.parameters())
+    return {
+        "params": unique(params + list(optim_params)),
+        "grads": unique([p.grad for p in params] + [p.grad for p in optim_params]),
+        "optimizer": unique(t for st in optimizer.state.values() for t in st.values()
+                            if torch.is_tensor(t) and t.ndim > 0),
+    }

@@ -36,7 +36,12 @@ from meshloom.config import (
 )
 from meshloom.data import BatchLoader, TokenDataset, build_token_cache, eval_batches, load_tokenizer
 from meshloom.mesh import Mesh, draw_layout
-from meshloom.metrics import MetricsLogger, device_peak_flops, peak_memory_bytes
+from meshloom.metrics import (
+    MetricsLogger,
+    device_peak_flops,
+    live_state_bytes,
+    peak_memory_bytes,
+)
 from meshloom.models.generate import generate
 from meshloom.models.llama import build_model
 from meshloom.optim import LossScaler, build_optimizer, clip_grads, grad_norm, lr_at, set_lr
@@ -212,6 +217,8 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
             optimizer.step()
             par.grads.after_step()
             scaler.grow()
+            if step == cfg.train.steps - 1:  # what the layout holds per rank, gradients included
+                result.summary["model_state_bytes"] = live_state_bytes(model, optimizer, params)
         elif main:
             logger.message(f"step {step + 1}: fp16 gradients overflowed; step skipped, "
                            f"loss scale -> {scaler.scale:g}")

@@ -47,12 +47,15 @@ class FlatGroup:
         self.shard_lo = rank * self.shard_size
         self.dtype, self.device = params[0].dtype, params[0].device
 
-    def new_flat(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return torch.zeros(self.padded, dtype=dtype or self.dtype, device=self.device)
+    def new_flat(self, dtype: torch.dtype | None = None, *, empty: bool = False) -> torch.Tensor:
+        """A whole flat buffer; `empty` skips zero-filling (for buffers `pack` will overwrite)."""
+        make = torch.empty if empty else torch.zeros
+        return make(self.padded, dtype=dtype or self.dtype, device=self.device)
 
-    def new_shard(self, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
-        return torch.zeros(self.shard_size, dtype=dtype or self.dtype,
-                           device=device or self.device)
+    def new_shard(self, dtype: torch.dtype | None = None, device=None, *,
+                  empty: bool = False) -> torch.Tensor:
+        make = torch.empty if empty else torch.zeros
+        return make(self.shard_size, dtype=dtype or self.dtype, device=device or self.device)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's shape as a view into a full flat buffer."""

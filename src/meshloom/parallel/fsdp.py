@@ -51,11 +51,30 @@ class _Unit:
         for p, view in zip(g.params, g.views(self.full), strict=True):
             p.data = view
         self.nbytes = self.full.numel() * self.full.element_size()
+        # The gradient shard exists only from the step's first reduce to zero_grad(), so that
+        # forward's activations never share the peak with last step's gradients.
         self.grad_shard = g.new_shard(torch.float32, prec.master_device(g.device))
+        self.grad_live = True  # freed once the optimizer's views of it exist
+        # An embedding's backward reads only the token ids: no need to re-gather it.
+        self.backward_needs_params = not isinstance(module, nn.Embedding)
         self.gathered, self.work = True, None
         self.pending = len(g.params)
         self.inflight: tuple | None = None
         self.free()
+
+    def free_grads(self) -> None:
+        if self.grad_live:
+            _free(self.grad_shard)
+            self.grad_live = False
+
+    def live_grads(self) -> torch.Tensor:
+        """The gradient shard, allocated (zeroed) if this step has not produced it yet."""
+        if not self.grad_live:
+            self.grad_shard.untyped_storage().resize_(
+                self.grad_shard.numel() * self.grad_shard.element_size())
+            self.grad_shard.zero_()
+            self.grad_live = True
+        return self.grad_shard
 
     def free(self) -> None:
         if self.gathered:
@@ -108,6 +127,9 @@ class FullyShardedDataParallel:
         # current one's (for backward prefetch, in reverse).
         self._order: list[_Unit] = []
         self._current: list[_Unit] = []
+        self.peak_gathered_bytes = 0
+        self._inflight: list[_Unit] = []  # reduce-scatters not yet completed, oldest first
+        self._reduced: set[_Unit] = set()  # units reduced in this micro-batch
         self._hooks = [model.register_forward_pre_hook(self._root_pre_forward)]
         for u in self.units:
             if u is self.root:
@@ -120,6 +142,8 @@ class FullyShardedDataParallel:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
         self._decay, self._no_decay, self._masters = split_pieces(
             [(u.group, u.shard, u.grad_shard) for u in self.units])
+        for u in self.units:
+            u.free_grads()
 
     @staticmethod
     def _owners(model: nn.Module, names: list[str]) -> dict[str, str]:
@@ -145,19 +169,26 @@ class FullyShardedDataParallel:
         nxt = self._neighbour(self._order, u, +1)
         if nxt is not None:
             nxt.start_gather(self.mesh)
+        self._note_gathered()
+
+    def _note_gathered(self) -> None:
+        """High-water mark of gathered bytes (the prefetch-depth allowance is tested on it)."""
+        now = sum(v.nbytes for v in self.units if v.gathered or v.work is not None)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, now)
 
     def _post_forward(self, u: _Unit, out) -> None:
         if self.reshard_after_forward:
             u.free()
-        if torch.is_tensor(out) and out.requires_grad:
+        if torch.is_tensor(out) and out.requires_grad and u.backward_needs_params:
             out.register_hook(lambda grad, u=u: self._pre_backward(u, grad))
         return None
 
     def _pre_backward(self, u: _Unit, grad: torch.Tensor) -> torch.Tensor:
         u.wait_gather(self.mesh)
         prev = self._neighbour(self._current, u, -1)
-        if prev is not None:
+        if prev is not None and prev.backward_needs_params:
             prev.start_gather(self.mesh)
+        self._note_gathered()
         return grad
 
     @staticmethod
@@ -175,25 +206,41 @@ class FullyShardedDataParallel:
 
     def _reduce(self, u: _Unit) -> None:
         g = u.group
-        packed = g.pack([p.grad for p in g.params], g.new_flat(self.prec.reduce_dtype))
+        packed = g.pack([p.grad for p in g.params],
+                        g.new_flat(self.prec.reduce_dtype, empty=True))
         for p in g.params:
             p.grad = None
-        out = g.new_shard(self.prec.reduce_dtype)
+        # The step's first reduce of a unit lands straight in its (new) gradient shard when
+        # dtype and device allow; later micro-batches go through a buffer and are added.
+        direct = (not u.grad_live and self.prec.reduce_dtype == torch.float32
+                  and u.grad_shard.device == g.device)
+        out = u.live_grads() if direct else g.new_shard(self.prec.reduce_dtype, empty=True)
         work = comm.reduce_scatter_into(out, packed, self.mesh, "dp_shard", async_op=True)
-        u.inflight = (work, packed, out)
+        u.inflight = (work, packed, out, direct)
         u.pending = len(g.params)
+        self._reduced.add(u)
         u.free()
+        # At most two reduce-scatters in flight: the previous one had this unit's whole
+        # backward to finish, and its buffers (a whole unit each) are released now.
+        self._inflight.append(u)
+        while len(self._inflight) > 2:
+            self._complete(self._inflight.pop(0))
+
+    def _complete(self, u: _Unit) -> None:
+        work, _, out, direct = u.inflight
+        if work is not None:
+            work.wait()
+        if not direct:
+            u.live_grads().add_(out.to(u.grad_shard.device, u.grad_shard.dtype))
+        u.inflight = None
 
     def _drain(self) -> None:
         for u in self.units:
-            if u.inflight is None:  # no gradient this micro-batch (unused unit): reduce zeros
+            if u not in self._reduced:  # no gradient this micro-batch (unused): reduce zeros
                 self._reduce(u)
-        for u in self.units:
-            work, _, out = u.inflight
-            if work is not None:
-                work.wait()
-            u.grad_shard.add_(out.to(u.grad_shard.device, u.grad_shard.dtype))
-            u.inflight = None
+        while self._inflight:
+            self._complete(self._inflight.pop(0))
+        self._reduced.clear()
 
     # -- the GradSync protocol
 
@@ -217,7 +264,7 @@ class FullyShardedDataParallel:
 
     def zero_grad(self) -> None:
         for u in self.units:
-            u.grad_shard.zero_()
+            u.free_grads()
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         return pieces_state(self.mesh, [u.group for u in self.units], self._masters, optimizer)

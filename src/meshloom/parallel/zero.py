@@ -135,23 +135,33 @@ class ZeroDataParallel:
             if not force and b.pending > 0:
                 return
             g = b.group
-            packed = g.pack([p.grad for p in g.params], g.new_flat(self.prec.reduce_dtype))
+            packed = g.pack([p.grad for p in g.params],
+                            g.new_flat(self.prec.reduce_dtype, empty=True))
             for p in g.params:
                 p.grad = None  # only the shard is kept
-            out = g.new_shard(self.prec.reduce_dtype)
+            out = g.new_shard(self.prec.reduce_dtype, empty=True)
             work = comm.reduce_scatter_into(out, packed, self.mesh, "dp_shard", async_op=True)
             b.inflight = (work, packed, out)
             self._next += 1
+            # At most two buckets in flight: the older one had a bucket's worth of backward to
+            # finish, and its packed copy (a whole bucket) is released now.
+            if self._next >= 3:
+                self._complete(self.buckets[self._next - 3])
+
+    def _complete(self, b: _Bucket) -> None:
+        if b.inflight is None:
+            return
+        work, _, out = b.inflight
+        if work is not None:
+            work.wait()
+        b.grad_shard.add_(out.to(b.grad_shard.device, b.grad_shard.dtype))
+        b.inflight = None
 
     def _drain(self) -> None:
         """Stage 2: finish this micro-batch's reduce-scatters and add them to the shards."""
         self._launch_ready(force=True)
         for b in self.buckets:
-            work, _, out = b.inflight
-            if work is not None:
-                work.wait()
-            b.grad_shard.add_(out.to(b.grad_shard.device, b.grad_shard.dtype))
-            b.inflight = None
+            self._complete(b)
             b.pending = len(b.group.params)
         self._next = 0
 

@@ -39,12 +39,15 @@ def model_state_bytes(psi: int, n_shard: int, stage: int, prec: Precision = FP32
 
 def dp_comm_bytes(psi: int, stage: int, *, micro_batches: int = 1, n_shard: int = 1,
                   n_replicate: int = 1, elem_bytes: int = 4, root_psi: int = 0,
-                  reshard_after_forward: bool = True) -> dict[tuple[str, str], int]:
+                  forward_only_psi: int = 0, reshard_after_forward: bool = True
+                  ) -> dict[tuple[str, str], int]:
     """Payload bytes per optimizer step, per (axis, op), as `meshloom.comm` counts them (the
     whole tensor a collective acts on). Stages 2 and 3 keep no whole gradients, so they
     reduce-scatter after every micro-batch. Stage 3 gathers each unit for forward and again for
     backward, every micro-batch (once if it is not resharded after forward); the root unit's
-    `root_psi` parameters (final norm and head) are gathered once per micro-batch and kept."""
+    `root_psi` parameters (final norm and head) are gathered once per micro-batch and kept, and
+    `forward_only_psi` ones (an embedding, whose backward reads only the token ids) are gathered
+    for forward only."""
     full = psi * elem_bytes
     if stage == 0:
         axis = "dp"
@@ -54,7 +57,8 @@ def dp_comm_bytes(psi: int, stage: int, *, micro_batches: int = 1, n_shard: int 
         out[("dp_shard", "all_gather")] = full
     else:
         passes = 2 if reshard_after_forward else 1
-        gathered = passes * (psi - root_psi) + root_psi
+        once = root_psi + forward_only_psi
+        gathered = passes * (psi - once) + once
         out[("dp_shard", "all_gather")] = gathered * elem_bytes * micro_batches
     if n_replicate > 1:
         out[("dp_replicate", "all_reduce")] = full // n_shard

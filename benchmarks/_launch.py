@@ -1,0 +1,102 @@
+"""What the benchmarks share: the rank launcher, the per-rank data, the step statistics.
+
+`launch(rank_main, args)` starts `args.nproc` ranks (forked on CPU, spawned for CUDA) on a free
+loopback port, runs `rank_main(args, rank, world)` in each and returns rank 0's result. A rank's
+exception comes back with its traceback; a dead or hung rank fails the run instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import statistics
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+RankMain = Callable[[argparse.Namespace, int, int], Any]
+
+
+def threads_per_rank(nproc: int) -> int:
+    """Ranks share the machine's cores: oversubscribing them would time thread contention."""
+    return max(1, len(os.sched_getaffinity(0)) // nproc)
+
+
+def batch(args: argparse.Namespace, vocab: int, rank: int, step: int,
+          device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of `args.batch` x `args.seq` tokens for one rank and step."""
+    # Seeded by (rank, step): each rank gets its own data, and every compared copy the same.
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + rank * 10_007 + step)
+    x = torch.randint(0, vocab, (args.batch, args.seq + 1), generator=g).to(device)
+    return x[:, :-1], x[:, 1:]
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def summary(times: list[float]) -> dict:
+    deciles = statistics.quantiles(times, n=10, method="inclusive")
+    return {"median_s": statistics.median(times), "mean_s": statistics.mean(times),
+            "p10_s": deciles[0], "p90_s": deciles[-1], "times_s": times}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank_main: RankMain, args: argparse.Namespace, rank: int, world: int, port: int,
+            results: mp.Queue) -> None:
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    try:
+        torch.set_num_threads(threads_per_rank(world))
+        results.put((rank, "ok", pickle.dumps(rank_main(args, rank, world))))
+    except BaseException:  # noqa: BLE001 - reported by the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(rank_main: RankMain, args: argparse.Namespace, timeout: float = 3600.0) -> Any:
+    """Run rank_main on args.nproc ranks; rank 0's return value."""
+    # fork is fast (torch is already imported), but CUDA cannot be used in a forked child.
+    ctx = mp.get_context("spawn" if args.device == "cuda" else "fork")
+    results: mp.Queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(rank_main, args, r, args.nproc, port, results),
+                         daemon=True) for r in range(args.nproc)]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) < args.nproc:
+            try:
+                rank, status, value = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (0, None)]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(f"ranks {dead or 'all'} died or timed out") from None
+                continue
+            if status == "error":
+                raise RuntimeError(f"rank {rank} raised:\n{value}")
+            out[rank] = pickle.loads(value)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    return out[0]
