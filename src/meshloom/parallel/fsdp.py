@@ -220,10 +220,10 @@ class FullyShardedDataParallel:
         u.pending = len(g.params)
         self._reduced.add(u)
         u.free()
-        # At most two reduce-scatters in flight: the previous one had this unit's whole
-        # backward to finish, and its buffers (a whole unit each) are released now.
+        # Launching this unit's reduce-scatter completes the previous unit's: that one had this
+        # unit's whole backward to finish, and its buffers (a whole unit) are released now.
         self._inflight.append(u)
-        while len(self._inflight) > 2:
+        while len(self._inflight) > 1:
             self._complete(self._inflight.pop(0))
 
     def _complete(self, u: _Unit) -> None:

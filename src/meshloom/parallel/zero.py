@@ -143,10 +143,10 @@ class ZeroDataParallel:
             work = comm.reduce_scatter_into(out, packed, self.mesh, "dp_shard", async_op=True)
             b.inflight = (work, packed, out)
             self._next += 1
-            # At most two buckets in flight: the older one had a bucket's worth of backward to
-            # finish, and its packed copy (a whole bucket) is released now.
-            if self._next >= 3:
-                self._complete(self.buckets[self._next - 3])
+            # Launching a bucket completes the one before it: that one had this bucket's
+            # backward to finish, and its packed copy (a whole bucket) is released now.
+            if self._next >= 2:
+                self._complete(self.buckets[self._next - 2])
 
     def _complete(self, b: _Bucket) -> None:
         if b.inflight is None:
