@@ -48,21 +48,22 @@ def reference(tmp_path_factory, token_cache):
     return run_ranks(_job, 1, tmp_path_factory.mktemp("ref"), token_cache, [])[0]
 
 
-CASES = [
-    (2, ["parallel.zero_stage=1"]),
-    (2, ["parallel.zero_stage=2"]),
-    (2, ["parallel.zero_stage=2", "train.micro_batch=2"]),
-    (4, ["parallel.zero_stage=1", "train.micro_batch=2"]),
-    (4, ["parallel.zero_stage=2"]),
-    (4, ["parallel.zero_stage=1", "parallel.dp_replicate=2"]),             # HSDP 2x2
-    (4, ["parallel.zero_stage=2", "parallel.dp_replicate=2", "train.micro_batch=2"]),
-    # Stage 3 runs without eval, whose forwards would add gathers to the exact comm count.
-    (2, ["parallel.zero_stage=3", "train.eval_sequences=0"]),
-    (4, ["parallel.zero_stage=3", "train.eval_sequences=0", "train.micro_batch=2"]),
-    (4, ["parallel.zero_stage=3", "train.eval_sequences=0", "parallel.dp_replicate=2"]),
-    (2, ["parallel.zero_stage=3", "train.eval_sequences=0", "train.micro_batch=4",
-         "parallel.reshard_after_forward=false"]),
-]
+def _case(stage: int, layout: str, accum: bool) -> tuple[int, list[str]]:
+    world, extra = {"2": (2, []), "4": (4, []), "hsdp": (4, ["parallel.dp_replicate=2"])}[layout]
+    ov = [f"parallel.zero_stage={stage}", *extra]
+    if accum:  # 2 micro-batches per rank
+        ov.append(f"train.micro_batch={16 // world // 2}")
+    if stage == 3:  # eval forwards would add gathers to the exact comm count
+        ov.append("train.eval_sequences=0")
+    return world, ov
+
+
+# Every stage on 2 ranks, 4 ranks and HSDP 2x2, with and without accumulation; plus stage 3
+# keeping parameters gathered from forward to backward.
+CASES = [_case(st, lay, acc) for st in (1, 2, 3) for lay in ("2", "4", "hsdp")
+         for acc in (False, True)]
+CASES.append((2, ["parallel.zero_stage=3", "train.eval_sequences=0", "train.micro_batch=4",
+                  "parallel.reshard_after_forward=false"]))
 
 
 @pytest.mark.parametrize("world,overrides", CASES, ids=[" ".join(o) for _, o in CASES])
