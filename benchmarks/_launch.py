@@ -17,6 +17,7 @@ import statistics
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -100,3 +101,22 @@ def launch(rank_main: RankMain, args: argparse.Namespace, timeout: float = 3600.
             if p.is_alive():
                 p.kill()
     return out[0]
+
+
+def add_common_args(p: argparse.ArgumentParser, *, steps: int, warmup: int, out: Path) -> None:
+    """The options every benchmark here shares."""
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--preset", default="demo", choices=["demo", "tiny", "small"])
+    p.add_argument("--steps", type=int, default=steps, help="timed steps per variant")
+    p.add_argument("--warmup", type=int, default=warmup, help="untimed steps per variant")
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=out)
+
+
+def check_common(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.steps < 2 or args.warmup < 0 or args.nproc < 1:
+        p.error("need --steps >= 2, --warmup >= 0, --nproc >= 1")

@@ -32,7 +32,15 @@ from meshloom.parallel.ddp import FIRST_BUCKET_BYTES, DataParallel
 # benchmarks/ is a folder of scripts, not a package: make its shared module importable however
 # this file was loaded (as a script, or by path from a test).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _launch import batch, launch, loss_of, summary, threads_per_rank  # noqa: E402
+from _launch import (  # noqa: E402
+    add_common_args,
+    batch,
+    check_common,
+    launch,
+    loss_of,
+    summary,
+    threads_per_rank,
+)
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "ddp_vs_torch.json"
 # Same-data copies can differ only by float rounding (e.g. torch divides before the all-reduce,
@@ -45,19 +53,9 @@ FAIRNESS = ("torch DDP gets the same bucket caps (a 1 MiB first bucket, then --b
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--preset", default="demo", choices=["demo", "tiny", "small"])
-    p.add_argument("--steps", type=int, default=30, help="timed steps per implementation")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps per implementation")
-    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--bucket-mb", type=float, default=25.0)
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    add_common_args(p, steps=30, warmup=5, out=DEFAULT_OUT)
     args = p.parse_args(argv)
-    if args.steps < 2 or args.warmup < 0 or args.nproc < 1:
-        p.error("need --steps >= 2, --warmup >= 0, --nproc >= 1")
+    check_common(p, args)
     return args
 
 

@@ -47,7 +47,15 @@ from meshloom.parallel.zero import ZeroDataParallel
 # benchmarks/ is a folder of scripts, not a package: make its shared module importable however
 # this file was loaded (as a script, or by path from a test).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _launch import batch, launch, loss_of, summary, threads_per_rank  # noqa: E402
+from _launch import (  # noqa: E402
+    add_common_args,
+    batch,
+    check_common,
+    launch,
+    loss_of,
+    summary,
+    threads_per_rank,
+)
 
 VARIANTS = ("ddp", "zero1", "zero2", "zero3", "fsdp2")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "zero_vs_fsdp2.json"
@@ -73,21 +81,11 @@ MEMORY_NOTE = (
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--preset", default="demo", choices=["demo", "tiny", "small"])
-    p.add_argument("--steps", type=int, default=20, help="timed steps per variant")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant")
-    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
-    p.add_argument("--seq", type=int, default=128)
+    add_common_args(p, steps=20, warmup=3, out=DEFAULT_OUT)
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated, from {','.join(VARIANTS)}")
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="ddp, zero1, zero2 buckets")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
-    if args.steps < 2 or args.warmup < 0 or args.nproc < 1:
-        p.error("need --steps >= 2, --warmup >= 0, --nproc >= 1")
+    check_common(p, args)
     args.variants = [v for v in args.variants.split(",") if v]
     unknown = sorted(set(args.variants) - set(VARIANTS))
     if unknown or not args.variants or len(set(args.variants)) != len(args.variants):
