@@ -113,7 +113,7 @@ class FullyShardedDataParallel:
         with torch.no_grad():
             for _, p in named:
                 comm.broadcast(p.data, mesh, "dp", src_coord=0)
-        owner = self._owners(model, [n for n, _ in named])
+        owner = self._owners(model, named)
         n, rank = mesh.size("dp_shard"), mesh.coord("dp_shard")
         self.units: list[_Unit] = []
         for unit_name in model.fsdp_units():
@@ -146,14 +146,18 @@ class FullyShardedDataParallel:
             u.free_grads()
 
     @staticmethod
-    def _owners(model: nn.Module, names: list[str]) -> dict[str, str]:
-        """Each parameter belongs to the deepest declared unit that contains it; parameters
-        shared between units (tied embeddings) and the rest go to the root ("")."""
+    def _owners(model: nn.Module, named: list[tuple[str, nn.Parameter]]) -> dict[str, str]:
+        """Each parameter belongs to the deepest declared unit that contains it; a parameter
+        used under names in different units (tied embeddings) and the rest go to the root."""
         units = sorted((u for u in model.fsdp_units() if u), key=len, reverse=True)
-        owner = {}
-        for name in names:
-            owner[name] = next((u for u in units if name.startswith(u + ".")), "")
-        return owner
+
+        def unit_of(name: str) -> str:
+            return next((u for u in units if name.startswith(u + ".")), "")
+
+        seen: dict[nn.Parameter, set[str]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            seen.setdefault(p, set()).add(unit_of(name))
+        return {name: next(iter(seen[p])) if len(seen[p]) == 1 else "" for name, p in named}
 
     # -- hooks
 
