@@ -101,3 +101,146 @@ def all_reduce_scalars(values: list[float], mesh: Mesh, axis: str, *, op=dist.Re
     t = torch.tensor(values, dtype=torch.float64, device=device)
     all_reduce(t, mesh, axis, op=op, label="all_reduce_scalars")
     return t.tolist()
+
+
+# ---------------------------------------------------------------- autograd-aware pairs
+# Tensor (and sequence) parallel layers are built from these. Each is its own adjoint's
+# partner: what one does in forward, the other does in backward, so gradients come out right
+# without the layers knowing about communication.
+
+
+def _gather_dim(x: torch.Tensor, mesh: Mesh, axis: str, dim: int) -> torch.Tensor:
+    """Concatenate every rank's `x` along `dim` (equal shapes)."""
+    n = mesh.size(axis)
+    if n == 1:
+        return x
+    x = x.contiguous()
+    out = torch.empty((n, *x.shape), dtype=x.dtype, device=x.device)
+    all_gather_into(out.view(-1), x.view(-1), mesh, axis)
+    return torch.cat(out.unbind(0), dim=dim)
+
+
+def _chunk_dim(x: torch.Tensor, mesh: Mesh, axis: str, dim: int) -> torch.Tensor:
+    """This rank's slice of `x` along `dim`."""
+    n = mesh.size(axis)
+    if n == 1:
+        return x
+    if x.shape[dim] % n:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} does not split over {axis}={n}")
+    return x.chunk(n, dim=dim)[mesh.coord(axis)].contiguous()
+
+
+def _reduce_scatter_dim(x: torch.Tensor, mesh: Mesh, axis: str, dim: int) -> torch.Tensor:
+    """Sum `x` over the group and keep this rank's slice along `dim`."""
+    n = mesh.size(axis)
+    if n == 1:
+        return x
+    if x.shape[dim] % n:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} does not split over {axis}={n}")
+    parts = torch.stack(x.chunk(n, dim=dim)).contiguous()  # [n, ...slice]
+    out = torch.empty(parts.shape[1:], dtype=x.dtype, device=x.device)
+    reduce_scatter_into(out.view(-1), parts.view(-1), mesh, axis)
+    return out
+
+
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, mesh, axis):
+        ctx.mesh, ctx.axis = mesh, axis
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous()
+        all_reduce(g, ctx.mesh, ctx.axis)
+        return g, None, None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, mesh, axis):
+        x = x.clone()
+        all_reduce(x, mesh, axis)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None, None
+
+
+class _GatherFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, mesh, axis, dim):
+        ctx.mesh, ctx.axis, ctx.dim = mesh, axis, dim
+        return _gather_dim(x, mesh, axis, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _chunk_dim(g, ctx.mesh, ctx.axis, ctx.dim), None, None, None
+
+
+class _ScatterToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, mesh, axis, dim):
+        ctx.mesh, ctx.axis, ctx.dim = mesh, axis, dim
+        return _chunk_dim(x, mesh, axis, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_dim(g, ctx.mesh, ctx.axis, ctx.dim), None, None, None
+
+
+class _GatherThenReduceScatter(torch.autograd.Function):
+    """Sequence parallel entry: all-gather along `dim` forward, reduce-scatter backward."""
+
+    @staticmethod
+    def forward(ctx, x, mesh, axis, dim):
+        ctx.mesh, ctx.axis, ctx.dim = mesh, axis, dim
+        return _gather_dim(x, mesh, axis, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce_scatter_dim(g, ctx.mesh, ctx.axis, ctx.dim), None, None, None
+
+
+class _ReduceScatterThenGather(torch.autograd.Function):
+    """Sequence parallel exit: reduce-scatter along `dim` forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, mesh, axis, dim):
+        ctx.mesh, ctx.axis, ctx.dim = mesh, axis, dim
+        return _reduce_scatter_dim(x, mesh, axis, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_dim(g.contiguous(), ctx.mesh, ctx.axis, ctx.dim), None, None, None
+
+
+def copy_to_group(x: torch.Tensor, mesh: Mesh, axis: str) -> torch.Tensor:
+    """Identity forward, all-reduce of the gradient backward (entry of a column-parallel part)."""
+    return _CopyToGroup.apply(x, mesh, axis)
+
+
+def reduce_from_group(x: torch.Tensor, mesh: Mesh, axis: str) -> torch.Tensor:
+    """All-reduce forward, identity backward (exit of a row-parallel part)."""
+    return _ReduceFromGroup.apply(x, mesh, axis)
+
+
+def gather_from_group(x: torch.Tensor, mesh: Mesh, axis: str, dim: int = -1) -> torch.Tensor:
+    """All-gather along `dim` forward, keep own slice of the gradient backward."""
+    return _GatherFromGroup.apply(x, mesh, axis, dim % x.ndim)
+
+
+def scatter_to_group(x: torch.Tensor, mesh: Mesh, axis: str, dim: int = -1) -> torch.Tensor:
+    """Keep own slice along `dim` forward, all-gather the gradient backward."""
+    return _ScatterToGroup.apply(x, mesh, axis, dim % x.ndim)
+
+
+def gather_seq(x: torch.Tensor, mesh: Mesh, axis: str, dim: int = 1) -> torch.Tensor:
+    """All-gather along `dim` forward, reduce-scatter backward (sequence parallel entry)."""
+    return _GatherThenReduceScatter.apply(x, mesh, axis, dim % x.ndim)
+
+
+def reduce_scatter_seq(x: torch.Tensor, mesh: Mesh, axis: str, dim: int = 1) -> torch.Tensor:
+    """Reduce-scatter along `dim` forward, all-gather backward (sequence parallel exit)."""
+    return _ReduceScatterThenGather.apply(x, mesh, axis, dim % x.ndim)

@@ -1,0 +1,150 @@
+"""Tensor-parallel layers over the `tp` axis (Megatron-style), built on comm's autograd pairs.
+
+Each layer is made from the plain module it replaces (`from_module`), keeping only this rank's
+slice of the weight, so initialisation stays that of the unsharded model whatever the layout.
+- ColumnParallelLinear: output features split. Input enters through `copy_to_group` (identity
+  forward, gradient all-reduce backward), or, with sequence parallel, through `gather_seq`
+  (all-gather of the sequence-split activations, reduce-scatter of their gradient).
+- RowParallelLinear: input features split; the partial products are summed by
+  `reduce_from_group` (all-reduce forward), or reduce-scattered along the sequence with sequence
+  parallel.
+- VocabParallelEmbedding: vocabulary split (padded up to a multiple of tp; padding rows are zero
+  and never looked up); out-of-range ids are masked, then the partial lookups are summed.
+- vocab_parallel_cross_entropy: the loss from vocabulary-split logits; no rank ever holds the
+  whole logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from meshloom import comm
+from meshloom.mesh import Mesh
+
+AXIS = "tp"
+
+
+def _rows(weight: torch.Tensor, mesh: Mesh, padded: int | None = None) -> torch.Tensor:
+    """This rank's block of rows (dim 0), after zero-padding dim 0 to `padded`."""
+    if padded is not None and padded > weight.shape[0]:
+        pad = weight.new_zeros(padded - weight.shape[0], *weight.shape[1:])
+        weight = torch.cat([weight, pad])
+    return weight.chunk(mesh.size(AXIS), dim=0)[mesh.coord(AXIS)].clone()
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, weight_shard: torch.Tensor, mesh: Mesh, *, sequence_parallel: bool = False):
+        super().__init__()
+        self.mesh, self.sequence_parallel = mesh, sequence_parallel
+        self.weight = nn.Parameter(weight_shard)
+
+    @classmethod
+    def from_module(cls, linear: nn.Linear, mesh: Mesh, *, sequence_parallel: bool = False,
+                    padded_out: int | None = None) -> ColumnParallelLinear:
+        n = mesh.size(AXIS)
+        out = padded_out or linear.out_features
+        if out % n:
+            raise ValueError(f"{out} output features do not split over tp={n}")
+        return cls(_rows(linear.weight.detach(), mesh, padded_out), mesh,
+                   sequence_parallel=sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = comm.gather_seq(x, self.mesh, AXIS, dim=1)
+        else:
+            x = comm.copy_to_group(x, self.mesh, AXIS)
+        return F.linear(x, self.weight)
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, weight_shard: torch.Tensor, mesh: Mesh, *, sequence_parallel: bool = False):
+        super().__init__()
+        self.mesh, self.sequence_parallel = mesh, sequence_parallel
+        self.weight = nn.Parameter(weight_shard)
+
+    @classmethod
+    def from_module(cls, linear: nn.Linear, mesh: Mesh, *,
+                    sequence_parallel: bool = False) -> RowParallelLinear:
+        n = mesh.size(AXIS)
+        if linear.in_features % n:
+            raise ValueError(f"{linear.in_features} input features do not split over tp={n}")
+        w = linear.weight.detach().chunk(n, dim=1)[mesh.coord(AXIS)].clone()
+        return cls(w, mesh, sequence_parallel=sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            return comm.reduce_scatter_seq(partial, self.mesh, AXIS, dim=1)
+        return comm.reduce_from_group(partial, self.mesh, AXIS)
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, weight_shard: torch.Tensor, vocab_size: int, mesh: Mesh, *,
+                 sequence_parallel: bool = False):
+        super().__init__()
+        self.mesh, self.vocab_size, self.sequence_parallel = mesh, vocab_size, sequence_parallel
+        self.weight = nn.Parameter(weight_shard)
+        self.lo = mesh.coord(AXIS) * weight_shard.shape[0]
+
+    @classmethod
+    def from_module(cls, emb: nn.Embedding, mesh: Mesh, *,
+                    sequence_parallel: bool = False) -> VocabParallelEmbedding:
+        padded = padded_vocab(emb.num_embeddings, mesh.size(AXIS))
+        return cls(_rows(emb.weight.detach(), mesh, padded), emb.num_embeddings, mesh,
+                   sequence_parallel=sequence_parallel)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.lo
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return comm.reduce_scatter_seq(out, self.mesh, AXIS, dim=1)
+        return comm.reduce_from_group(out, self.mesh, AXIS)
+
+
+def padded_vocab(vocab: int, tp: int) -> int:
+    return -(-vocab // tp) * tp
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_size, mesh):
+        # logits: [N, V/tp] this rank's vocabulary slice; targets: [N] global ids.
+        logits = logits.float()
+        n_local = logits.shape[-1]
+        lo = mesh.coord(AXIS) * n_local
+        # Padding columns (ids >= vocab_size) never take part.
+        cols = torch.arange(lo, lo + n_local, device=logits.device)
+        logits = logits.masked_fill(cols >= vocab_size, float("-inf"))
+        m = logits.max(dim=-1).values
+        comm.all_reduce(m, mesh, AXIS, op=dist.ReduceOp.MAX)
+        exp = (logits - m.unsqueeze(-1)).exp()
+        sum_exp = exp.sum(dim=-1)
+        comm.all_reduce(sum_exp, mesh, AXIS)
+        local_t = targets - lo
+        mine = (local_t >= 0) & (local_t < n_local)
+        picked = logits.gather(-1, local_t.clamp(0, n_local - 1).unsqueeze(-1)).squeeze(-1)
+        picked = torch.where(mine, picked - m, torch.zeros_like(picked))
+        comm.all_reduce(picked, mesh, AXIS)
+        loss = sum_exp.log() - picked
+        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), local_t, mine)
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        softmax, local_t, mine = ctx.saved_tensors
+        grad = softmax.clone()
+        rows = torch.arange(grad.shape[0], device=grad.device)[mine]
+        grad[rows, local_t[mine]] -= 1.0
+        return grad * g.unsqueeze(-1), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
+                                 mesh: Mesh) -> torch.Tensor:
+    """Mean cross-entropy from vocabulary-split logits [..., V/tp] and global target ids."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    return _VocabParallelCE.apply(flat, targets.reshape(-1), vocab_size, mesh).mean()
