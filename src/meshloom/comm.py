@@ -143,87 +143,51 @@ def _reduce_scatter_dim(x: torch.Tensor, mesh: Mesh, axis: str, dim: int) -> tor
     return out
 
 
-class _CopyToGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, mesh, axis):
-        ctx.mesh, ctx.axis = mesh, axis
-        return x
-
-    @staticmethod
-    def backward(ctx, g):
-        g = g.contiguous()
-        all_reduce(g, ctx.mesh, ctx.axis)
-        return g, None, None
+def _identity(x: torch.Tensor, mesh: Mesh, axis: str, dim: int) -> torch.Tensor:
+    return x
 
 
-class _ReduceFromGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, mesh, axis):
-        x = x.clone()
-        all_reduce(x, mesh, axis)
-        return x
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None, None
+def _summed(x: torch.Tensor, mesh: Mesh, axis: str, dim: int) -> torch.Tensor:
+    x = x.clone()
+    all_reduce(x, mesh, axis)
+    return x
 
 
-class _GatherFromGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, mesh, axis, dim):
-        ctx.mesh, ctx.axis, ctx.dim = mesh, axis, dim
-        return _gather_dim(x, mesh, axis, dim)
+def _pair(name: str, forward_op, backward_op) -> type[torch.autograd.Function]:
+    """An autograd Function doing `forward_op` forward and `backward_op` to the gradient."""
 
-    @staticmethod
-    def backward(ctx, g):
-        return _chunk_dim(g, ctx.mesh, ctx.axis, ctx.dim), None, None, None
+    class Pair(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, mesh, axis, dim):
+            ctx.args = (mesh, axis, dim)
+            return forward_op(x, mesh, axis, dim)
 
+        @staticmethod
+        def backward(ctx, g):
+            return backward_op(g.contiguous(), *ctx.args), None, None, None
 
-class _ScatterToGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, mesh, axis, dim):
-        ctx.mesh, ctx.axis, ctx.dim = mesh, axis, dim
-        return _chunk_dim(x, mesh, axis, dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather_dim(g, ctx.mesh, ctx.axis, ctx.dim), None, None, None
+    Pair.__name__ = Pair.__qualname__ = name
+    return Pair
 
 
-class _GatherThenReduceScatter(torch.autograd.Function):
-    """Sequence parallel entry: all-gather along `dim` forward, reduce-scatter backward."""
-
-    @staticmethod
-    def forward(ctx, x, mesh, axis, dim):
-        ctx.mesh, ctx.axis, ctx.dim = mesh, axis, dim
-        return _gather_dim(x, mesh, axis, dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _reduce_scatter_dim(g, ctx.mesh, ctx.axis, ctx.dim), None, None, None
-
-
-class _ReduceScatterThenGather(torch.autograd.Function):
-    """Sequence parallel exit: reduce-scatter along `dim` forward, all-gather backward."""
-
-    @staticmethod
-    def forward(ctx, x, mesh, axis, dim):
-        ctx.mesh, ctx.axis, ctx.dim = mesh, axis, dim
-        return _reduce_scatter_dim(x, mesh, axis, dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather_dim(g.contiguous(), ctx.mesh, ctx.axis, ctx.dim), None, None, None
+_CopyToGroup = _pair("CopyToGroup", _identity, _summed)
+_ReduceFromGroup = _pair("ReduceFromGroup", _summed, _identity)
+_GatherFromGroup = _pair("GatherFromGroup", _gather_dim, _chunk_dim)
+_ScatterToGroup = _pair("ScatterToGroup", _chunk_dim, _gather_dim)
+# Sequence parallel: entry gathers the sequence-split activations and reduce-scatters their
+# gradient; exit is the reverse.
+_GatherThenReduceScatter = _pair("GatherThenReduceScatter", _gather_dim, _reduce_scatter_dim)
+_ReduceScatterThenGather = _pair("ReduceScatterThenGather", _reduce_scatter_dim, _gather_dim)
 
 
 def copy_to_group(x: torch.Tensor, mesh: Mesh, axis: str) -> torch.Tensor:
     """Identity forward, all-reduce of the gradient backward (entry of a column-parallel part)."""
-    return _CopyToGroup.apply(x, mesh, axis)
+    return _CopyToGroup.apply(x, mesh, axis, 0)
 
 
 def reduce_from_group(x: torch.Tensor, mesh: Mesh, axis: str) -> torch.Tensor:
     """All-reduce forward, identity backward (exit of a row-parallel part)."""
-    return _ReduceFromGroup.apply(x, mesh, axis)
+    return _ReduceFromGroup.apply(x, mesh, axis, 0)
 
 
 def gather_from_group(x: torch.Tensor, mesh: Mesh, axis: str, dim: int = -1) -> torch.Tensor:
