@@ -1,3 +1,4 @@
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -19,3 +20,11 @@ def tiny_config(run_dir, cache_dir: str, *overrides: str) -> Config:
     """configs/tiny.toml with a test's run folder and overrides."""
     return load_config(ROOT / "configs" / "tiny.toml",
                        [f"run.dir={run_dir}", f"data.cache_dir={cache_dir}", *overrides])
+
+
+def load_benchmark(name: str):
+    """A script from benchmarks/ (a folder of scripts, not a package), loaded as a module."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

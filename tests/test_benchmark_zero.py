@@ -4,28 +4,20 @@ from the sharding alone."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "zero_vs_fsdp2.py"
+from conftest import load_benchmark
+
 VARIANTS = ["ddp", "zero1", "zero2", "zero3", "fsdp2"]
-
-
-def _load_script():
-    # benchmarks/ is a folder of scripts, not a package: load the file as a module.
-    spec = importlib.util.spec_from_file_location("zero_vs_fsdp2", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_zero_vs_fsdp2_smoke(tmp_path):
     out = tmp_path / "results" / "zero_vs_fsdp2.json"
     steps = 2
-    result = _load_script().main(["--nproc", "2", "--preset", "tiny", "--steps", str(steps),
-                                  "--warmup", "1", "--batch", "2", "--seq", "16",
-                                  "--variants", ",".join(VARIANTS), "--out", str(out)])
+    bench = load_benchmark("zero_vs_fsdp2")
+    result = bench.main(["--nproc", "2", "--preset", "tiny", "--steps", str(steps),
+                        "--warmup", "1", "--batch", "2", "--seq", "16",
+                        "--variants", ",".join(VARIANTS), "--out", str(out)])
     assert json.loads(out.read_text()) == result
     assert result["config"]["nproc"] == 2 and result["config"]["backend"] == "gloo"
     assert list(result["variants"]) == VARIANTS

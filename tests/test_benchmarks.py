@@ -2,27 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "ddp_vs_torch.py"
-
-
-def _load_script():
-    # benchmarks/ is a folder of scripts, not a package: load the file as a module.
-    spec = importlib.util.spec_from_file_location("ddp_vs_torch", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from conftest import load_benchmark
 
 
 def test_ddp_vs_torch_smoke(tmp_path):
     out = tmp_path / "results" / "ddp_vs_torch.json"
     steps = 3
-    result = _load_script().main(["--nproc", "2", "--preset", "tiny", "--steps", str(steps),
-                                  "--warmup", "1", "--batch", "2", "--seq", "16",
-                                  "--out", str(out)])
+    bench = load_benchmark("ddp_vs_torch")
+    result = bench.main(["--nproc", "2", "--preset", "tiny", "--steps", str(steps),
+                        "--warmup", "1", "--batch", "2", "--seq", "16",
+                        "--out", str(out)])
     assert json.loads(out.read_text()) == result
     assert result["config"]["nproc"] == 2 and result["config"]["backend"] == "gloo"
     for name in ("ours", "torch"):

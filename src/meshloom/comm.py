@@ -120,13 +120,17 @@ def _gather_dim(x: torch.Tensor, mesh: Mesh, axis: str, dim: int) -> torch.Tenso
     return torch.cat(out.unbind(0), dim=dim)
 
 
+def _check_splits(x: torch.Tensor, n: int, axis: str, dim: int) -> None:
+    if x.shape[dim] % n:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} does not split over {axis}={n}")
+
+
 def _chunk_dim(x: torch.Tensor, mesh: Mesh, axis: str, dim: int) -> torch.Tensor:
     """This rank's slice of `x` along `dim`."""
     n = mesh.size(axis)
     if n == 1:
         return x
-    if x.shape[dim] % n:
-        raise ValueError(f"dimension {dim} of size {x.shape[dim]} does not split over {axis}={n}")
+    _check_splits(x, n, axis, dim)
     return x.chunk(n, dim=dim)[mesh.coord(axis)].contiguous()
 
 
@@ -135,8 +139,7 @@ def _reduce_scatter_dim(x: torch.Tensor, mesh: Mesh, axis: str, dim: int) -> tor
     n = mesh.size(axis)
     if n == 1:
         return x
-    if x.shape[dim] % n:
-        raise ValueError(f"dimension {dim} of size {x.shape[dim]} does not split over {axis}={n}")
+    _check_splits(x, n, axis, dim)
     parts = torch.stack(x.chunk(n, dim=dim)).contiguous()  # [n, ...slice]
     out = torch.empty(parts.shape[1:], dtype=x.dtype, device=x.device)
     reduce_scatter_into(out.view(-1), parts.view(-1), mesh, axis)
