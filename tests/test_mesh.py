@@ -80,3 +80,19 @@ def test_drawing_shows_what_each_shard_holds():
     text = draw_layout(ParallelDims(dp_replicate=2, dp_shard=2), zero_stage=3)
     assert "rank   1  dp_replicate 0/2  dp_shard 1/2" in text
     assert "shard 1/2 of params + grads + optimizer" in text
+
+
+def test_drawing_shows_each_ranks_tensor_parallel_slice():
+    from meshloom.models.llama import config_from_preset
+
+    model = config_from_preset("tiny")  # 4 heads, 2 KV heads, MLP 192, vocabulary 257
+    text = draw_layout(ParallelDims(dp_shard=2, tp=2), zero_stage=3, model=model,
+                       sequence_parallel=True)
+    lines = text.splitlines()
+    r3 = lines.index(next(line for line in lines if line.startswith("    rank   3")))
+    assert "dp_shard 1/2  tp 1/2" in lines[r3]
+    assert "shard 1/2 of params + grads + optimizer" in lines[r3]
+    assert ("tp slice 1/2 of layers 0-3: heads 2-3 of 4 (KV heads 1-1 of 2), MLP columns "
+            "96-191 of 192; vocabulary rows 129-256 of 257") in lines[r3 + 1]
+    assert "sequence part 1/2" in lines[r3 + 1]
+    assert "heads 0-1 of 4" in text and "vocabulary rows 0-128 of 257" in text

@@ -21,8 +21,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from meshloom.mesh import Mesh
+from meshloom.placement import checkpoint_entry
+
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: parameters in their global shape (2: flat)
 
 
 class CheckpointError(RuntimeError):
@@ -73,25 +76,30 @@ def _rng_state() -> dict[str, Any]:
 ADAM_STATS = ("exp_avg", "exp_avg_sq")
 
 
-def whole_optimizer_state(named_params: list[tuple[str, nn.Parameter]],
-                          optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Optimizer state of whole parameters (one process, DDP), in the canonical layout:
-    `optim/<parameter name>/<stat>` as a flat tensor over the parameter's elements. The values
-    are views of the live state, so a load fills it in place."""
-    return {f"optim/{name}/{k}": optimizer.state[p][k].view(-1)
-            for name, p in named_params for k in ADAM_STATS}
+def whole_state(named_params: list[tuple[str, nn.Parameter]], mesh: Mesh,
+                optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    """Entries for parameters each rank holds whole, or as a tensor-parallel slice:
+    `model/<name>`, or `optim/<name>/<stat>` when `optimizer` is given, in the parameter's global
+    shape (a slice becomes a ShardedTensor over tp). The values are views of the live tensors, so
+    a load fills them in place."""
+    out = {}
+    for name, p in named_params:
+        if optimizer is None:
+            out[f"model/{name}"] = checkpoint_entry(p, p.detach().view(-1), 0, mesh)
+            continue
+        for k in ADAM_STATS:
+            out[f"optim/{name}/{k}"] = checkpoint_entry(p, optimizer.state[p][k].view(-1), 0,
+                                                        mesh)
+    return out
 
 
 def _training_state(model: nn.Module, optimizer: torch.optim.Optimizer,
                     strategy) -> dict[str, Any]:
     """What a checkpoint holds, keyed by parameter name so that it does not depend on the
-    layout: `model/<name>` and `optim/<name>/<stat>`, each a flat (1-D) tensor over the
-    parameter's elements — whole, or this rank's pieces as ShardedTensors where the layout
-    shards them — plus the AdamW step count."""
-    if hasattr(strategy, "model_state"):  # parameters that only exist as shards
-        state: dict[str, Any] = strategy.model_state()
-    else:
-        state = {f"model/{k}": v.view(-1) for k, v in model.state_dict().items()}
+    layout: `model/<name>` and `optim/<name>/<stat>`, each in the parameter's global shape —
+    whole, or this rank's rectangles of it as a ShardedTensor where the layout splits it — plus
+    the AdamW step count."""
+    state: dict[str, Any] = strategy.model_state()
     state.update(strategy.optimizer_state(optimizer))
     steps = [st["step"] for st in optimizer.state.values() if "step" in st]
     state["optim/step"] = torch.tensor(float(steps[0]) if steps else 0.0)
@@ -164,6 +172,9 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     """Collective: restore model and optimizer in place; returns the checkpoint's meta."""
     path = Path(path)
     meta = read_meta(path)
+    if meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path} has format {meta.get('format')}; this meshloom "
+                              f"reads format {FORMAT_VERSION}")
     if not (path / ".metadata").is_file():
         raise CheckpointError(f"checkpoint {path} is incomplete: it has no DCP .metadata file")
     _materialize_optimizer_state(optimizer)

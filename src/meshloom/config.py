@@ -311,7 +311,7 @@ def validate(cfg: Config, world_size: int, *, check_data: bool = True):
              "parallel.cpu_offload needs parallel.zero_stage >= 1 (it offloads the sharded "
              "optimizer state)")
     # Strategies this version does not have yet are refused here rather than ignored in a rank.
-    for axis in ("tp", "pp", "cp"):
+    for axis in ("pp", "cp"):
         _require(getattr(dims, axis) == 1,
                  f"parallel.{axis}={getattr(dims, axis)}: this meshloom version implements data "
                  f"parallel only; set parallel.{axis}=1")
@@ -378,8 +378,15 @@ def validate(cfg: Config, world_size: int, *, check_data: bool = True):
              f"({vocab}, data.tokenizer={d.tokenizer!r})")
     _require(d.seq_len <= mcfg.max_seq_len,
              f"data.seq_len={d.seq_len} exceeds model.max_seq_len={mcfg.max_seq_len}")
-    _require(mcfg.n_heads % dims.tp == 0,
-             f"model.n_heads={mcfg.n_heads} must be divisible by parallel.tp={dims.tp}")
+    if dims.tp > 1:
+        from meshloom.parallel.tensor_plan import check_tp_dims
+
+        problem = check_tp_dims(dims.tp, n_heads=mcfg.n_heads, kv_heads=mcfg.kv_heads,
+                                ffn_hidden=mcfg.hidden)
+        _require(problem is None, problem or "")
+        _require(not p.sequence_parallel or d.seq_len % dims.tp == 0,
+                 f"data.seq_len={d.seq_len} must be divisible by parallel.tp={dims.tp} with "
+                 "parallel.sequence_parallel (the sequence is split over tp)")
     _require(dims.cp == 1 or d.seq_len % (2 * dims.cp) == 0,
              f"data.seq_len={d.seq_len} must be divisible by 2 x parallel.cp = {2 * dims.cp}")
     _require(dims.pp <= mcfg.n_layers,

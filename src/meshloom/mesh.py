@@ -16,9 +16,11 @@ if TYPE_CHECKING:
     from meshloom.comm import CommCounter
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-# Flattened views several components need: all data-parallel ranks (gradient averaging), and
-# data x context parallel (the ranks whose losses are averaged).
-FLAT_AXES = {"dp": ("dp_replicate", "dp_shard"), "dp_cp": ("dp_replicate", "dp_shard", "cp")}
+# Flattened views several components need: all data-parallel ranks (gradient averaging), data x
+# context parallel (the ranks whose losses are averaged), and the ranks that together hold one copy
+# of a tensor-parallel parameter sharded by ZeRO (a checkpoint entry's group).
+FLAT_AXES = {"dp": ("dp_replicate", "dp_shard"), "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+             "dp_shard_tp": ("dp_shard", "tp")}
 
 
 @dataclass(frozen=True)
@@ -144,8 +146,11 @@ class Mesh:
 
 
 def draw_layout(dims: ParallelDims, ranks_per_node: int | None = None, backend: str = "",
-                device: str = "", zero_stage: int = 0) -> str:
-    """A text picture of the layout: each rank's coordinates on the axes that are split, by node."""
+                device: str = "", zero_stage: int = 0, model=None,
+                sequence_parallel: bool = False) -> str:
+    """A text picture of the layout: each rank's coordinates on the axes that are split, by node,
+    and what it holds. With `model` (a LlamaConfig) the tensor-parallel slice is spelled out: the
+    attention heads, MLP columns and vocabulary rows of every layer that the rank keeps."""
     split = [a for a in AXES if getattr(dims, a) > 1]
     per_node = ranks_per_node or dims.world_size
     head = f"mesh: {dims.describe()}  ({dims.world_size} rank{'s' * (dims.world_size > 1)}"
@@ -158,7 +163,30 @@ def draw_layout(dims: ParallelDims, ranks_per_node: int | None = None, backend: 
             c = dims.coordinates(rank)
             axes = "  ".join(f"{a} {c[a]}/{getattr(dims, a)}" for a in split) or "single process"
             lines.append(f"    rank {rank:>3}  {axes:<40} {_holds(dims, c, zero_stage)}")
+            if dims.tp > 1:
+                lines.append(" " * 15 + _tp_slice(dims.tp, c["tp"], model, sequence_parallel))
     return "\n".join(lines)
+
+
+def _span(total: int, parts: int, i: int, padded: bool = False) -> str:
+    size = -(-total // parts) if padded else total // parts
+    lo, hi = i * size, min(total, (i + 1) * size)
+    return f"{lo}-{hi - 1} of {total}"
+
+
+def _tp_slice(tp: int, i: int, model, sequence_parallel: bool) -> str:
+    """Which part of every layer tensor-parallel rank i holds (Megatron's split)."""
+    if model is None:
+        text = f"tp slice {i}/{tp} of every layer's heads, MLP columns and vocabulary"
+    else:
+        layers = f"layers 0-{model.n_layers - 1}" if model.n_layers > 1 else "layer 0"
+        text = (f"tp slice {i}/{tp} of {layers}: heads {_span(model.n_heads, tp, i)} "
+                f"(KV heads {_span(model.kv_heads, tp, i)}), MLP columns "
+                f"{_span(model.hidden, tp, i)}; vocabulary rows "
+                f"{_span(model.vocab_size, tp, i, padded=True)}")
+    if sequence_parallel:
+        text += f"; tokens of sequence part {i}/{tp} outside attention and MLP"
+    return text
 
 
 _SHARDED = {1: "optimizer state", 2: "optimizer state + grads", 3: "params + grads + optimizer"}

@@ -11,6 +11,7 @@ from torch import nn
 from meshloom import comm
 from meshloom.config import TrainConfig
 from meshloom.mesh import Mesh
+from meshloom.placement import tp_split
 
 
 def named_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -62,12 +63,17 @@ def grad_norm(params: Iterable[nn.Parameter], mesh: Mesh | None = None,
 
     Each rank sums the squares of the gradient elements it owns; `sharded_axes` are the mesh axes
     over which those elements are disjoint (sharded or split parameters), whose partial sums are
-    added up. Replicated gradients (plain DDP) need no communication.
+    added up. Over tp only the tensor-parallel slices are disjoint: a tensor replicated on every
+    tp rank (a norm gain) enters each rank's sum divided by tp, so it is counted once. Replicated
+    gradients (plain DDP) need no communication.
     """
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
+    params = [p for p in params if p.grad is not None]
+    if not params:
         return 0.0
-    sq = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
+    tp = mesh.size("tp") if mesh is not None and "tp" in sharded_axes else 1
+    sq = torch.stack([p.grad.detach().float().pow(2).sum()
+                      / (1 if tp == 1 or tp_split(p) is not None else tp)
+                      for p in params]).sum()
     for axis in sharded_axes:
         if mesh is not None and mesh.size(axis) > 1:
             comm.all_reduce(sq, mesh, axis, label="all_reduce_scalars")

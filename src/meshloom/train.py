@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from meshloom import checkpoint, comm
@@ -45,7 +44,7 @@ from meshloom.metrics import (
 from meshloom.models.generate import generate
 from meshloom.models.llama import build_model
 from meshloom.optim import LossScaler, build_optimizer, clip_grads, grad_norm, lr_at, set_lr
-from meshloom.parallel import TORCH_DTYPES, parallelize
+from meshloom.parallel import TORCH_DTYPES, Parallelized, parallelize
 
 
 @dataclass
@@ -94,33 +93,29 @@ def _init_distributed(cfg: Config, world: int, rank: int, local_rank: int) -> to
     return device
 
 
-def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    logits = model(x)
-    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-
-
-def _forward_backward(model: nn.Module, grads, batches: list, device: torch.device, autocast,
+def _forward_backward(par: Parallelized, batches: list, device: torch.device, autocast,
                       loss_scale: float) -> float:
     """One optimizer step's micro-batches: the mean loss of the global batch is the mean of the
     micro-batch means, so each is divided by their count; only the last one communicates."""
     total = 0.0
     for i, (x, y) in enumerate(batches):
         last = i == len(batches) - 1
-        with grads.no_sync() if not last else contextlib.nullcontext():
+        with par.grads.no_sync() if not last else contextlib.nullcontext():
             with autocast:
-                loss = _loss(model, x.to(device), y.to(device)) / len(batches)
+                loss = par.loss(par.model(x.to(device)), y.to(device)) / len(batches)
             (loss * loss_scale).backward()
         total += loss.item()
     return total
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: list, mesh: Mesh, device: torch.device) -> float | None:
+def evaluate(par: Parallelized, batches: list, mesh: Mesh, device: torch.device) -> float | None:
     if not batches:
         return None
+    model = par.model
     was_training = model.training
     model.eval()
-    total = sum(_loss(model, x.to(device), y.to(device)).item() for x, y in batches)
+    total = sum(par.loss(model(x.to(device)), y.to(device)).item() for x, y in batches)
     model.train(was_training)
     # Every rank holds the same number of equal-sized batches, so the mean of means is exact.
     (total,) = comm.all_reduce_scalars([total / len(batches)], mesh, "dp")
@@ -205,8 +200,8 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
         before = counter.snapshot()
         lr = lr_at(step, cfg.train)
         set_lr(optimizer, lr)
-        local_loss = _forward_backward(model, par.grads, loader.micro_batches(step), device,
-                                       autocast, scaler.scale)
+        local_loss = _forward_backward(par, loader.micro_batches(step), device, autocast,
+                                       scaler.scale)
         par.grads.finish()
         norm = grad_norm(params, mesh, par.grads.norm_axes)
         if scaler.update(norm):
@@ -236,7 +231,7 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
                   "peak_mem_bytes": peak_memory_bytes(device),
                   "comm_bytes": counter.by_axis(since=before), "step_time_s": dt}
         if (cfg.train.eval_every and done % cfg.train.eval_every == 0) or done == cfg.train.steps:
-            eval_loss = evaluate(model, evals, mesh, device)
+            eval_loss = evaluate(par, evals, mesh, device)
             if eval_loss is not None:
                 record["eval_loss"] = eval_loss
                 result.eval_losses[done] = eval_loss
@@ -255,7 +250,7 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
     sample = None
     if cfg.train.sample_tokens:
         # Every rank generates (same seed, same tokens): a sharded model's forward is collective.
-        text = _sample(model, tokenizer, cfg, device)
+        text = _sample(par.inference_model, tokenizer, cfg, device)
         sample = text if main else None
     peaks = [0.0] * world
     peaks[rank] = float(peak_memory_bytes(device))
@@ -349,8 +344,9 @@ def _print_ending(summary: dict[str, Any]) -> None:
 
 def print_layout(cfg: Config, dims, ranks_per_node: int | None = None) -> None:
     print(draw_layout(dims, ranks_per_node, backend=resolve_backend(cfg.run),
-                      device=resolve_device(cfg.run), zero_stage=cfg.parallel.zero_stage),
-          flush=True)
+                      device=resolve_device(cfg.run), zero_stage=cfg.parallel.zero_stage,
+                      model=model_config(cfg, None),
+                      sequence_parallel=cfg.parallel.sequence_parallel), flush=True)
 
 
 if __name__ == "__main__":

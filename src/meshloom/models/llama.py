@@ -224,8 +224,12 @@ class TransformerBlock(nn.Module):
 
 
 class Llama(nn.Module):
+    # Module-name pattern -> tensor-parallel style (see parallel/tensor_plan.py). Attention and
+    # MLP each enter their region once ("input"); q/k/v and w1/w3 split heads and hidden width.
     TP_PLAN: ClassVar[dict[str, str]] = {
         "tok_embeddings": "vocab",
+        "layers.*.attention": "input",
+        "layers.*.feed_forward": "input",
         "layers.*.attention.wq": "colwise",
         "layers.*.attention.wk": "colwise",
         "layers.*.attention.wv": "colwise",

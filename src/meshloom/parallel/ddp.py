@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from meshloom import comm
-from meshloom.checkpoint import whole_optimizer_state
+from meshloom.checkpoint import whole_state
 from meshloom.mesh import Mesh
 from meshloom.optim import decay_groups, named_trainable
 from meshloom.parallel.flat import group_parameters
@@ -86,7 +86,10 @@ class DataParallel:
         pass
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
-        return whole_optimizer_state(named_trainable(self.model), optimizer)
+        return whole_state(named_trainable(self.model), self.mesh, optimizer)
+
+    def model_state(self) -> dict:
+        return whole_state(named_trainable(self.model), self.mesh)
 
     @property
     def grad_bytes(self) -> int:

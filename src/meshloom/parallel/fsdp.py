@@ -56,7 +56,8 @@ class _Unit:
         self.grad_shard = g.new_shard(torch.float32, prec.master_device(g.device))
         self.grad_live = True  # freed once the optimizer's views of it exist
         # An embedding's backward reads only the token ids: no need to re-gather it.
-        self.backward_needs_params = not isinstance(module, nn.Embedding)
+        self.backward_needs_params = (not isinstance(module, nn.Embedding)
+                                      and getattr(module, "backward_reads_weight", True))
         self.gathered, self.work = True, None
         self.pending = len(g.params)
         self.inflight: tuple | None = None

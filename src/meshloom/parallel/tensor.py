@@ -23,6 +23,7 @@ from torch import nn
 
 from meshloom import comm
 from meshloom.mesh import Mesh
+from meshloom.placement import TPSplit, mark_sp_partial, set_tp_split
 
 AXIS = "tp"
 
@@ -35,35 +36,68 @@ def _rows(weight: torch.Tensor, mesh: Mesh, padded: int | None = None) -> torch.
     return weight.chunk(mesh.size(AXIS), dim=0)[mesh.coord(AXIS)].clone()
 
 
+def _tag(p: nn.Parameter, dim: int, global_shape, mesh: Mesh) -> nn.Parameter:
+    """Record where this slice sits in the global parameter (checkpoints read it)."""
+    set_tp_split(p, TPSplit(dim, tuple(global_shape), mesh.coord(AXIS) * p.shape[dim]))
+    return p
+
+
+def _input_entry(x: torch.Tensor, mesh: Mesh, sequence_parallel: bool) -> torch.Tensor:
+    """Megatron's f operator: the activations entering a tensor-parallel region. Replicated input:
+    identity forward, all-reduce of the gradient backward. Sequence-split input: all-gather of
+    the sequence forward, reduce-scatter backward."""
+    if sequence_parallel:
+        return comm.gather_seq(x, mesh, AXIS, dim=1)
+    return comm.copy_to_group(x, mesh, AXIS)
+
+
 class ColumnParallelLinear(nn.Module):
-    def __init__(self, weight_shard: torch.Tensor, mesh: Mesh, *, sequence_parallel: bool = False):
+    """Output features split. With `gather_input` the layer applies the region-entry operator
+    to its input itself; without, the enclosing module has done it once for all of its column
+    layers (q, k, v share one entry, so its gradient is reduced once, not three times)."""
+
+    def __init__(self, weight_shard: torch.Tensor, mesh: Mesh, *, sequence_parallel: bool = False,
+                 gather_input: bool = True, bias_shard: torch.Tensor | None = None):
         super().__init__()
-        self.mesh, self.sequence_parallel = mesh, sequence_parallel
+        self.mesh, self.sequence_parallel, self.gather_input = mesh, sequence_parallel, gather_input
         self.weight = nn.Parameter(weight_shard)
+        self.bias = nn.Parameter(bias_shard) if bias_shard is not None else None
 
     @classmethod
     def from_module(cls, linear: nn.Linear, mesh: Mesh, *, sequence_parallel: bool = False,
-                    padded_out: int | None = None) -> ColumnParallelLinear:
+                    padded_out: int | None = None, gather_input: bool = True
+                    ) -> ColumnParallelLinear:
         n = mesh.size(AXIS)
         out = padded_out or linear.out_features
         if out % n:
             raise ValueError(f"{out} output features do not split over tp={n}")
-        return cls(_rows(linear.weight.detach(), mesh, padded_out), mesh,
-                   sequence_parallel=sequence_parallel)
+        bias = None if linear.bias is None else _rows(linear.bias.detach(), mesh, padded_out)
+        layer = cls(_rows(linear.weight.detach(), mesh, padded_out), mesh,
+                    sequence_parallel=sequence_parallel, gather_input=gather_input,
+                    bias_shard=bias)
+        _tag(layer.weight, 0, linear.weight.shape, mesh)
+        if layer.bias is not None:
+            _tag(layer.bias, 0, linear.bias.shape, mesh)
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            x = comm.gather_seq(x, self.mesh, AXIS, dim=1)
-        else:
-            x = comm.copy_to_group(x, self.mesh, AXIS)
-        return F.linear(x, self.weight)
+        if self.gather_input:
+            x = _input_entry(x, self.mesh, self.sequence_parallel)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
-    def __init__(self, weight_shard: torch.Tensor, mesh: Mesh, *, sequence_parallel: bool = False):
+    """Input features split; the partial products are summed across tp (reduce-scattered along
+    the sequence with sequence parallel). A bias is whole on every rank, added after the sum."""
+
+    def __init__(self, weight_shard: torch.Tensor, mesh: Mesh, *, sequence_parallel: bool = False,
+                 bias: torch.Tensor | None = None):
         super().__init__()
         self.mesh, self.sequence_parallel = mesh, sequence_parallel
         self.weight = nn.Parameter(weight_shard)
+        self.bias = nn.Parameter(bias) if bias is not None else None
+        if self.bias is not None:  # added to sequence-split outputs: a partial gradient per rank
+            mark_sp_partial(self.bias)
 
     @classmethod
     def from_module(cls, linear: nn.Linear, mesh: Mesh, *,
@@ -72,16 +106,23 @@ class RowParallelLinear(nn.Module):
         if linear.in_features % n:
             raise ValueError(f"{linear.in_features} input features do not split over tp={n}")
         w = linear.weight.detach().chunk(n, dim=1)[mesh.coord(AXIS)].clone()
-        return cls(w, mesh, sequence_parallel=sequence_parallel)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        layer = cls(w, mesh, sequence_parallel=sequence_parallel, bias=bias)
+        _tag(layer.weight, 1, linear.weight.shape, mesh)
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = F.linear(x, self.weight)
         if self.sequence_parallel:
-            return comm.reduce_scatter_seq(partial, self.mesh, AXIS, dim=1)
-        return comm.reduce_from_group(partial, self.mesh, AXIS)
+            out = comm.reduce_scatter_seq(partial, self.mesh, AXIS, dim=1)
+        else:
+            out = comm.reduce_from_group(partial, self.mesh, AXIS)
+        return out if self.bias is None else out + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
+    backward_reads_weight = False  # its backward needs only the ids (ZeRO-3 skips a re-gather)
+
     def __init__(self, weight_shard: torch.Tensor, vocab_size: int, mesh: Mesh, *,
                  sequence_parallel: bool = False):
         super().__init__()
@@ -93,8 +134,10 @@ class VocabParallelEmbedding(nn.Module):
     def from_module(cls, emb: nn.Embedding, mesh: Mesh, *,
                     sequence_parallel: bool = False) -> VocabParallelEmbedding:
         padded = padded_vocab(emb.num_embeddings, mesh.size(AXIS))
-        return cls(_rows(emb.weight.detach(), mesh, padded), emb.num_embeddings, mesh,
-                   sequence_parallel=sequence_parallel)
+        layer = cls(_rows(emb.weight.detach(), mesh, padded), emb.num_embeddings, mesh,
+                    sequence_parallel=sequence_parallel)
+        _tag(layer.weight, 0, emb.weight.shape, mesh)
+        return layer
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.lo
@@ -121,15 +164,15 @@ class _VocabParallelCE(torch.autograd.Function):
         cols = torch.arange(lo, lo + n_local, device=logits.device)
         logits = logits.masked_fill(cols >= vocab_size, float("-inf"))
         m = logits.max(dim=-1).values
-        comm.all_reduce(m, mesh, AXIS, op=dist.ReduceOp.MAX)
+        comm.all_reduce(m, mesh, AXIS, op=dist.ReduceOp.MAX, label="all_reduce_loss")
         exp = (logits - m.unsqueeze(-1)).exp()
         sum_exp = exp.sum(dim=-1)
-        comm.all_reduce(sum_exp, mesh, AXIS)
+        comm.all_reduce(sum_exp, mesh, AXIS, label="all_reduce_loss")
         local_t = targets - lo
         mine = (local_t >= 0) & (local_t < n_local)
         picked = logits.gather(-1, local_t.clamp(0, n_local - 1).unsqueeze(-1)).squeeze(-1)
         picked = torch.where(mine, picked - m, torch.zeros_like(picked))
-        comm.all_reduce(picked, mesh, AXIS)
+        comm.all_reduce(picked, mesh, AXIS, label="all_reduce_loss")
         loss = sum_exp.log() - picked
         ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), local_t, mine)
         return loss

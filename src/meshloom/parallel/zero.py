@@ -16,20 +16,18 @@ order backward produces gradients). Each rank owns 1/N of every buffer (N = dp_s
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
 
 from meshloom import comm
 from meshloom.checkpoint import ADAM_STATS
 from meshloom.mesh import Mesh
 from meshloom.parallel.ddp import FIRST_BUCKET_BYTES
 from meshloom.parallel.flat import FlatGroup, group_parameters
+from meshloom.placement import checkpoint_entry, set_source
 
 
 @dataclass(frozen=True)
@@ -235,6 +233,7 @@ def split_pieces(groups: list[tuple[FlatGroup, torch.Tensor, torch.Tensor]]
     for gi, (group, param_shard, grad_shard) in enumerate(groups):
         for piece, view in group.piece_views(param_shard):
             master = nn.Parameter(view)  # shares storage with the shard
+            set_source(master, group.params[piece.index])
             master.grad = grad_shard[piece.shard_lo:piece.shard_lo + piece.numel]
             (decay if group.params[piece.index].ndim >= 2 else no_decay).append(master)
             masters[(gi, piece.index)] = (master, piece.param_lo)
@@ -244,24 +243,19 @@ def split_pieces(groups: list[tuple[FlatGroup, torch.Tensor, torch.Tensor]]
 def pieces_state(mesh: Mesh, groups: list[FlatGroup], masters: Masters,
                  optimizer: torch.optim.Optimizer | None) -> dict:
     """This rank's pieces, keyed like whole-parameter state so that a checkpoint does not depend
-    on the layout: `optim/<name>/<stat>` (or `model/<name>` when optimizer is None) as 1-D
-    ShardedTensors over the dp_shard group. HSDP replicas write identical chunks, which DCP
-    stores once. Collective over dp_shard (every rank walks every parameter)."""
-    group = mesh.group("dp_shard")
+    on the layout: `optim/<name>/<stat>` (or `model/<name>` when optimizer is None) in the
+    parameter's global shape, as ShardedTensors over dp_shard (and tp for tensor-parallel
+    slices). HSDP replicas write identical chunks, which DCP stores once. Collective over those
+    groups (every rank walks every parameter)."""
     out = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # ShardedTensor's deprecation notices
-        for gi, g in enumerate(groups):
-            for i, (name, numel) in enumerate(zip(g.names, g.numels, strict=True)):
-                master, lo = masters.get((gi, i), (None, 0))
-                stats = ADAM_STATS if optimizer is not None else (None,)
-                for k in stats:
-                    shards = []
-                    if master is not None:
-                        t = master.detach() if k is None else optimizer.state[master][k]
-                        # ShardedTensor placements name global ranks.
-                        shards = [Shard(t, ShardMetadata([lo], [t.numel()],
-                                                         f"rank:{mesh.rank}/{t.device}"))]
-                    key = f"model/{name}" if k is None else f"optim/{name}/{k}"
-                    out[key] = init_from_local_shards(shards, numel, process_group=group)
+    for gi, g in enumerate(groups):
+        for i, (name, p) in enumerate(zip(g.names, g.params, strict=True)):
+            master, lo = masters.get((gi, i), (None, 0))
+            for k in (ADAM_STATS if optimizer is not None else (None,)):
+                if master is None:
+                    values = torch.empty(0, dtype=torch.float32, device=g.device)
+                else:
+                    values = master.detach() if k is None else optimizer.state[master][k]
+                key = f"model/{name}" if k is None else f"optim/{name}/{k}"
+                out[key] = checkpoint_entry(p, values, lo, mesh, "dp_shard")
     return out

@@ -1,0 +1,142 @@
+"""Where the tensor a rank holds sits inside the global parameter.
+
+Strategies tag what they create, and everything that must see the layout-independent picture
+(checkpoints, the global grad norm, the sequence-parallel gradient sync) reads the tags here:
+- a tensor-parallel slice carries a `TPSplit` (split dimension, global unpadded shape, offset);
+- a tensor the sharded optimizer updates (a ZeRO piece) points at the model parameter it is a
+  piece of (`source`);
+- a replicated parameter whose gradient is only partial per tp rank under sequence parallel (norm
+  gains, row-parallel biases: they see a slice of the sequence) is marked `sp_partial`.
+
+`rects()` maps a range of a rank's flattened local tensor to rectangles of the global tensor, so
+a checkpoint stores every parameter in its natural global shape whatever the layout.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from meshloom.mesh import Mesh
+
+_TP, _SOURCE, _SP_PARTIAL = "_meshloom_tp", "_meshloom_source", "_meshloom_sp_partial"
+
+
+@dataclass(frozen=True)
+class TPSplit:
+    """This rank holds indices [offset, offset + local size) along `dim` of a tensor of
+    `global_shape`; indices past the global size are padding (a padded vocabulary)."""
+
+    dim: int
+    global_shape: tuple[int, ...]
+    offset: int
+
+
+def set_tp_split(p: nn.Parameter, split: TPSplit) -> None:
+    setattr(p, _TP, split)
+
+
+def mark_sp_partial(p: nn.Parameter) -> None:
+    setattr(p, _SP_PARTIAL, True)
+
+
+def set_source(t: torch.Tensor, param: nn.Parameter) -> None:
+    setattr(t, _SOURCE, param)
+
+
+def source(t: torch.Tensor) -> torch.Tensor:
+    """The model parameter an optimizer tensor belongs to (itself if it is one)."""
+    return getattr(t, _SOURCE, t)
+
+
+def tp_split(t: torch.Tensor) -> TPSplit | None:
+    return getattr(source(t), _TP, None)
+
+
+def is_sp_partial(t: torch.Tensor) -> bool:
+    return getattr(source(t), _SP_PARTIAL, False)
+
+
+def global_shape(param: torch.Tensor) -> tuple[int, ...]:
+    split = tp_split(param)
+    return split.global_shape if split else tuple(param.shape)
+
+
+Rect = tuple[tuple[int, ...], tuple[int, ...], int, int]  # global offsets, sizes, flat [a, b)
+
+
+def rects(param: torch.Tensor, lo: int, hi: int) -> list[Rect]:
+    """Rectangles of the global tensor covered by elements [lo, hi) of `param`'s flattened local
+    tensor (row-major), each with the flat sub-range [a, b) holding it. At most three per range
+    (a partial first row, whole rows, a partial last row); padding is clipped away."""
+    shape = tuple(param.shape)
+    split = tp_split(param)
+    if len(shape) == 1:
+        local = [((lo,), (hi - lo,), lo, hi)] if hi > lo else []
+    elif len(shape) == 2:
+        local = _rects_2d(shape[1], lo, hi)
+    else:
+        raise ValueError(f"parameters of {len(shape)} dimensions are not supported here")
+    if split is None:
+        return local
+    out = []
+    limit = split.global_shape[split.dim]
+    for offs, sizes, a, b in local:
+        offs = list(offs)
+        offs[split.dim] += split.offset
+        start, size = offs[split.dim], sizes[split.dim]
+        keep = max(0, min(size, limit - start))  # clip the padding
+        if keep == 0:
+            continue
+        if keep < size:
+            sizes = tuple(keep if d == split.dim else s for d, s in enumerate(sizes))
+            # Only dim 0 is ever padded (vocabulary rows), so the kept part is a flat prefix.
+            b = a + keep * (sizes[1] if len(sizes) == 2 else 1)
+        out.append((tuple(offs), tuple(sizes), a, b))
+    return out
+
+
+def _rects_2d(cols: int, lo: int, hi: int) -> list[Rect]:
+    out = []
+    r0, c0 = divmod(lo, cols)
+    r1, c1 = divmod(hi, cols)
+    if r0 == r1:
+        return [((r0, c0), (1, c1 - c0), lo, hi)] if c1 > c0 else []
+    if c0:
+        out.append(((r0, c0), (1, cols - c0), lo, (r0 + 1) * cols))
+        r0 += 1
+    if r1 > r0:
+        out.append(((r0, 0), (r1 - r0, cols), r0 * cols, r1 * cols))
+    if c1:
+        out.append(((r1, 0), (1, c1), r1 * cols, hi))
+    return out
+
+
+def checkpoint_entry(param: torch.Tensor, values: torch.Tensor, lo: int, mesh: Mesh,
+                     shard_axis: str | None = None):
+    """The checkpoint value for `values` (1-D: elements [lo, lo + numel) of `param`'s flattened
+    local tensor; may be empty): a plain tensor of the global shape when this rank holds it
+    whole, otherwise a ShardedTensor over the group of ranks that together hold it (`shard_axis`
+    and/or tp). The pieces are views of `values`, so a load fills them in place. Collective
+    over that group."""
+    shape = global_shape(param)
+    split = tp_split(param)
+    axes = [a for a in (shard_axis, "tp" if split else None) if a and mesh.size(a) > 1]
+    if not axes:
+        return values.view(shape)
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+
+    hi = lo + values.numel()
+    shards = []
+    for offs, sizes, a, b in (rects(param, lo, hi) if hi > lo else []):
+        # ShardedTensor placements name global ranks.
+        meta = ShardMetadata(list(offs), list(sizes), f"rank:{mesh.rank}/{values.device}")
+        shards.append(Shard(values[a - lo:b - lo].view(sizes), meta))
+    group = mesh.group("_".join(axes))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ShardedTensor's deprecation notices
+        return init_from_local_shards(shards, *shape, process_group=group)
