@@ -99,10 +99,10 @@ def test_row_parallel_linear(world, sp):
     assert res[0]["bytes"][("tp", op)] == 4 * 2 * 8 * 8
 
 
-def _embedding_job(world):
+def _embedding_job(world, padding_idx=None):
     mesh = _mesh(world)
     torch.manual_seed(0)
-    full = nn.Embedding(257, 8)
+    full = nn.Embedding(257, 8, padding_idx=padding_idx)
     ids = torch.tensor([[0, 5, 128, 129, 256, 3], [256, 255, 1, 2, 200, 64]])
     r = _data(2, 6, 8, seed=3)
     (full(ids) * r).sum().backward()
@@ -115,18 +115,21 @@ def _embedding_job(world):
             "gw_ref": ref_grad.chunk(world, 0)[mesh.coord("tp")]}
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_vocab_parallel_embedding_pads_and_matches(world):
-    for r in run_ranks(_embedding_job, world, world):
+@pytest.mark.parametrize("world,padding_idx", [(2, None), (4, None), (2, 200), (4, 5)])
+def test_vocab_parallel_embedding_pads_and_matches(world, padding_idx):
+    """Also with nn.Embedding's padding_idx: that row gets no gradient from its lookups."""
+    for r in run_ranks(_embedding_job, world, world, padding_idx):
         torch.testing.assert_close(r["y"], r["y_ref"])
         torch.testing.assert_close(r["gw"], r["gw_ref"])
 
 
-def _ce_job(world):
+def _ce_job(world, ignore=False):
     mesh = _mesh(world)
     v, padded = 257, padded_vocab(257, world)
     logits = _data(10, v).requires_grad_()
     targets = torch.tensor([0, 1, 256, 128, 129, 7, 255, 64, 200, 3])
+    if ignore:  # F.cross_entropy's ignore_index: no part in the mean, no gradient
+        targets[[1, 4, 8]] = -100
     ref = F.cross_entropy(logits, targets)
     ref.backward()
     full_padded = torch.cat([logits.detach(), torch.full((10, padded - v), 123.0)], dim=1)
@@ -138,10 +141,10 @@ def _ce_job(world):
             "g_ref": ref_grad.chunk(world, 1)[mesh.coord("tp")]}
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_vocab_parallel_cross_entropy(world):
+@pytest.mark.parametrize("world,ignore", [(2, False), (4, False), (2, True)])
+def test_vocab_parallel_cross_entropy(world, ignore):
     """Equal to F.cross_entropy on the whole logits; padding columns (set to a large value
     here) neither change the loss nor get a gradient."""
-    for r in run_ranks(_ce_job, world, world):
+    for r in run_ranks(_ce_job, world, world, ignore):
         assert abs(r["loss"] - r["ref"]) < 1e-5
         torch.testing.assert_close(r["g"], r["g_ref"], rtol=1e-5, atol=1e-7)

@@ -133,16 +133,26 @@ class VocabParallelEmbedding(nn.Module):
     @classmethod
     def from_module(cls, emb: nn.Embedding, mesh: Mesh, *,
                     sequence_parallel: bool = False) -> VocabParallelEmbedding:
+        if emb.max_norm is not None or emb.scale_grad_by_freq or emb.sparse:
+            raise ValueError("VocabParallelEmbedding does not support max_norm, "
+                             "scale_grad_by_freq or sparse embeddings")
         padded = padded_vocab(emb.num_embeddings, mesh.size(AXIS))
         layer = cls(_rows(emb.weight.detach(), mesh, padded), emb.num_embeddings, mesh,
                     sequence_parallel=sequence_parallel)
+        if emb.padding_idx is not None:  # the rank holding that row keeps it gradient-free
+            local = emb.padding_idx % emb.num_embeddings - layer.lo
+            if 0 <= local < layer.weight.shape[0]:
+                layer.padding_idx = local
         _tag(layer.weight, 0, emb.weight.shape, mesh)
         return layer
+
+    padding_idx: int | None = None  # local row whose lookups give no gradient (nn.Embedding's)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.lo
         outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight,
+                          padding_idx=self.padding_idx)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return comm.reduce_scatter_seq(out, self.mesh, AXIS, dim=1)
@@ -187,7 +197,11 @@ class _VocabParallelCE(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
-                                 mesh: Mesh) -> torch.Tensor:
-    """Mean cross-entropy from vocabulary-split logits [..., V/tp] and global target ids."""
+                                 mesh: Mesh, ignore_index: int = -100) -> torch.Tensor:
+    """Mean cross-entropy from vocabulary-split logits [..., V/tp] and global target ids; as in
+    F.cross_entropy, targets equal to `ignore_index` take no part (nor get a gradient)."""
     flat = logits.reshape(-1, logits.shape[-1])
-    return _VocabParallelCE.apply(flat, targets.reshape(-1), vocab_size, mesh).mean()
+    targets = targets.reshape(-1)
+    rows = _VocabParallelCE.apply(flat, targets, vocab_size, mesh)
+    keep = targets != ignore_index
+    return torch.where(keep, rows, torch.zeros_like(rows)).sum() / keep.sum()
