@@ -14,8 +14,10 @@ import pickle
 import queue
 import socket
 import statistics
+import subprocess
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -120,3 +122,50 @@ def add_common_args(p: argparse.ArgumentParser, *, steps: int, warmup: int, out:
 def check_common(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.steps < 2 or args.warmup < 0 or args.nproc < 1:
         p.error("need --steps >= 2, --warmup >= 0, --nproc >= 1")
+
+
+def parse_with_variants(p: argparse.ArgumentParser, argv: list[str] | None,
+                        variants: tuple[str, ...]) -> argparse.Namespace:
+    """Parse the common options plus `--variants` (distinct names from `variants`)."""
+    p.add_argument("--variants", default=",".join(variants),
+                   help=f"comma-separated, from {','.join(variants)}")
+    args = p.parse_args(argv)
+    check_common(p, args)
+    args.variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(args.variants) - set(variants))
+    if unknown or not args.variants or len(set(args.variants)) != len(args.variants):
+        p.error(f"--variants: give distinct names from {','.join(variants)}")
+    return args
+
+
+def round_order(variants: list, step: int) -> list:
+    """Rotate by one each round; every other full cycle runs backwards, so each variant also
+    follows every other one about equally often."""
+    k = step % len(variants)
+    order = variants[k:] + variants[:k]
+    return order[::-1] if (step // len(variants)) % 2 else order
+
+
+def paired(a: list[float], b: list[float]) -> float:
+    """Median of step-by-step ratios (same round), immune to slow drift of the machine."""
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
+
+
+def comm_since(counter, before: dict[tuple[str, str], int]) -> Counter:
+    """Bytes per collective recorded by our CommCounter since `before`."""
+    out: Counter = Counter()
+    for (axis, op), n in counter.bytes.items():
+        out[op] += n - before.get((axis, op), 0)
+    return +out  # drops ops that moved nothing in this window
+
+
+def git_state() -> dict:
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, check=True,
+                              capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "src"], cwd=root, check=True,
+                               capture_output=True, text=True).stdout.strip()
+        return {"commit": head, "src_modified": bool(dirty)}
+    except (OSError, subprocess.CalledProcessError):
+        return {"commit": None, "src_modified": None}

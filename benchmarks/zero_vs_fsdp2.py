@@ -21,8 +21,6 @@ import argparse
 import gc
 import itertools
 import json
-import statistics
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -50,9 +48,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import (  # noqa: E402
     add_common_args,
     batch,
-    check_common,
+    comm_since,
+    git_state,
     launch,
     loss_of,
+    paired,
+    parse_with_variants,
+    round_order,
     summary,
     threads_per_rank,
 )
@@ -82,14 +84,7 @@ MEMORY_NOTE = (
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(p, steps=20, warmup=3, out=DEFAULT_OUT)
-    p.add_argument("--variants", default=",".join(VARIANTS),
-                   help=f"comma-separated, from {','.join(VARIANTS)}")
-    args = p.parse_args(argv)
-    check_common(p, args)
-    args.variants = [v for v in args.variants.split(",") if v]
-    unknown = sorted(set(args.variants) - set(VARIANTS))
-    if unknown or not args.variants or len(set(args.variants)) != len(args.variants):
-        p.error(f"--variants: give distinct names from {','.join(VARIANTS)}")
+    args = parse_with_variants(p, argv, VARIANTS)
     return args
 
 
@@ -187,14 +182,6 @@ def build_variant(name: str, cfg: LlamaConfig, args: argparse.Namespace, mesh: M
     # fused=False: on CUDA build_optimizer would pick the fused kernel; FSDP2 runs foreach.
     opt = build_optimizer(*strategy.optim_param_groups(), TCFG, fused=False)
     return Variant(name, model, opt, strategy)
-
-
-def round_order(variants: list[Variant], step: int) -> list[Variant]:
-    """Rotate by one each round; every other full cycle runs backwards, so each variant also
-    follows every other one about equally often."""
-    k = step % len(variants)
-    order = variants[k:] + variants[:k]
-    return order[::-1] if (step // len(variants)) % 2 else order
 
 
 # ----------------------------------------------------------------------------- memory
@@ -298,14 +285,6 @@ def measure_memory(v: Variant, x: torch.Tensor, y: torch.Tensor,
 # ----------------------------------------------------------------------------- one rank
 
 
-def _comm_since(counter: CommCounter, before: dict[tuple[str, str], int]) -> Counter:
-    """Bytes per collective recorded by our CommCounter since `before`."""
-    out: Counter = Counter()
-    for (axis, op), n in counter.bytes.items():
-        out[op] += n - before.get((axis, op), 0)
-    return +out  # drops ops that moved nothing in this window
-
-
 def _agreement(variants: list[Variant], device: torch.device) -> dict:
     """Max abs difference of every variant's parameters from the first one's, and whether
     every pair is allclose (collective: every rank gathers the same things in the same order)."""
@@ -353,7 +332,7 @@ def _rank_main(args: argparse.Namespace, rank: int, world: int) -> dict | None:
             losses[v.name] = loss.item()
             if step >= args.warmup:
                 times[v.name].append(dt)
-                comm[v.name] += _comm_since(mesh.counter, before)
+                comm[v.name] += comm_since(mesh.counter, before)
 
     x, y = batch(args, cfg.vocab_size, rank, args.warmup + args.steps, device)
     memory = {v.name: measure_memory(v, x, y, device) for v in variants}
@@ -376,18 +355,6 @@ def _rank_main(args: argparse.Namespace, rank: int, world: int) -> dict | None:
 # ----------------------------------------------------------------------------- report
 
 
-def _git_state() -> dict:
-    root = Path(__file__).resolve().parents[1]
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, check=True,
-                              capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "src"], cwd=root, check=True,
-                               capture_output=True, text=True).stdout.strip()
-        return {"commit": head, "src_modified": bool(dirty)}
-    except (OSError, subprocess.CalledProcessError):
-        return {"commit": None, "src_modified": None}
-
-
 def _memory_report(per_rank: list[dict]) -> dict:
     """Max over ranks of each figure (shards differ by padding only), and every rank's totals."""
     out: dict = {"per_rank_total": {k: [m[k] if k == "step_peak" else m[k]["total"]
@@ -397,11 +364,6 @@ def _memory_report(per_rank: list[dict]) -> dict:
         out[k] = {kind: max(m[k][kind] for m in per_rank) for kind in per_rank[0][k]}
     out["step_peak"] = max(m["step_peak"] for m in per_rank)
     return out
-
-
-def _paired(a: list[float], b: list[float]) -> float:
-    """Median of step-by-step ratios (same round), immune to slow drift of the machine."""
-    return statistics.median(x / y for x, y in zip(a, b, strict=True))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -430,14 +392,14 @@ def main(argv: list[str] | None = None) -> dict:
         if base in variants:
             for v in variants.values():
                 v[f"ratio_to_{base}"] = v["median_s"] / variants[base]["median_s"]
-                v[f"paired_ratio_to_{base}"] = _paired(v["times_s"], variants[base]["times_s"])
+                v[f"paired_ratio_to_{base}"] = paired(v["times_s"], variants[base]["times_s"])
     result = {
         "config": {"nproc": args.nproc, "preset": args.preset, "steps": args.steps,
                    "warmup": args.warmup, "batch_per_rank": args.batch, "seq": args.seq,
                    "variants": args.variants, "bucket_mb": args.bucket_mb,
                    "device": args.device, "backend": "nccl" if args.device == "cuda" else "gloo",
                    "threads_per_rank": threads_per_rank(args.nproc), "params": raw["params"],
-                   "param_bytes": param_bytes, "torch": torch.__version__, "git": _git_state(),
+                   "param_bytes": param_bytes, "torch": torch.__version__, "git": git_state(),
                    "fairness": FAIRNESS},
         "variants": variants,
         "memory_note": MEMORY_NOTE,

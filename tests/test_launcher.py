@@ -83,3 +83,21 @@ def test_failing_rank_is_named_and_exits_1(tmp_path, token_cache):
     assert "meshloom: rank 0 failed:" in proc.stderr
     assert "meshloom: training failed on rank" in proc.stderr
     assert (run_dir / "error_rank0.txt").is_file()
+
+
+def test_meshloom_train_tensor_parallel(tmp_path, token_cache):
+    """The CLI path of a tensor-parallel run: drawing of the slices, training, a sample generated
+    from vocabulary-split logits with sequence parallel switched off, tp bytes in the metrics."""
+    run_dir = tmp_path / "run"
+    proc = _run([sys.executable, "-m", "meshloom.cli", "train", TINY, "--nproc", "2",
+                 "--set", "parallel.tp=2", "--set", "parallel.sequence_parallel=true",
+                 "--set", "train.steps=3", "--set", "train.eval_every=0",
+                 "--set", "train.sample_tokens=20", "--set", f"run.dir={run_dir}",
+                 "--set", f"data.cache_dir={token_cache}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "rank   1  tp 1/2" in out and "tp slice 1/2 of layers 0-3: heads 2-3 of 4" in out
+    assert "--- sample ---" in out
+    records = _records(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[-1]["comm_bytes"]["tp"] > 0 and "dp" not in records[-1]["comm_bytes"]
