@@ -131,4 +131,6 @@ def test_demo_config_is_valid():
 
     cfg = load_config(builtin_config("demo"))
     dims = validate(cfg, default_nproc(cfg))
-    assert dims.dp_replicate == 2 and dims.world_size == 2
+    # The 2-D layout of the demo: FSDP over 2 data-parallel shards x tensor parallel 2.
+    assert (dims.dp_shard, dims.tp, dims.world_size) == (2, 2, 4)
+    assert cfg.parallel.zero_stage == 3
