@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from meshloom.mesh import Mesh
-from meshloom.placement import checkpoint_entry
+from meshloom.placement import checkpoint_entry, checkpoint_name
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 FORMAT_VERSION = 3  # 3: parameters in their global shape (2: flat)
@@ -84,6 +84,7 @@ def whole_state(named_params: list[tuple[str, nn.Parameter]], mesh: Mesh,
     a load fills them in place."""
     out = {}
     for name, p in named_params:
+        name = checkpoint_name(name, p)
         if optimizer is None:
             out[f"model/{name}"] = checkpoint_entry(p, p.detach().view(-1), 0, mesh)
             continue

@@ -138,6 +138,18 @@ def _layout(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from meshloom.report import ReportError, format_report, report
+
+    try:
+        result = report(args.run_dir)
+    except ReportError as e:
+        print(f"meshloom: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(format_report(result))
+    return 0
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="?", help="TOML config (default: the built-in demo)")
     p.add_argument("--nproc", type=int, default=0, help="processes per node")
@@ -167,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(lay)
     lay.add_argument("--ranks-per-node", type=int, default=0)
     lay.set_defaults(func=_layout)
+    rep = sub.add_parser("report", help="measured vs predicted pipeline timeline of a run (PNG)")
+    rep.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (run.dir)")
+    rep.set_defaults(func=_report)
     return ap
 
 

@@ -211,3 +211,31 @@ def gather_seq(x: torch.Tensor, mesh: Mesh, axis: str, dim: int = 1) -> torch.Te
 def reduce_scatter_seq(x: torch.Tensor, mesh: Mesh, axis: str, dim: int = 1) -> torch.Tensor:
     """Reduce-scatter along `dim` forward, all-gather backward (sequence parallel exit)."""
     return _ReduceScatterThenGather.apply(x, mesh, axis, dim % x.ndim)
+
+
+# ---------------------------------------------------------------- point-to-point (pipeline)
+
+
+class PeerTimeout(RuntimeError):
+    """A receive that did not complete in time (the message names what was awaited)."""
+
+
+def send(tensor: torch.Tensor, mesh: Mesh, axis: str, dst: int, tag: int) -> dist.Work:
+    """Asynchronous send to global rank `dst`; counted once, as the payload."""
+    mesh.counter.record(axis, "send", tensor)
+    return dist.isend(tensor.contiguous(), dst=dst, tag=tag)
+
+
+def recv(buffer: torch.Tensor, src: int, tag: int, timeout_s: float, what: str) -> torch.Tensor:
+    """Receive into `buffer` from global rank `src`, or raise PeerTimeout after `timeout_s`."""
+    import datetime
+
+    work = dist.irecv(buffer, src=src, tag=tag)
+    try:
+        ok = work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:  # Gloo reports a time-out as an error
+        raise PeerTimeout(f"{what}: nothing arrived from rank {src} within {timeout_s:g} s "
+                          f"({type(e).__name__})") from None
+    if ok is False:
+        raise PeerTimeout(f"{what}: nothing arrived from rank {src} within {timeout_s:g} s")
+    return buffer

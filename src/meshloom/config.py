@@ -89,6 +89,8 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"
     pp_microbatches: int = 0
     pp_virtual_stages: int = 1
+    pp_layers: list[int] = field(default_factory=list)  # layers per stage; [] = balanced
+    pp_timeout_s: float = 300.0  # a pipeline receive that waits longer fails, naming the stage
     cp: int = 1
     ddp_bucket_mb: float = 25.0
     reshard_after_forward: bool = True  # ZeRO-3: free gathered parameters after each forward
@@ -311,7 +313,7 @@ def validate(cfg: Config, world_size: int, *, check_data: bool = True):
              "parallel.cpu_offload needs parallel.zero_stage >= 1 (it offloads the sharded "
              "optimizer state)")
     # Strategies this version does not have yet are refused here rather than ignored in a rank.
-    for axis in ("pp", "cp"):
+    for axis in ("cp",):
         _require(getattr(dims, axis) == 1,
                  f"parallel.{axis}={getattr(dims, axis)}: this meshloom version implements data "
                  f"parallel only; set parallel.{axis}=1")
@@ -389,9 +391,56 @@ def validate(cfg: Config, world_size: int, *, check_data: bool = True):
                  "parallel.sequence_parallel (the sequence is split over tp)")
     _require(dims.cp == 1 or d.seq_len % (2 * dims.cp) == 0,
              f"data.seq_len={d.seq_len} must be divisible by 2 x parallel.cp = {2 * dims.cp}")
-    _require(dims.pp <= mcfg.n_layers,
-             f"parallel.pp={dims.pp} exceeds model.n_layers={mcfg.n_layers}")
+    if dims.pp > 1:
+        _validate_pipeline(cfg, dims, mcfg)
     return dims
+
+
+def pipeline_microbatches(cfg: Config, dims) -> int:
+    """Micro-batches per step and pipeline: parallel.pp_microbatches, or what train.micro_batch
+    implies, or pp x virtual stages."""
+    p, local = cfg.parallel, cfg.train.global_batch // dims.dp
+    if p.pp_microbatches:
+        return p.pp_microbatches
+    if cfg.train.micro_batch:
+        return local // cfg.train.micro_batch
+    return dims.pp * p.pp_virtual_stages
+
+
+def _validate_pipeline(cfg: Config, dims, mcfg) -> None:
+    p, t = cfg.parallel, cfg.train
+    v, stages = p.pp_virtual_stages, dims.pp * p.pp_virtual_stages
+    _require(v == 1 or p.pp_schedule == "interleaved_1f1b",
+             f"parallel.pp_virtual_stages={v} needs parallel.pp_schedule=interleaved_1f1b "
+             f"(not {p.pp_schedule})")
+    if p.pp_layers:
+        _require(len(p.pp_layers) == stages and sum(p.pp_layers) == mcfg.n_layers
+                 and min(p.pp_layers) >= 1,
+                 f"parallel.pp_layers={p.pp_layers} must list {stages} stage sizes (pp x "
+                 f"pp_virtual_stages) of at least 1 layer each, adding up to model.n_layers="
+                 f"{mcfg.n_layers}")
+    else:
+        _require(stages <= mcfg.n_layers,
+                 f"parallel.pp={dims.pp} x parallel.pp_virtual_stages={v} = {stages} stages "
+                 f"exceeds model.n_layers={mcfg.n_layers} (a stage needs at least one layer)")
+    local = t.global_batch // dims.dp
+    m = pipeline_microbatches(cfg, dims)
+    _require(local % m == 0,
+             f"parallel.pp_microbatches={m} must divide the per-pipeline batch {local} "
+             f"(train.global_batch {t.global_batch} / data-parallel degree {dims.dp}); set "
+             "parallel.pp_microbatches")
+    _require(not (p.pp_microbatches and t.micro_batch and local // p.pp_microbatches
+                  != t.micro_batch),
+             f"train.micro_batch={t.micro_batch} and parallel.pp_microbatches="
+             f"{p.pp_microbatches} disagree (per-pipeline batch {local}); set one of them")
+    _require(p.pp_schedule != "interleaved_1f1b" or m % dims.pp == 0,
+             f"parallel.pp_schedule=interleaved_1f1b needs the micro-batch count ({m}) to be a "
+             f"multiple of parallel.pp={dims.pp}")
+    _require(not (mcfg.tie_embeddings and p.zero_stage >= 2),
+             f"tied embeddings across pipeline stages need parallel.zero_stage <= 1 (got "
+             f"{p.zero_stage}): the two copies' whole gradients are summed between the first "
+             "and the last stage")
+    _require(p.pp_timeout_s > 0, f"parallel.pp_timeout_s={p.pp_timeout_s} must be > 0")
 
 
 def _check_backend(r: RunConfig) -> None:

@@ -70,6 +70,8 @@ class ParallelDims:
             return n
         if axis == "world":
             return self.world_size
+        if axis == "pp_ends":  # the first and the last pipeline stage
+            return min(self.pp, 2)
         return getattr(self, axis)
 
     @property
@@ -130,6 +132,13 @@ class Mesh:
                 g = dist.new_group(ranks)
                 if rank in ranks:
                     self._groups[name] = g
+        # The first and last pipeline stage of each pipeline (a tied embedding's two copies).
+        if dims.pp > 1:
+            for ranks in dims.group_ranks("pp"):
+                ends = sorted({ranks[0], ranks[-1]})
+                g = dist.new_group(ends)
+                if rank in ends:
+                    self._groups["pp_ends"] = g
         self._groups["world"] = dist.group.WORLD
 
     def group(self, axis: str) -> dist.ProcessGroup:

@@ -11,7 +11,7 @@ from torch import nn
 from meshloom import comm
 from meshloom.config import TrainConfig
 from meshloom.mesh import Mesh
-from meshloom.placement import tp_split
+from meshloom.placement import is_duplicate, tp_split
 
 
 def named_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -67,7 +67,8 @@ def grad_norm(params: Iterable[nn.Parameter], mesh: Mesh | None = None,
     tp rank (a norm gain) enters each rank's sum divided by tp, so it is counted once. Replicated
     gradients (plain DDP) need no communication.
     """
-    params = [p for p in params if p.grad is not None]
+    # A pipeline stage's copy of a tied table is counted on the stage that owns the original.
+    params = [p for p in params if p.grad is not None and not is_duplicate(p)]
     if not params:
         return 0.0
     tp = mesh.size("tp") if mesh is not None and "tp" in sharded_axes else 1

@@ -6,7 +6,9 @@ Strategies tag what they create, and everything that must see the layout-indepen
 - a tensor the sharded optimizer updates (a ZeRO piece) points at the model parameter it is a
   piece of (`source`);
 - a replicated parameter whose gradient is only partial per tp rank under sequence parallel (norm
-  gains, row-parallel biases: they see a slice of the sequence) is marked `sp_partial`.
+  gains, row-parallel biases: they see a slice of the sequence) is marked `sp_partial`;
+- a pipeline stage's copy of a tied table is saved under the embedding's name and marked as a
+  duplicate (counted once in the grad norm).
 
 `rects()` maps a range of a rank's flattened local tensor to rectangles of the global tensor, so
 a checkpoint stores every parameter in its natural global shape whatever the layout.
@@ -23,6 +25,7 @@ from torch import nn
 from meshloom.mesh import Mesh
 
 _TP, _SOURCE, _SP_PARTIAL = "_meshloom_tp", "_meshloom_source", "_meshloom_sp_partial"
+_NAME, _DUPLICATE = "_meshloom_checkpoint_name", "_meshloom_duplicate"
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,24 @@ def tp_split(t: torch.Tensor) -> TPSplit | None:
 
 def is_sp_partial(t: torch.Tensor) -> bool:
     return getattr(source(t), _SP_PARTIAL, False)
+
+
+def set_checkpoint_name(p: nn.Parameter, name: str) -> None:
+    """Save `p` under another parameter's name (a pipeline stage's copy of a tied table)."""
+    setattr(p, _NAME, name)
+
+
+def checkpoint_name(name: str, p: torch.Tensor) -> str:
+    return getattr(source(p), _NAME, name)
+
+
+def mark_duplicate(p: nn.Parameter) -> None:
+    """`p` is a kept-equal copy of a parameter another rank also holds: count it once."""
+    setattr(p, _DUPLICATE, True)
+
+
+def is_duplicate(t: torch.Tensor) -> bool:
+    return getattr(source(t), _DUPLICATE, False)
 
 
 def global_shape(param: torch.Tensor) -> tuple[int, ...]:

@@ -29,6 +29,7 @@ from meshloom.config import (
     ConfigError,
     load_config,
     model_config,
+    pipeline_microbatches,
     resolve_backend,
     resolve_device,
     validate,
@@ -44,7 +45,7 @@ from meshloom.metrics import (
 from meshloom.models.generate import generate
 from meshloom.models.llama import build_model
 from meshloom.optim import LossScaler, build_optimizer, clip_grads, grad_norm, lr_at, set_lr
-from meshloom.parallel import TORCH_DTYPES, Parallelized, parallelize
+from meshloom.parallel import TORCH_DTYPES, Parallelized, PipelineSpec, parallelize
 
 
 @dataclass
@@ -97,6 +98,8 @@ def _forward_backward(par: Parallelized, batches: list, device: torch.device, au
                       loss_scale: float) -> float:
     """One optimizer step's micro-batches: the mean loss of the global batch is the mean of the
     micro-batch means, so each is divided by their count; only the last one communicates."""
+    if par.pipeline is not None:
+        return par.pipeline.train_step(batches, par.grads, device, autocast, loss_scale)
     total = 0.0
     for i, (x, y) in enumerate(batches):
         last = i == len(batches) - 1
@@ -115,7 +118,11 @@ def evaluate(par: Parallelized, batches: list, mesh: Mesh, device: torch.device)
     model = par.model
     was_training = model.training
     model.eval()
-    total = sum(par.loss(model(x.to(device)), y.to(device)).item() for x, y in batches)
+    if par.pipeline is not None:  # the last stage's sum; the pipeline's other ranks add 0
+        total = par.pipeline.forward_only(batches, device, contextlib.nullcontext())
+        (total,) = comm.all_reduce_scalars([total], mesh, "pp")
+    else:
+        total = sum(par.loss(model(x.to(device)), y.to(device)).item() for x, y in batches)
     model.train(was_training)
     # Every rank holds the same number of equal-sized batches, so the mean of means is exact.
     (total,) = comm.all_reduce_scalars([total / len(batches)], mesh, "dp")
@@ -145,7 +152,9 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
     train_ds = TokenDataset(token_file, cfg.data.seq_len, "train", cfg.data.val_fraction)
     val_ds = TokenDataset(token_file, cfg.data.seq_len, "val", cfg.data.val_fraction)
     dp_rank, dp_size = mesh.coord("dp"), mesh.size("dp")
-    micro = cfg.train.micro_batch or cfg.train.global_batch // dp_size
+    local = cfg.train.global_batch // dp_size
+    microbatches = pipeline_microbatches(cfg, dims) if dims.pp > 1 else None
+    micro = local // microbatches if microbatches else (cfg.train.micro_batch or local)
     loader = BatchLoader(train_ds, global_batch=cfg.train.global_batch, micro_batch=micro,
                          dp_rank=dp_rank, dp_size=dp_size, seed=cfg.train.seed)
     evals = eval_batches(val_ds, n_sequences=cfg.train.eval_sequences, micro_batch=micro,
@@ -153,7 +162,9 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
 
     mcfg = model_config(cfg, tokenizer.vocab_size)
     model = build_model(mcfg, cfg.train.seed, device=device)
-    par = parallelize(model, mesh, cfg.parallel, cfg.train.dtype)
+    spec = PipelineSpec(microbatches, cfg.data.seq_len, cfg.parallel.pp_timeout_s) \
+        if microbatches else None
+    par = parallelize(model, mesh, cfg.parallel, cfg.train.dtype, pipeline=spec)
     # Unsharded layouts keep fp32 parameters (they are the master weights) and compute in the
     # low-precision dtype under autocast; the sharded stages hold low-precision working copies.
     autocast = (torch.autocast(device.type, dtype=TORCH_DTYPES[cfg.train.dtype])
@@ -218,6 +229,8 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
             logger.message(f"step {step + 1}: fp16 gradients overflowed; step skipped, "
                            f"loss scale -> {scaler.scale:g}")
         par.grads.zero_grad()
+        if dims.pp > 1:  # only the last stage has the loss
+            (local_loss,) = comm.all_reduce_scalars([local_loss], mesh, "pp")
         (loss_sum,) = comm.all_reduce_scalars([local_loss], mesh, "dp")
         step_loss = loss_sum / dp_size
         dt = time.perf_counter() - t0
@@ -247,6 +260,8 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
             if done == cfg.train.steps:
                 result.summary["checkpoint"] = str(path)
 
+    if par.pipeline is not None:
+        _write_timeline(run_dir, rank, mesh, par.pipeline, cfg)
     sample = None
     if cfg.train.sample_tokens:
         # Every rank generates (same seed, same tokens): a sharded model's forward is collective.
@@ -274,6 +289,20 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
     if keep_model:
         result.model, result.strategy, result.optimizer = model, par.grads, optimizer
     return result
+
+
+def _write_timeline(run_dir: Path, rank: int, mesh: Mesh, runner, cfg: Config) -> None:
+    """The last step's measured pipeline timeline of this rank (read by `meshloom report`)."""
+    folder = run_dir / "pipeline"
+    folder.mkdir(parents=True, exist_ok=True)
+    data = {"rank": rank, "pp_rank": mesh.coord("pp"), "pp": mesh.size("pp"),
+            "schedule": cfg.parallel.pp_schedule, "virtual_stages": runner.v,
+            "microbatches": runner.m, "peak_alive": runner.peak_alive,
+            "coords": mesh.dims.coordinates(rank),
+            "spans": [list(span) for span in runner.timeline]}
+    tmp = folder / f".timeline_rank{rank}.json"
+    tmp.write_text(json.dumps(data))
+    tmp.replace(folder / f"timeline_rank{rank}.json")
 
 
 def _sample(model: nn.Module, tokenizer, cfg: Config, device: torch.device) -> str:

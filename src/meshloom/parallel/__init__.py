@@ -23,6 +23,8 @@ from meshloom.mesh import Mesh
 from meshloom.optim import decay_groups, named_trainable
 from meshloom.parallel.ddp import DataParallel
 from meshloom.parallel.fsdp import FullyShardedDataParallel
+from meshloom.parallel.pipeline import PipelinedLogits, PipelineGrads, PipelineRunner
+from meshloom.parallel.pipeline_stage import PipelineStageModel, layer_costs, split_layers
 from meshloom.parallel.tensor_plan import GatheredLogits, TensorParallel, TensorParallelGrads
 from meshloom.parallel.zero import ShardPrecision, ZeroDataParallel
 
@@ -90,30 +92,63 @@ class Parallelized:
     # The model as a plain one (whole logits, any length) for sampling; every rank calls it.
     inference_model: nn.Module | None = None
     tp: TensorParallel | None = None
+    pipeline: PipelineRunner | None = None
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """What the pipeline needs from the rest of the config."""
+
+    microbatches: int
+    seq_len: int
+    timeout_s: float = 300.0
 
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parallelize(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig,
-                compute_dtype: str = "fp32", tp_plan: dict[str, str] | None = None
-                ) -> Parallelized:
-    """Apply the layout. Tensor parallel first (the model's `TP_PLAN`, or `tp_plan`), then data
-    parallel over the resulting slices. With zero_stage >= 1 the sharded stages keep
-    `compute_dtype` working copies of the parameters and fp32 masters; without sharding the model
-    stays fp32 and the training loop runs its forward under autocast."""
-    for axis in ("pp", "cp"):
-        if mesh.size(axis) > 1:
-            raise NotImplementedError(f"parallel.{axis} > 1 is not implemented in this version")
+                compute_dtype: str = "fp32", tp_plan: dict[str, str] | None = None,
+                pipeline: PipelineSpec | None = None) -> Parallelized:
+    """Apply the layout, in DESIGN.md's order: pipeline split (the model becomes this rank's
+    stages), tensor parallel (the model's `TP_PLAN`, or `tp_plan`), then data parallel over the
+    resulting slices. With zero_stage >= 1 the sharded stages keep `compute_dtype` working
+    copies of the parameters and fp32 masters; without sharding the model stays fp32 and the
+    training loop runs its forward under autocast."""
+    if mesh.size("cp") > 1:
+        raise NotImplementedError("parallel.cp > 1 is not implemented in this version")
+    pp = mesh.size("pp")
+    if pp > 1:
+        if pipeline is None:
+            raise ValueError("parallel.pp > 1 needs a PipelineSpec (micro-batches, sequence)")
+        model = _cut(model, mesh, pcfg, pipeline)
     tp = None
     if mesh.size("tp") > 1:
         tp = TensorParallel(model, tp_plan or model.TP_PLAN, mesh,
-                            sequence_parallel=pcfg.sequence_parallel)
+                            sequence_parallel=pcfg.sequence_parallel, strict=pp == 1)
     grads = _data_parallel(model, mesh, pcfg, compute_dtype)
-    if tp is None:
-        return Parallelized(model, grads, inference_model=model)
-    return Parallelized(model, TensorParallelGrads(grads, tp), loss=tp.loss,
-                        inference_model=GatheredLogits(model, tp), tp=tp)
+    loss = tp.loss if tp else plain_loss
+    if tp is not None:
+        grads = TensorParallelGrads(grads, tp)
+    if pp == 1:
+        inference = GatheredLogits(model, tp) if tp else model
+        return Parallelized(model, grads, loss=loss, inference_model=inference, tp=tp)
+    runner = PipelineRunner(
+        model, mesh, schedule=pcfg.pp_schedule, microbatches=pipeline.microbatches,
+        virtual_stages=pcfg.pp_virtual_stages, loss=loss, timeout_s=pipeline.timeout_s,
+        sequence_split=lambda: mesh.size("tp") if tp and tp.sequence_parallel else 1)
+    return Parallelized(model, PipelineGrads(grads, model, mesh), loss=loss,
+                        inference_model=PipelinedLogits(runner, tp), tp=tp, pipeline=runner)
+
+
+def _cut(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig,
+         spec: PipelineSpec) -> PipelineStageModel:
+    """This rank's stages: stage s runs on pipeline rank s % pp (chunk s // pp)."""
+    pp, v = mesh.size("pp"), pcfg.pp_virtual_stages
+    costs, head = layer_costs(model.cfg, spec.seq_len)
+    bounds = split_layers(model.cfg.n_layers, pp * v, costs, head, pcfg.pp_layers or None)
+    me = mesh.coord("pp")
+    return PipelineStageModel(model, [c * pp + me for c in range(v)], bounds)
 
 
 def _data_parallel(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig,

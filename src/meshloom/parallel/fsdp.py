@@ -131,7 +131,8 @@ class FullyShardedDataParallel:
         self.peak_gathered_bytes = 0
         self._inflight: list[_Unit] = []  # reduce-scatters not yet completed, oldest first
         self._reduced: set[_Unit] = set()  # units reduced in this micro-batch
-        self._hooks = [model.register_forward_pre_hook(self._root_pre_forward)]
+        self._hooks = [model.register_forward_pre_hook(self._root_pre_forward),
+                       model.register_forward_hook(self._root_post_forward)]
         for u in self.units:
             if u is self.root:
                 continue
@@ -167,6 +168,12 @@ class FullyShardedDataParallel:
             self._order, self._current = self._current, []
         if self.root is not None:
             self.root.wait_gather(self.mesh)
+
+    def _root_post_forward(self, module: nn.Module, args, out) -> None:
+        # Re-gather the root before its backward: it is freed once its gradients are reduced,
+        # and a pipeline stage runs several micro-batches' forwards before their backwards.
+        if self.root is not None and torch.is_tensor(out) and out.requires_grad:
+            out.register_hook(lambda grad: self._pre_backward(self.root, grad))
 
     def _pre_forward(self, u: _Unit) -> None:
         self._current.append(u)

@@ -56,6 +56,8 @@ class ColumnParallelLinear(nn.Module):
     to its input itself; without, the enclosing module has done it once for all of its column
     layers (q, k, v share one entry, so its gradient is reduced once, not three times)."""
 
+    matmul = staticmethod(F.linear)  # a pipeline's zero-bubble schedule defers weight gradients
+
     def __init__(self, weight_shard: torch.Tensor, mesh: Mesh, *, sequence_parallel: bool = False,
                  gather_input: bool = True, bias_shard: torch.Tensor | None = None):
         super().__init__()
@@ -83,12 +85,14 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gather_input:
             x = _input_entry(x, self.mesh, self.sequence_parallel)
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
     """Input features split; the partial products are summed across tp (reduce-scattered along
     the sequence with sequence parallel). A bias is whole on every rank, added after the sum."""
+
+    matmul = staticmethod(F.linear)
 
     def __init__(self, weight_shard: torch.Tensor, mesh: Mesh, *, sequence_parallel: bool = False,
                  bias: torch.Tensor | None = None):
@@ -112,7 +116,7 @@ class RowParallelLinear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = F.linear(x, self.weight)
+        partial = self.matmul(x, self.weight, None)
         if self.sequence_parallel:
             out = comm.reduce_scatter_seq(partial, self.mesh, AXIS, dim=1)
         else:

@@ -84,7 +84,7 @@ class TensorParallel:
     """The result of applying a plan: what the loss, generation and gradients need to know."""
 
     def __init__(self, model: nn.Module, plan: dict[str, str], mesh: Mesh, *,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, strict: bool = True):
         bad = sorted(s for s in plan.values() if s not in STYLES)
         if bad:
             raise ValueError(f"unknown tensor-parallel style(s) {bad}; known: {', '.join(STYLES)}")
@@ -102,7 +102,7 @@ class TensorParallel:
                     todo.append((name, module, style))
                     break
         unused = [p for p, n in used.items() if not n]
-        if unused:
+        if unused and strict:  # a pipeline stage holds only some of the modules
             raise ValueError(f"tensor-parallel plan entries match no module: {unused}")
         shared = {}  # original weight -> its new parameter (tied embedding and head)
         for name, module, style in todo:

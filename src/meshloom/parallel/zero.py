@@ -27,7 +27,7 @@ from meshloom.checkpoint import ADAM_STATS
 from meshloom.mesh import Mesh
 from meshloom.parallel.ddp import FIRST_BUCKET_BYTES
 from meshloom.parallel.flat import FlatGroup, group_parameters
-from meshloom.placement import checkpoint_entry, set_source
+from meshloom.placement import checkpoint_entry, checkpoint_name, set_source
 
 
 @dataclass(frozen=True)
@@ -250,6 +250,7 @@ def pieces_state(mesh: Mesh, groups: list[FlatGroup], masters: Masters,
     out = {}
     for gi, g in enumerate(groups):
         for i, (name, p) in enumerate(zip(g.names, g.params, strict=True)):
+            name = checkpoint_name(name, p)
             master, lo = masters.get((gi, i), (None, 0))
             for k in (ADAM_STATS if optimizer is not None else (None,)):
                 if master is None:

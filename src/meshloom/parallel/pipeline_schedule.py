@@ -1,0 +1,249 @@
+"""Pipeline schedules as data, and the simulator that predicts (and draws) them.
+
+A schedule is, for every pipeline rank, an ordered list of `Action`s: compute (F forward, B
+backward, I input-gradient, W weight-gradient) and communication (SEND_F / RECV_F for
+activations, SEND_B / RECV_B for their gradients), each for one (stage, micro-batch). Stage s
+lives on rank s % pp as its chunk s // pp (Megatron's interleaved placement; one chunk per rank
+without virtual stages). The executor (`pipeline.py`) runs any such list; `simulate()` runs the
+same lists on a clock to predict the timeline and the bubble.
+
+Schedules:
+- gpipe: all forwards, then all backwards;
+- 1f1b: p - r - 1 warm-up forwards on rank r, then one forward / one backward, then the rest of
+  the backwards (at most p - r micro-batches' activations alive);
+- interleaved_1f1b: v chunks per rank, forwards in groups of p micro-batches chunk after chunk,
+  backwards likewise with the chunks reversed (Narayanan et al. 2021);
+- zb_h1: backward split into I (input gradient, on the critical path) and W (weight gradient,
+  deferred into what would be bubbles), with 1F1B's activation budget (Qi et al. 2023, ZB-H1).
+  Its lists come from a greedy list scheduler run on unit costs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+COMPUTE = ("F", "B", "I", "W")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B
+    stage: int
+    mb: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.stage}.{self.mb}"
+
+
+def stage_rank(stage: int, pp: int) -> int:
+    return stage % pp
+
+
+def compute_lists(schedule: str, pp: int, m: int, v: int = 1) -> list[list[Action]]:
+    """Each rank's compute actions in execution order."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; one of {', '.join(SCHEDULES)}")
+    if schedule != "interleaved_1f1b" and v != 1:
+        raise ValueError(f"{schedule} runs one stage per rank; virtual stages need "
+                         "interleaved_1f1b")
+    if schedule == "gpipe":
+        return [[Action("F", r, k) for k in range(m)] + [Action("B", r, k) for k in range(m)]
+                for r in range(pp)]
+    if schedule == "1f1b":
+        return [_one_f_one_b(r, pp, m) for r in range(pp)]
+    if schedule == "interleaved_1f1b":
+        if m % pp:
+            raise ValueError(f"interleaved_1f1b needs the micro-batch count ({m}) to be a "
+                             f"multiple of pp ({pp})")
+        return [_interleaved(r, pp, m, v) for r in range(pp)]
+    return zero_bubble_lists(pp, m)
+
+
+def _one_f_one_b(r: int, pp: int, m: int) -> list[Action]:
+    warm = min(pp - r - 1, m)
+    out = [Action("F", r, k) for k in range(warm)]
+    for i in range(m - warm):
+        out += [Action("F", r, warm + i), Action("B", r, i)]
+    return out + [Action("B", r, k) for k in range(m - warm, m)]
+
+
+def _interleaved(r: int, pp: int, m: int, v: int) -> list[Action]:
+    total = m * v
+
+    def fwd(k: int) -> Action:  # the k-th forward on this rank
+        chunk = (k // pp) % v
+        return Action("F", chunk * pp + r, (k // (pp * v)) * pp + k % pp)
+
+    def bwd(k: int) -> Action:
+        chunk = v - 1 - (k // pp) % v
+        return Action("B", chunk * pp + r, (k // (pp * v)) * pp + k % pp)
+
+    warm = min((pp - r - 1) * 2 + (v - 1) * pp, total)
+    out = [fwd(k) for k in range(warm)]
+    for i in range(total - warm):
+        out += [fwd(warm + i), bwd(i)]
+    return out + [bwd(k) for k in range(total - warm, total)]
+
+
+def zero_bubble_lists(pp: int, m: int) -> list[list[Action]]:
+    """ZB-H1 by greedy list scheduling on unit costs: whenever a rank is free it starts the
+    earliest-ready action, preferring I (critical path) over F over W, and starts a forward only
+    while fewer than pp - r micro-batches hold activations (F done, W not yet): 1F1B's budget."""
+    lists: list[list[Action]] = [[] for _ in range(pp)]
+    finish: dict[Action, float] = {}
+    free = [0.0] * pp
+    next_f, pending_i, pending_w = [0] * pp, [[] for _ in range(pp)], [[] for _ in range(pp)]
+    alive = [0] * pp
+    while len(finish) < 3 * pp * m:
+        best = None
+        for r in range(pp):
+            cands = []
+            if pending_i[r]:
+                k = pending_i[r][0]
+                dep = [Action("F", r, k)] + ([Action("I", r + 1, k)] if r < pp - 1 else [])
+                if all(d in finish for d in dep):
+                    cands.append((max([free[r]] + [finish[d] for d in dep]), 0, Action("I", r, k)))
+            if next_f[r] < m and alive[r] < pp - r:
+                k = next_f[r]
+                dep = [Action("F", r - 1, k)] if r > 0 else []
+                if all(d in finish for d in dep):
+                    cands.append((max([free[r]] + [finish[d] for d in dep]), 1, Action("F", r, k)))
+            if pending_w[r]:
+                cands.append((free[r], 2, Action("W", r, pending_w[r][0])))
+            for c in cands:
+                if best is None or (c[0], c[1], r) < (best[0][0], best[0][1], best[1]):
+                    best = (c, r)
+        if best is None:
+            raise RuntimeError("zero-bubble scheduler made no progress")  # cannot happen
+        (start, _, act), r = best
+        finish[act] = start + 1.0
+        free[r] = start + 1.0
+        lists[r].append(act)
+        if act.kind == "F":
+            next_f[r] += 1
+            alive[r] += 1
+            pending_i[r].append(act.mb)
+        elif act.kind == "I":
+            pending_i[r].pop(0)
+            pending_w[r].append(act.mb)
+        else:
+            pending_w[r].pop(0)
+            alive[r] -= 1
+    return lists
+
+
+def with_communication(lists: list[list[Action]], pp: int, n_stages: int) -> list[list[Action]]:
+    """Insert the receive before and the send after every compute action that crosses a stage
+    boundary (activations forward, their gradients backward)."""
+    out = []
+    for acts in lists:
+        full = []
+        for a in acts:
+            if a.kind == "F":
+                if a.stage > 0:
+                    full.append(Action("RECV_F", a.stage, a.mb))
+                full.append(a)
+                if a.stage < n_stages - 1:
+                    full.append(Action("SEND_F", a.stage, a.mb))
+            elif a.kind in ("B", "I"):
+                if a.stage < n_stages - 1:
+                    full.append(Action("RECV_B", a.stage, a.mb))
+                full.append(a)
+                if a.stage > 0:
+                    full.append(Action("SEND_B", a.stage, a.mb))
+            else:
+                full.append(a)
+        out.append(full)
+    return out
+
+
+def build_schedule(schedule: str, pp: int, m: int, v: int = 1) -> list[list[Action]]:
+    """Every rank's full action list (compute and communication)."""
+    return with_communication(compute_lists(schedule, pp, m, v), pp, pp * v)
+
+
+# ---------------------------------------------------------------- simulator
+
+
+@dataclass
+class Timeline:
+    """What ran where and when: per rank, (start, end, action) of each compute action."""
+
+    spans: list[list[tuple[float, float, Action]]] = field(default_factory=list)
+
+    @property
+    def makespan(self) -> float:
+        return max((s[-1][1] for s in self.spans if s), default=0.0) - self.start
+
+    @property
+    def start(self) -> float:
+        return min((s[0][0] for s in self.spans if s), default=0.0)
+
+    def bubble(self) -> float:
+        """Idle fraction of the step, averaged over ranks: 1 - busy / (ranks x makespan)."""
+        busy = sum(e - s for spans in self.spans for s, e, _ in spans)
+        total = self.makespan * len(self.spans)
+        return 1.0 - busy / total if total else 0.0
+
+
+Cost = Callable[[Action], float]
+
+
+def unit_cost(a: Action) -> float:
+    """F = B = 1 per stage; a split backward is I = W = 1 (then B = I + W = 2 is not used)."""
+    return 1.0
+
+
+def simulate(lists: list[list[Action]], cost: Cost = unit_cost, latency: float = 0.0
+             ) -> Timeline:
+    """Run each rank's list in order on a clock: an action starts when its rank is free and the
+    actions it depends on have finished (plus `latency` across ranks). Sends cost nothing (they
+    are asynchronous). Raises ValueError naming the stuck actions if the lists deadlock."""
+    pp = len(lists)
+    done: dict[Action, float] = {}
+    free = [0.0] * pp
+    pos = [0] * pp
+    spans: list[list[tuple[float, float, Action]]] = [[] for _ in range(pp)]
+    n_stages = 1 + max((a.stage for acts in lists for a in acts), default=0)
+    split = any(a.kind == "I" for acts in lists for a in acts)
+    while any(pos[r] < len(lists[r]) for r in range(pp)):
+        progressed = False
+        for r in range(pp):
+            while pos[r] < len(lists[r]):
+                a = lists[r][pos[r]]
+                deps = _deps(a, n_stages, split)
+                if not all(d in done for d in deps):
+                    break
+                start = max([free[r]] + [done[d] + (latency if d.kind.startswith("SEND")
+                                                    else 0.0) for d in deps])
+                end = start + (cost(a) if a.kind in COMPUTE else 0.0)
+                done[a] = end
+                free[r] = end
+                if a.kind in COMPUTE:
+                    spans[r].append((start, end, a))
+                pos[r] += 1
+                progressed = True
+        if not progressed:
+            stuck = [str(lists[r][pos[r]]) for r in range(pp) if pos[r] < len(lists[r])]
+            raise ValueError(f"pipeline schedule deadlocks: ranks wait on {', '.join(stuck)}")
+    return Timeline(spans)
+
+
+def _deps(a: Action, n_stages: int, split: bool) -> list[Action]:
+    """What must have finished before `a` can start (on any rank)."""
+    s, k = a.stage, a.mb
+    if a.kind == "RECV_F":
+        return [Action("SEND_F", s - 1, k)]
+    if a.kind == "RECV_B":
+        return [Action("SEND_B", s + 1, k)]
+    if a.kind == "SEND_F":
+        return [Action("F", s, k)]
+    if a.kind == "SEND_B":
+        return [Action("I" if split else "B", s, k)]
+    if a.kind == "F":
+        return [Action("RECV_F", s, k)] if s > 0 else []
+    if a.kind in ("B", "I"):
+        return [Action("F", s, k)] + ([Action("RECV_B", s, k)] if s < n_stages - 1 else [])
+    return [Action("I", s, k)]  # W

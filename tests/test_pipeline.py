@@ -1,0 +1,210 @@
+"""Pipeline parallel in the training loop: parity with one process for pp 2 and 4 with every
+schedule, 2-D with each data-parallel strategy and with tensor parallel, 3-D dp x pp x tp on 8
+ranks, tied embeddings, activation counts, time-outs that name the stage, and checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+import pytest
+import torch
+from conftest import tiny_config
+from dist_harness import run_ranks
+
+from meshloom import checkpoint
+from meshloom.train import train
+
+STEPS = 4
+MODEL = ["model.n_layers=8"]  # pp 4 x 2 virtual stages needs 8 blocks
+
+
+def _job(run_dir, cache, overrides, resume=False):
+    cfg = tiny_config(run_dir, cache, f"train.steps={STEPS}", "train.eval_every=2",
+                      "train.sample_tokens=0", *MODEL, *overrides)
+    r = train(cfg, resume=resume, keep_model=True)
+    strat = r.strategy
+    whole = strat.full_state_dict() if hasattr(strat, "full_state_dict") else \
+        {k: v.detach().clone() for k, v in r.model.state_dict().items()}
+    return {"losses": r.losses, "eval": r.eval_losses, "state": whole,
+            "start": r.summary["start_step"], "bytes": dict(r.counter.bytes)}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, token_cache):
+    return run_ranks(_job, 1, tmp_path_factory.mktemp("ref"), token_cache, [])[0]
+
+
+def _merged_state(results):
+    """Every rank holds its stages' parameters (whole after gathering tp and dp shards)."""
+    out = {}
+    for r in results:
+        for name, w in r["state"].items():
+            if name in out:
+                torch.testing.assert_close(out[name], w, rtol=0, atol=0, msg=name)
+            out[name] = w
+    return out
+
+
+def _assert_parity(reference, results, weights_rtol=1e-5, weights_atol=1e-6):
+    got = results[0]
+    for step, (a, b) in enumerate(zip(reference["losses"], got["losses"], strict=True), 1):
+        assert abs(a - b) <= 1e-5 * abs(a), f"step {step}: {b} vs single-process {a}"
+    for step, a in reference["eval"].items():
+        assert abs(got["eval"][step] - a) <= 1e-5 * abs(a), f"eval at {step}"
+    assert all(r["losses"] == got["losses"] for r in results)  # every rank logs the same loss
+    merged = _merged_state(results)
+    for name, w in reference["state"].items():
+        torch.testing.assert_close(merged[name], w, rtol=weights_rtol, atol=weights_atol,
+                                   msg=name)
+
+
+def _pp(pp, schedule, v=1, *extra):
+    ov = [f"parallel.pp={pp}", f"parallel.pp_schedule={schedule}", *extra]
+    if v > 1:
+        ov.append(f"parallel.pp_virtual_stages={v}")
+    return ov
+
+
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)]
+CASES = [(pp, _pp(pp, s, v, "parallel.dp_shard=1")) for pp in (2, 4) for s, v in SCHEDULES]
+CASES += [
+    (4, _pp(2, "1f1b", 1, "parallel.dp_replicate=2", "parallel.dp_shard=1")),
+    (4, _pp(2, "interleaved_1f1b", 2, "parallel.dp_shard=2", "parallel.zero_stage=1")),
+    (4, _pp(2, "zb_h1", 1, "parallel.dp_shard=2", "parallel.zero_stage=2")),
+    (4, _pp(2, "1f1b", 1, "parallel.dp_shard=2", "parallel.zero_stage=3")),
+    (4, _pp(2, "gpipe", 1, "parallel.dp_shard=2", "parallel.zero_stage=3")),
+]
+
+
+@pytest.mark.parametrize("world,overrides", CASES, ids=[" ".join(o) for _, o in CASES])
+def test_pp_parity(tmp_path, token_cache, reference, world, overrides):
+    _assert_parity(reference, run_ranks(_job, world, tmp_path, token_cache, overrides))
+
+
+TP_CASES = [
+    (4, _pp(2, "1f1b", 1, "parallel.tp=2", "parallel.dp_shard=1")),
+    (4, _pp(2, "zb_h1", 1, "parallel.tp=2", "parallel.dp_shard=1",
+            "parallel.sequence_parallel=true")),
+    (8, _pp(2, "1f1b", 1, "parallel.tp=2", "parallel.dp_shard=2")),  # 3-D: dp 2 x pp 2 x tp 2
+    (8, _pp(2, "interleaved_1f1b", 2, "parallel.tp=2", "parallel.dp_shard=2",
+            "parallel.zero_stage=1")),
+]
+
+
+@pytest.mark.parametrize("world,overrides", TP_CASES, ids=[" ".join(o) for _, o in TP_CASES])
+def test_pp_with_tensor_parallel(tmp_path, token_cache, reference, world, overrides):
+    # Final weights: the tolerance of the tensor-parallel tests (see test_tensor_parallel).
+    _assert_parity(reference, run_ranks(_job, world, tmp_path, token_cache, overrides),
+                   weights_rtol=1e-4, weights_atol=2e-5)
+
+
+@pytest.mark.parametrize("extra", [["parallel.dp_shard=1"],
+                                   ["parallel.dp_shard=2", "parallel.zero_stage=1"]])
+def test_pp_tied_embeddings_stay_in_sync(tmp_path, token_cache, extra):
+    tied = ["model.tie_embeddings=true"]
+    ref = run_ranks(_job, 1, tmp_path / "ref", token_cache, tied)[0]
+    world = 2 * (2 if "parallel.dp_shard=2" in extra else 1)
+    got = run_ranks(_job, world, tmp_path / "pp", token_cache, [*tied, *_pp(2, "1f1b"), *extra])
+    # Weights at the tensor-parallel tolerance: the table's gradient is the sum of the two
+    # stages' parts, added in another order than one process adds them, and AdamW amplifies
+    # that in near-cancelling elements (~1.5e-6 here; the losses agree to 5e-8).
+    _assert_parity(ref, got, weights_rtol=1e-4, weights_atol=2e-5)
+    first, last = got[0]["state"], got[world - 1]["state"]
+    # The last stage's copy of the table is the first stage's, bit for bit, after 4 steps.
+    assert torch.equal(first["tok_embeddings.weight"], last["output.weight"])
+
+
+def test_pp_activation_counts_and_timeline(tmp_path, token_cache):
+    """Counted by the executor: 1F1B's first stage holds at most p micro-batches'
+    activations, GPipe's holds all m; every rank writes the last step's timeline."""
+    peaks = {}
+    for schedule in ("1f1b", "gpipe"):
+        run = tmp_path / schedule
+        run_ranks(_job, 4, run, token_cache, [*_pp(4, schedule), "parallel.dp_shard=1",
+                                              "parallel.pp_microbatches=8"])
+        files = sorted((run / "pipeline").glob("timeline_rank*.json"))
+        data = [json.loads(f.read_text()) for f in files]
+        assert len(data) == 4
+        peaks[schedule] = [d["peak_alive"] for d in sorted(data, key=lambda d: d["pp_rank"])]
+        assert all(len(d["spans"]) == 2 * 8 for d in data)  # F and B of 8 micro-batches
+    assert peaks["1f1b"] == [4, 3, 2, 1]
+    assert peaks["gpipe"] == [8, 8, 8, 8]
+
+
+# ---------------------------------------------------------------- time-outs
+
+
+def _mismatch_job(world):
+    import torch.distributed as dist
+
+    from meshloom.comm import CommCounter
+    from meshloom.config import ParallelConfig
+    from meshloom.mesh import Mesh, ParallelDims
+    from meshloom.models.llama import build_model, config_from_preset
+    from meshloom.parallel import PipelineSpec, parallelize
+    from meshloom.parallel.pipeline import PipelineError
+    from meshloom.parallel.pipeline_schedule import Action
+
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = Mesh(ParallelDims(pp=2), rank, "cpu", CommCounter())
+    model = build_model(config_from_preset("tiny"), 0)
+    par = parallelize(model, mesh, ParallelConfig(pp=2, dp_shard=1),
+                      pipeline=PipelineSpec(microbatches=2, seq_len=16, timeout_s=2.0))
+    if rank == 1:  # a wrong schedule: stage 1 receives micro-batch 1 twice
+        par.pipeline.actions.insert(0, Action("RECV_F", 1, 1))
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 257, (2, 16), generator=g),) * 2 for _ in range(2)]
+    t0 = time.perf_counter()
+    try:
+        par.pipeline.train_step(batches, par.grads, torch.device("cpu"),
+                                torch.autocast("cpu", enabled=False))
+    except PipelineError as e:
+        return type(e).__name__, str(e), time.perf_counter() - t0
+    return None, "", time.perf_counter() - t0
+
+
+def test_mismatched_send_and_receive_fail_in_bounded_time_naming_the_stage():
+    res = run_ranks(_mismatch_job, 2, 2, timeout=60)
+    kind1, msg1, t1 = res[1]
+    assert kind1 == "PipelineError" and t1 < 10
+    assert "pipeline stage 1" in msg1 and "activations of micro-batch 1 from stage 0" in msg1
+    kind0, msg0, t0 = res[0]  # stage 0 then waits for a gradient that never comes
+    assert kind0 == "PipelineError" and t0 < 10
+    assert "pipeline stage 0" in msg0 and "gradients of micro-batch 1 from stage 1" in msg0
+
+
+# ---------------------------------------------------------------- checkpoints
+
+RESUME = ["run.checkpoint_every=2", "run.keep_checkpoints=5"]
+
+
+@pytest.mark.parametrize("overrides,world", [
+    (_pp(2, "1f1b", 1, "parallel.dp_replicate=2", "parallel.dp_shard=1"), 4),
+    (_pp(2, "interleaved_1f1b", 2, "parallel.tp=2", "parallel.dp_shard=1"), 4),
+])
+def test_pp_resume_is_exact(tmp_path, token_cache, overrides, world):
+    full = run_ranks(_job, world, tmp_path / "full", token_cache, [*overrides, *RESUME])
+    shutil.copytree(tmp_path / "full", tmp_path / "cut")
+    shutil.rmtree(tmp_path / "cut" / "checkpoints" / f"step_{STEPS:07d}")
+    resumed = run_ranks(_job, world, tmp_path / "cut", token_cache, [*overrides, *RESUME], True)
+    assert resumed[0]["start"] == 2
+    assert resumed[0]["losses"] == full[0]["losses"][2:]  # bit-identical
+    assert _merged_state(resumed).keys() == _merged_state(full).keys()
+    for name, w in _merged_state(full).items():
+        assert torch.equal(_merged_state(resumed)[name], w), name
+
+
+def test_pp_checkpoint_resumes_in_one_process(tmp_path, token_cache):
+    ov = _pp(2, "1f1b", 1, "parallel.dp_shard=1")
+    full = run_ranks(_job, 2, tmp_path / "full", token_cache, [*ov, *RESUME])
+    shutil.copytree(tmp_path / "full", tmp_path / "one")
+    shutil.rmtree(tmp_path / "one" / "checkpoints" / f"step_{STEPS:07d}")
+    assert checkpoint.read_meta(checkpoint.latest_checkpoint(tmp_path / "one"))["layout"]["pp"] == 2
+    one = run_ranks(_job, 1, tmp_path / "one", token_cache, RESUME, True)[0]
+    assert one["start"] == 2
+    for a, b in zip(full[0]["losses"][2:], one["losses"], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(a)

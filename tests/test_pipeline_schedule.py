@@ -1,0 +1,116 @@
+"""Pipeline schedules as data, the simulator's bubble against the published formulas, and the
+stage split. No processes: these are pure functions."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from meshloom.parallel.pipeline_schedule import (
+    Action,
+    build_schedule,
+    compute_lists,
+    simulate,
+)
+from meshloom.parallel.pipeline_stage import split_layers
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,m", [(2, 1), (2, 4), (4, 4), (4, 8), (4, 13), (8, 16)])
+def test_bubble_gpipe_and_1f1b(schedule, p, m):
+    """(p-1)/(m+p-1) on unit costs (Narayanan et al. 2021), also with B twice F."""
+    lists = build_schedule(schedule, p, m)
+    assert simulate(lists).bubble() == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+    b2 = simulate(lists, lambda a: 2.0 if a.kind == "B" else 1.0).bubble()
+    assert b2 == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 8, 2), (4, 16, 2), (4, 8, 3), (2, 8, 4)])
+def test_bubble_interleaved(p, m, v):
+    """(p-1)/(v*m+p-1) with v virtual stages per rank, each a 1/v-sized chunk (unit costs)."""
+    bubble = simulate(build_schedule("interleaved_1f1b", p, m, v)).bubble()
+    assert bubble == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16)])
+def test_zero_bubble_is_below_1f1b(p, m):
+    """ZB-H1 (F = I = W = 1) against 1F1B with the same backward (B = I + W = 2)."""
+    zb = simulate(build_schedule("zb_h1", p, m)).bubble()
+    one = simulate(build_schedule("1f1b", p, m), lambda a: 2.0 if a.kind == "B" else 1.0)
+    assert zb < one.bubble()
+
+
+@pytest.mark.parametrize("schedule,p,m,v", [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1),
+                                            ("interleaved_1f1b", 4, 8, 2), ("zb_h1", 4, 8, 1)])
+def test_every_micro_batch_runs_once_on_its_stage(schedule, p, m, v):
+    lists = compute_lists(schedule, p, m, v)
+    kinds = ("F", "I", "W") if schedule == "zb_h1" else ("F", "B")
+    for r, acts in enumerate(lists):
+        assert all(a.stage % p == r for a in acts)  # stage s lives on rank s % p
+        counts = Counter((a.kind, a.stage, a.mb) for a in acts)
+        stages = [c * p + r for c in range(v)]
+        assert set(counts) == {(k, s, mb) for k in kinds for s in stages for mb in range(m)}
+        assert set(counts.values()) == {1}
+
+
+def _peak_alive(acts, release="B"):
+    alive = peak = 0
+    for a in acts:
+        alive += a.kind == "F"
+        alive -= a.kind == release
+        peak = max(peak, alive)
+    return peak
+
+
+def test_activation_budget_of_each_schedule():
+    """1F1B's first stage holds at most p micro-batches' activations; GPipe holds m; ZB-H1
+    keeps 1F1B's budget (activations live until W)."""
+    p, m = 4, 8
+    assert _peak_alive(compute_lists("1f1b", p, m)[0]) == p
+    assert _peak_alive(compute_lists("gpipe", p, m)[0]) == m
+    assert _peak_alive(compute_lists("zb_h1", p, m)[0], release="W") <= p
+    assert [_peak_alive(a) for a in compute_lists("1f1b", p, m)] == [4, 3, 2, 1]
+
+
+def test_simulator_reports_a_deadlock():
+    # Rank 1 waits for micro-batch 1 first, rank 0 waits for rank 1's gradient of 0 first.
+    lists = build_schedule("1f1b", 2, 2)
+    lists[1] = [a for a in lists[1] if a.mb == 1] + [a for a in lists[1] if a.mb == 0]
+    lists[0] = [a for a in lists[0] if not (a.kind == "F" and a.mb == 1)
+                and a != Action("SEND_F", 0, 1)]
+    with pytest.raises(ValueError, match="deadlocks"):
+        simulate(lists)
+
+
+def test_unknown_schedule_and_bad_virtual_stages():
+    with pytest.raises(ValueError, match="unknown pipeline schedule"):
+        compute_lists("zigzag", 2, 4)
+    with pytest.raises(ValueError, match="virtual stages need interleaved_1f1b"):
+        compute_lists("1f1b", 2, 4, 2)
+    with pytest.raises(ValueError, match="multiple of pp"):
+        compute_lists("interleaved_1f1b", 4, 6, 2)
+
+
+# ---------------------------------------------------------------- stage split
+
+
+def test_split_balances_flops_with_the_head_on_the_last_stage():
+    # 8 equal blocks; the head costs two blocks: the last stage gets fewer blocks.
+    assert split_layers(8, 2, [1.0] * 8, 2.0) == [(0, 5), (5, 8)]
+    assert split_layers(8, 4, [1.0] * 8, 0.0) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    # Uneven: 5 blocks over 2 stages, every block in exactly one stage.
+    bounds = split_layers(5, 2, [1.0] * 5, 0.0)
+    assert bounds[0][0] == 0 and bounds[-1][1] == 5
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
+    assert all(hi > lo for lo, hi in bounds)
+
+
+def test_split_explicit_and_impossible():
+    assert split_layers(6, 3, explicit=[1, 2, 3]) == [(0, 1), (1, 3), (3, 6)]
+    with pytest.raises(ValueError, match="must list 3 stage sizes"):
+        split_layers(6, 3, explicit=[3, 3])
+    with pytest.raises(ValueError, match="must list 2 stage sizes"):
+        split_layers(6, 2, explicit=[6, 0])
+    with pytest.raises(ValueError, match="need at least as many layers"):
+        split_layers(3, 4)
