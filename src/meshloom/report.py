@@ -3,8 +3,8 @@
 A pipelined run leaves, for every rank, `RUN_DIR/pipeline/timeline_rank{R}.json` (written by
 `train._write_timeline`): when each compute action of the last step ran on that rank. The report
 takes the ranks of one pipeline (those whose other mesh coordinates are all 0, one per pp rank),
-puts their spans on one clock (each rank's times count from its own start of the step, so the
-report assumes that the ranks started the step together; the earliest start becomes 0) and
+puts their spans on one clock (each rank's times count from its own start of the step, shifted
+by the wall-clock time at which that rank started it; the earliest start becomes 0) and
 compares them with `simulate()` run on the same schedule, with each action costing what it cost
 on average in the run (per kind and stage), and with unit costs.
 
@@ -97,7 +97,11 @@ def load_pipeline(run_dir: str | os.PathLike) -> list[dict]:
 def measured_timeline(files: list[dict]) -> Timeline:
     """The files' spans (parsed by `load_pipeline`) as one Timeline, times shifted so that the
     earliest start is 0."""
-    spans = [data["spans"] for data in files]
+    # Each rank counts from its own start of the step; with the wall-clock start recorded
+    # ("t0"), the ranks' clocks are aligned, otherwise they are taken to have started together.
+    starts = [float(data.get("t0", 0.0)) for data in files]
+    spans = [[(s + t - min(starts), e + t - min(starts), a) for s, e, a in data["spans"]]
+             for data, t in zip(files, starts, strict=True)]
     t0 = min((s[0][0] for s in spans if s), default=0.0)
     return Timeline([[(s - t0, e - t0, a) for s, e, a in rank] for rank in spans])
 

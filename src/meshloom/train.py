@@ -298,7 +298,7 @@ def _write_timeline(run_dir: Path, rank: int, mesh: Mesh, runner, cfg: Config) -
     data = {"rank": rank, "pp_rank": mesh.coord("pp"), "pp": mesh.size("pp"),
             "schedule": cfg.parallel.pp_schedule, "virtual_stages": runner.v,
             "microbatches": runner.m, "peak_alive": runner.peak_alive,
-            "coords": mesh.dims.coordinates(rank),
+            "coords": mesh.dims.coordinates(rank), "t0": runner.t0_wall,
             "spans": [list(span) for span in runner.timeline]}
     tmp = folder / f".timeline_rank{rank}.json"
     tmp.write_text(json.dumps(data))

@@ -123,6 +123,7 @@ class PipelineRunner:
         if any(a.kind == "W" for a in self.actions):
             defer_weight_grads(model, self.store)
         self.timeline: list[tuple[float, float, str, int, int]] = []
+        self.t0_wall = 0.0
         self.peak_alive = 0
 
     # -- helpers
@@ -158,6 +159,7 @@ class PipelineRunner:
         held: dict[tuple[int, int], tuple] = {}
         sends, total = [], 0.0
         self.timeline, alive, t0 = [], 0, time.perf_counter()
+        self.t0_wall = time.time()  # puts the ranks' timelines on one clock (same host clocks)
         for a in self.actions:
             s, k = a.stage, a.mb
             x_tokens, y = batches[k]

