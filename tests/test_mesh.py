@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import ROOT
 from dist_harness import run_ranks
 
 from meshloom import comm
@@ -96,3 +97,15 @@ def test_drawing_shows_each_ranks_tensor_parallel_slice():
             "96-191 of 192; vocabulary rows 129-256 of 257") in lines[r3 + 1]
     assert "sequence part 1/2" in lines[r3 + 1]
     assert "heads 0-1 of 4" in text and "vocabulary rows 0-128 of 257" in text
+
+
+def test_layout_command_draws_pipeline_stages(capsys):
+    from meshloom.cli import main
+
+    rc = main(["layout", str(ROOT / "configs" / "tiny.toml"), "--nproc", "4", "--set",
+               "parallel.pp=2", "--set", "parallel.pp_schedule=interleaved_1f1b", "--set",
+               "parallel.pp_virtual_stages=2"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "stage 0: layers 0-0 + embedding; stage 2: layers 2-2" in out
+    assert "stage 3: layers 3-3 + norm, head, loss" in out

@@ -1,4 +1,5 @@
-"""`meshloom` command line: train (launching ranks through torchrun) and layout."""
+"""`meshloom` command line: train (launching ranks through torchrun), layout, and report (the
+measured pipeline timeline against the simulator's)."""
 
 from __future__ import annotations
 

@@ -156,7 +156,8 @@ class Mesh:
 
 def draw_layout(dims: ParallelDims, ranks_per_node: int | None = None, backend: str = "",
                 device: str = "", zero_stage: int = 0, model=None,
-                sequence_parallel: bool = False) -> str:
+                sequence_parallel: bool = False,
+                stages: dict[int, str] | None = None) -> str:
     """A text picture of the layout: each rank's coordinates on the axes that are split, by node,
     and what it holds. With `model` (a LlamaConfig) the tensor-parallel slice is spelled out: the
     attention heads, MLP columns and vocabulary rows of every layer that the rank keeps."""
@@ -171,9 +172,13 @@ def draw_layout(dims: ParallelDims, ranks_per_node: int | None = None, backend: 
         for rank in range(node * per_node, min((node + 1) * per_node, dims.world_size)):
             c = dims.coordinates(rank)
             axes = "  ".join(f"{a} {c[a]}/{getattr(dims, a)}" for a in split) or "single process"
-            lines.append(f"    rank {rank:>3}  {axes:<40} {_holds(dims, c, zero_stage)}")
+            holds = _holds(dims, c, zero_stage)
+            if stages and c["pp"] in stages:  # which layers this pipeline rank runs
+                holds = holds.replace(f"stage {c['pp']}", stages[c["pp"]], 1)
+            lines.append(f"    rank {rank:>3}  {axes:<40} {holds}")
             if dims.tp > 1:
-                lines.append(" " * 15 + _tp_slice(dims.tp, c["tp"], model, sequence_parallel))
+                lines.append(" " * 15 + _tp_slice(dims.tp, c["tp"], model, sequence_parallel,
+                                                  whole=dims.pp == 1))
     return "\n".join(lines)
 
 
@@ -183,12 +188,13 @@ def _span(total: int, parts: int, i: int, padded: bool = False) -> str:
     return f"{lo}-{hi - 1} of {total}"
 
 
-def _tp_slice(tp: int, i: int, model, sequence_parallel: bool) -> str:
+def _tp_slice(tp: int, i: int, model, sequence_parallel: bool, whole: bool = True) -> str:
     """Which part of every layer tensor-parallel rank i holds (Megatron's split)."""
     if model is None:
         text = f"tp slice {i}/{tp} of every layer's heads, MLP columns and vocabulary"
     else:
         layers = f"layers 0-{model.n_layers - 1}" if model.n_layers > 1 else "layer 0"
+        layers = layers if whole else "each of its stages' layers"
         text = (f"tp slice {i}/{tp} of {layers}: heads {_span(model.n_heads, tp, i)} "
                 f"(KV heads {_span(model.kv_heads, tp, i)}), MLP columns "
                 f"{_span(model.hidden, tp, i)}; vocabulary rows "

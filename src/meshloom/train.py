@@ -372,10 +372,33 @@ def _print_ending(summary: dict[str, Any]) -> None:
 
 
 def print_layout(cfg: Config, dims, ranks_per_node: int | None = None) -> None:
+    mcfg = model_config(cfg, None)
     print(draw_layout(dims, ranks_per_node, backend=resolve_backend(cfg.run),
                       device=resolve_device(cfg.run), zero_stage=cfg.parallel.zero_stage,
-                      model=model_config(cfg, None),
-                      sequence_parallel=cfg.parallel.sequence_parallel), flush=True)
+                      model=mcfg, sequence_parallel=cfg.parallel.sequence_parallel,
+                      stages=_stage_names(cfg, dims, mcfg)), flush=True)
+
+
+def _stage_names(cfg: Config, dims, mcfg) -> dict[int, str] | None:
+    """For the drawing: the layers each pipeline rank runs, stage by stage."""
+    if dims.pp == 1:
+        return None
+    from meshloom.parallel.pipeline_stage import layer_costs, split_layers
+
+    v = cfg.parallel.pp_virtual_stages
+    costs, head = layer_costs(mcfg, cfg.data.seq_len)
+    bounds = split_layers(mcfg.n_layers, dims.pp * v, costs, head, cfg.parallel.pp_layers or None)
+    out = {}
+    for r in range(dims.pp):
+        parts = []
+        for c in range(v):
+            s = c * dims.pp + r
+            lo, hi = bounds[s]
+            extra = (" + embedding" if s == 0 else "") + \
+                (" + norm, head, loss" if s == dims.pp * v - 1 else "")
+            parts.append(f"stage {s}: layers {lo}-{hi - 1}{extra}")
+        out[r] = "; ".join(parts)
+    return out
 
 
 if __name__ == "__main__":
