@@ -101,3 +101,22 @@ def test_meshloom_train_tensor_parallel(tmp_path, token_cache):
     records = _records(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3]
     assert records[-1]["comm_bytes"]["tp"] > 0 and "dp" not in records[-1]["comm_bytes"]
+
+
+def test_meshloom_train_pipeline_and_report(tmp_path, token_cache):
+    """A pipelined run through the CLI (1F1B, sample generated through the stages), then
+    `meshloom report` on its folder: the timeline picture and the bubble table."""
+    run_dir = tmp_path / "run"
+    proc = _run([sys.executable, "-m", "meshloom.cli", "train", TINY, "--nproc", "2",
+                 "--set", "parallel.pp=2", "--set", "parallel.pp_microbatches=4",
+                 "--set", "train.steps=3", "--set", "train.eval_every=0",
+                 "--set", "train.sample_tokens=10", "--set", f"run.dir={run_dir}",
+                 "--set", f"data.cache_dir={token_cache}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "stage 1: layers" in proc.stdout and "--- sample ---" in proc.stdout
+    records = _records(run_dir)
+    assert records[-1]["comm_bytes"]["pp"] > 0
+    rep = _run([sys.executable, "-m", "meshloom.cli", "report", str(run_dir)], tmp_path)
+    assert rep.returncode == 0, rep.stderr[-3000:]
+    assert "bubble" in rep.stdout and "1f1b" in rep.stdout
+    assert (run_dir / "pipeline" / "timeline.png").stat().st_size > 1000
