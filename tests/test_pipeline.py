@@ -185,6 +185,8 @@ RESUME = ["run.checkpoint_every=2", "run.keep_checkpoints=5"]
 @pytest.mark.parametrize("overrides,world", [
     (_pp(2, "1f1b", 1, "parallel.dp_replicate=2", "parallel.dp_shard=1"), 4),
     (_pp(2, "interleaved_1f1b", 2, "parallel.tp=2", "parallel.dp_shard=1"), 4),
+    (_pp(2, "1f1b", 1, "parallel.dp_shard=2", "parallel.zero_stage=3"), 4),
+    (_pp(2, "zb_h1", 1, "parallel.tp=2", "parallel.dp_shard=2", "parallel.zero_stage=1"), 8),
 ])
 def test_pp_resume_is_exact(tmp_path, token_cache, overrides, world):
     full = run_ranks(_job, world, tmp_path / "full", token_cache, [*overrides, *RESUME])
