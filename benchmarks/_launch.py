@@ -169,3 +169,14 @@ def git_state() -> dict:
         return {"commit": head, "src_modified": bool(dirty)}
     except (OSError, subprocess.CalledProcessError):
         return {"commit": None, "src_modified": None}
+
+
+def write_result(result: dict, out: Path, print_table: Callable[[dict], None]) -> dict:
+    """Print the table, write the JSON (creating its folder) and say where."""
+    import json
+
+    print_table(result)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    return result

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import statistics
 import sys
 import time
@@ -40,6 +39,7 @@ from _launch import (  # noqa: E402
     loss_of,
     summary,
     threads_per_rank,
+    write_result,
 )
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "ddp_vs_torch.json"
@@ -199,11 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
         "check": {"max_abs_diff": raw["max_abs_diff"], "allclose": raw["allclose"],
                   "rtol": RTOL, "atol": ATOL, "final_loss": raw["loss"]},
     }
-    _print_table(result)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
-    return result
+    return write_result(result, args.out, _print_table)
 
 
 def _print_table(r: dict) -> None:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
-import json
 import sys
 import time
 import warnings
@@ -75,6 +74,7 @@ from _launch import (  # noqa: E402
     round_order,
     summary,
     threads_per_rank,
+    write_result,
 )
 
 VARIANTS = ("meshloom_tp", "meshloom_tp_sp", "dtensor_tp", "dtensor_tp_sp")
@@ -390,11 +390,7 @@ def main(argv: list[str] | None = None) -> dict:
                       "that cancel to ~eps into O(lr) updates, and training on random tokens "
                       "amplifies them, so long runs drift apart without any error",
     }
-    _print_table(result)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
-    return result
+    return write_result(result, args.out, _print_table)
 
 
 def _print_table(r: dict) -> None:

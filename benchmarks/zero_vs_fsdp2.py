@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
-import json
 import sys
 import time
 from collections import Counter
@@ -57,6 +56,7 @@ from _launch import (  # noqa: E402
     round_order,
     summary,
     threads_per_rank,
+    write_result,
 )
 
 VARIANTS = ("ddp", "zero1", "zero2", "zero3", "fsdp2")
@@ -407,11 +407,7 @@ def main(argv: list[str] | None = None) -> dict:
                      "meshloom.comm); FSDP2's collectives bypass it, so fsdp2 reports none",
         "check": {**raw["check"], "rtol": RTOL, "atol": ATOL},
     }
-    _print_table(result)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
-    return result
+    return write_result(result, args.out, _print_table)
 
 
 def _print_table(r: dict) -> None:
