@@ -226,11 +226,17 @@ def send(tensor: torch.Tensor, mesh: Mesh, axis: str, dst: int, tag: int) -> dis
     return dist.isend(tensor.contiguous(), dst=dst, tag=tag)
 
 
-def recv(buffer: torch.Tensor, src: int, tag: int, timeout_s: float, what: str) -> torch.Tensor:
-    """Receive into `buffer` from global rank `src`, or raise PeerTimeout after `timeout_s`."""
+def post_recv(buffer: torch.Tensor, src: int, tag: int) -> dist.Work:
+    """Start receiving into `buffer` from global rank `src` (Gloo moves the data only once the
+    receive is posted, so posting it early lets the transfer overlap compute)."""
+    return dist.irecv(buffer, src=src, tag=tag)
+
+
+def wait_recv(work: dist.Work, buffer: torch.Tensor, src: int, timeout_s: float,
+              what: str) -> torch.Tensor:
+    """Wait for a posted receive, or raise PeerTimeout after `timeout_s`."""
     import datetime
 
-    work = dist.irecv(buffer, src=src, tag=tag)
     try:
         ok = work.wait(timeout=datetime.timedelta(seconds=timeout_s))
     except RuntimeError as e:  # Gloo reports a time-out as an error
@@ -239,3 +245,8 @@ def recv(buffer: torch.Tensor, src: int, tag: int, timeout_s: float, what: str) 
     if ok is False:
         raise PeerTimeout(f"{what}: nothing arrived from rank {src} within {timeout_s:g} s")
     return buffer
+
+
+def recv(buffer: torch.Tensor, src: int, tag: int, timeout_s: float, what: str) -> torch.Tensor:
+    """Receive into `buffer` from global rank `src`, or raise PeerTimeout after `timeout_s`."""
+    return wait_recv(post_recv(buffer, src, tag), buffer, src, timeout_s, what)

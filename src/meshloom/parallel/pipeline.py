@@ -16,6 +16,7 @@ micro-batches' activations were alive at most.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import time
 import types
@@ -135,16 +136,26 @@ class PipelineRunner:
         b, s = x.shape[0], x.shape[1]
         return (b, s // self.sequence_split(), self.model.cfg.dim)
 
-    def _recv(self, kind: str, stage: int, mb: int, shape, dtype, device) -> torch.Tensor:
-        src = stage - 1 if kind == "RECV_F" else stage + 1
-        what = ("activations" if kind == "RECV_F" else "gradients")
+    def _post(self, a: Action, shape, dtype, device) -> tuple:
+        """Start the receive of action `a` (RECV_F / RECV_B)."""
+        src = a.stage - 1 if a.kind == "RECV_F" else a.stage + 1
         buf = torch.empty(shape, dtype=dtype, device=device)
+        work = comm.post_recv(buf, self._rank_of(src), _tag(a.kind, src, a.mb))
+        return work, buf, src
+
+    def _wait(self, a: Action, posted: tuple) -> torch.Tensor:
+        work, buf, src = posted
+        what = "activations" if a.kind == "RECV_F" else "gradients"
         try:
-            return comm.recv(buf, self._rank_of(src), _tag(kind, src, mb), self.timeout_s,
-                             f"pipeline stage {stage} (rank {self.mesh.rank}) waiting for the "
-                             f"{what} of micro-batch {mb} from stage {src}")
+            return comm.wait_recv(work, buf, self._rank_of(src), self.timeout_s,
+                                  f"pipeline stage {a.stage} (rank {self.mesh.rank}) waiting "
+                                  f"for the {what} of micro-batch {a.mb} from stage {src}")
         except comm.PeerTimeout as e:
             raise PipelineError(str(e)) from None
+
+    def _recv(self, kind: str, stage: int, mb: int, shape, dtype, device) -> torch.Tensor:
+        a = Action(kind, stage, mb)
+        return self._wait(a, self._post(a, shape, dtype, device))
 
     # -- one training step
 
@@ -156,20 +167,23 @@ class PipelineRunner:
             raise PipelineError(f"the pipeline schedule was built for {self.m} micro-batches, "
                                 f"the step has {len(batches)}")
         dtype = next(self.model.parameters()).dtype
-        held: dict[tuple[int, int], tuple] = {}
+        # Every boundary tensor (activations and their gradients) has the same shape and dtype.
+        shape = self._boundary(batches[0][0])
+        held: dict[tuple, object] = {}
+        posted: dict[int, tuple] = {}  # action index -> receive in flight
+        recvs = [i for i, a in enumerate(self.actions) if a.kind.startswith("RECV")]
         sends, total = [], 0.0
         self.timeline, alive, t0 = [], 0, time.perf_counter()
         self.t0_wall = time.time()  # puts the ranks' timelines on one clock (same host clocks)
-        for a in self.actions:
+        for i, a in enumerate(self.actions):
             s, k = a.stage, a.mb
             x_tokens, y = batches[k]
             seq = x_tokens.shape[1]
-            if a.kind == "RECV_F":
-                shape = self._boundary(x_tokens)
-                held[("in", s, k)] = self._recv(a.kind, s, k, shape, dtype, device)
-            elif a.kind == "RECV_B":
-                out = held[(s, k)][1]
-                held[("grad", s, k)] = self._recv(a.kind, s, k, out.shape, out.dtype, device)
+            if a.kind in ("RECV_F", "RECV_B"):
+                if i not in posted:
+                    posted[i] = self._post(a, shape, dtype, device)
+                key = ("in", s, k) if a.kind == "RECV_F" else ("grad", s, k)
+                held[key] = self._wait(a, posted.pop(i))
             elif a.kind == "SEND_F":
                 sends.append(comm.send(held[(s, k)][1].detach(), self.mesh, AXIS,
                                        self._rank_of(s + 1), _tag(a.kind, s, k)))
@@ -177,6 +191,11 @@ class PipelineRunner:
                 sends.append(comm.send(held.pop(("dx", s, k)), self.mesh, AXIS,
                                        self._rank_of(s - 1), _tag(a.kind, s, k)))
             else:
+                # Post the next receive now, so that its data moves while this action computes.
+                j = bisect.bisect_right(recvs, i)
+                nxt = recvs[j] if j < len(recvs) else None
+                if nxt is not None and nxt not in posted:
+                    posted[nxt] = self._post(self.actions[nxt], shape, dtype, device)
                 start = time.perf_counter()
                 if a.kind == "F":
                     total += self._forward(a, held, x_tokens, y, seq, device, autocast)
