@@ -14,9 +14,8 @@ Schedules:
 - interleaved_1f1b: v chunks per rank, forwards in groups of p micro-batches chunk after chunk,
   backwards likewise with the chunks reversed (Narayanan et al. 2021);
 - zb_h1: backward split into I (input gradient, on the critical path) and W (weight gradient,
-  deferred into what would be bubbles), no stage holding more micro-batches than 1F1B's first
-  stage (Qi et al. 2023, ZB-H1's memory rule). Its lists come from a greedy list scheduler run
-  on unit costs; its bubble is below 1F1B's but above the hand-made ZB-H1's.
+  deferred into what would be bubbles); stage r runs its Ws r micro-batches late, so every
+  stage holds 1F1B's first-stage peak of p micro-batches (Qi et al. 2023, ZB-H1).
 """
 
 from __future__ import annotations
@@ -89,51 +88,25 @@ def _interleaved(r: int, pp: int, m: int, v: int) -> list[Action]:
 
 
 def zero_bubble_lists(pp: int, m: int) -> list[list[Action]]:
-    """ZB-H1-style lists by greedy list scheduling on unit costs: whenever a rank is free it
-    starts the earliest-ready action, preferring I (the critical path) over F over W, and starts
-    a forward only while fewer than pp micro-batches hold activations (F done, W not yet): ZB-H1's
-    memory rule, no stage above 1F1B's peak. At pp=4, m=8 this gives a 17% bubble against 1F1B's
-    27%; the hand-made ZB-H1 reaches 11% (a greedy is not optimal)."""
-    lists: list[list[Action]] = [[] for _ in range(pp)]
-    finish: dict[Action, float] = {}
-    free = [0.0] * pp
-    next_f, pending_i, pending_w = [0] * pp, [[] for _ in range(pp)], [[] for _ in range(pp)]
-    alive = [0] * pp
-    while len(finish) < 3 * pp * m:
-        best = None
-        for r in range(pp):
-            cands = []
-            if pending_i[r]:
-                k = pending_i[r][0]
-                dep = [Action("F", r, k)] + ([Action("I", r + 1, k)] if r < pp - 1 else [])
-                if all(d in finish for d in dep):
-                    cands.append((max([free[r]] + [finish[d] for d in dep]), 0, Action("I", r, k)))
-            if next_f[r] < m and alive[r] < pp:
-                k = next_f[r]
-                dep = [Action("F", r - 1, k)] if r > 0 else []
-                if all(d in finish for d in dep):
-                    cands.append((max([free[r]] + [finish[d] for d in dep]), 1, Action("F", r, k)))
-            if pending_w[r]:
-                cands.append((free[r], 2, Action("W", r, pending_w[r][0])))
-            for c in cands:
-                if best is None or (c[0], c[1], r) < (best[0][0], best[0][1], best[1]):
-                    best = (c, r)
-        if best is None:
-            raise RuntimeError("zero-bubble scheduler made no progress")  # cannot happen
-        (start, _, act), r = best
-        finish[act] = start + 1.0
-        free[r] = start + 1.0
-        lists[r].append(act)
-        if act.kind == "F":
-            next_f[r] += 1
-            alive[r] += 1
-            pending_i[r].append(act.mb)
-        elif act.kind == "I":
-            pending_i[r].pop(0)
-            pending_w[r].append(act.mb)
-        else:
-            pending_w[r].pop(0)
-            alive[r] -= 1
+    """ZB-H1 (Qi et al. 2023): 1F1B's order with the backward split into I and W, where stage r
+    delays its W passes by r micro-batches. Every stage then keeps p micro-batches in flight
+    (F done, W not yet), the first stage's 1F1B peak, and the delayed Ws fill the cool-down
+    bubbles: with F = I = W the step takes 3m + p - 1 units (m >= p) against 1F1B's
+    3m + 3(p - 1), a bubble of (p - 1) / (3m + p - 1)."""
+    lists = []
+    for r in range(pp):
+        warm = min(pp - r - 1, m)
+        out = [Action("F", r, k) for k in range(warm)]
+        w = 0  # next micro-batch whose W runs
+        for j in range(m):
+            if j < m - warm:
+                out.append(Action("F", r, warm + j))
+            out.append(Action("I", r, j))
+            if j >= r:  # W runs r micro-batches behind I
+                out.append(Action("W", r, w))
+                w += 1
+        out += [Action("W", r, k) for k in range(w, m)]
+        lists.append(out)
     return lists
 
 
