@@ -1,0 +1,175 @@
+"""Context parallel: causal ring attention over the `cp` axis, with the zigzag split.
+
+The sequence is cut into 2·cp chunks and rank i holds chunks i and 2·cp-1-i (`zigzag_indices`),
+so that under the causal mask every rank has the same amount of work. Attention of the local
+queries against the whole sequence runs as a ring: each of cp steps computes the local queries
+against the K/V block currently held while that block travels on to the next rank
+(asynchronous p2p, overlapping the compute), and the partial results are merged with the
+log-sum-exp rule. Masked entries are still computed and then dropped (skipping the chunk pairs
+that the mask hides entirely is left to do). The backward pass sends K/V around the ring again,
+with an accumulator of their gradients that arrives back at its owner after cp steps. No rank
+ever holds the scores of the whole sequence: at most a (2 chunks x 2 chunks) block of them.
+
+Grouped-query attention: K/V travel with their own (fewer) heads and are expanded per block.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from meshloom import comm
+from meshloom.mesh import Mesh
+
+AXIS = "cp"
+
+
+def zigzag_indices(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """Token positions held by cp rank `rank`: chunks rank and 2·cp-1-rank of 2·cp."""
+    if seq_len % (2 * cp):
+        raise ValueError(f"sequence length {seq_len} must be divisible by 2 x cp = {2 * cp}")
+    c = seq_len // (2 * cp)
+    first, second = rank, 2 * cp - 1 - rank
+    return torch.cat([torch.arange(first * c, (first + 1) * c),
+                      torch.arange(second * c, (second + 1) * c)])
+
+
+def attention_work(seq_len: int, cp: int, rank: int, zigzag: bool = True) -> int:
+    """Unmasked (query, key) pairs of causal attention that cp rank `rank` computes: with the
+    zigzag split, or with the naive split into cp contiguous slices."""
+    if zigzag:
+        pos = zigzag_indices(seq_len, cp, rank)
+    else:
+        n = seq_len // cp
+        pos = torch.arange(rank * n, (rank + 1) * n)
+    return int((pos + 1).sum())  # query at position t sees keys 0..t
+
+
+def _chunks_of(rank: int, cp: int) -> tuple[int, int]:
+    return rank, 2 * cp - 1 - rank
+
+
+def _block(q, k, v, q_chunks, k_chunks, c, scale):
+    """Scores and mask of local queries (2 chunks) against one K/V block (2 chunks): returns
+    (scores [b, h, 2c, 2c] with -inf where masked, fully_masked_rows mask)."""
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    qpos = torch.cat([torch.arange(qc * c, (qc + 1) * c) for qc in q_chunks])
+    kpos = torch.cat([torch.arange(kc * c, (kc + 1) * c) for kc in k_chunks])
+    mask = kpos.view(1, -1) > qpos.view(-1, 1)
+    return s.masked_fill(mask.to(s.device), float("-inf"))
+
+
+def _expand(t: torch.Tensor, n_rep: int) -> torch.Tensor:
+    return t if n_rep == 1 else t.repeat_interleave(n_rep, dim=1)
+
+
+def _reduce_heads(t: torch.Tensor, n_rep: int) -> torch.Tensor:
+    if n_rep == 1:
+        return t
+    b, h, s, d = t.shape
+    return t.view(b, h // n_rep, n_rep, s, d).sum(2)
+
+
+class _Ring:
+    """One ring pass: send this block to the next rank, receive the previous rank's."""
+
+    def __init__(self, mesh: Mesh, tag_base: int):
+        self.mesh = mesh
+        ranks = mesh.group_ranks(AXIS)
+        i, n = mesh.coord(AXIS), len(ranks)
+        self.next, self.prev = ranks[(i + 1) % n], ranks[(i - 1) % n]
+        self.tag = tag_base
+
+    def start(self, t: torch.Tensor) -> tuple:
+        buf = torch.empty_like(t)
+        self.tag += 1
+        send = comm.send(t, self.mesh, AXIS, self.next, self.tag)
+        recv = comm.post_recv(buf, self.prev, self.tag)
+        return send, recv, buf
+
+    @staticmethod
+    def finish(pending: tuple) -> torch.Tensor:
+        send, recv, buf = pending
+        recv.wait()
+        send.wait()
+        return buf
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mesh):
+        cp, me = mesh.size(AXIS), mesh.coord(AXIS)
+        b, h, s2, d = q.shape
+        c, n_rep, scale = s2 // 2, h // k.shape[1], d ** -0.5
+        q_chunks = _chunks_of(me, cp)
+        out = torch.zeros_like(q, dtype=torch.float32)
+        lse = torch.full((b, h, s2), float("-inf"), device=q.device)
+        qf = q.float()
+        kv = torch.stack([k, v])
+        ring = _Ring(mesh, 0)
+        for step in range(cp):
+            pending = ring.start(kv) if step < cp - 1 else None
+            owner = (me - step) % cp
+            kk, vv = _expand(kv[0].float(), n_rep), _expand(kv[1].float(), n_rep)
+            s = _block(qf, kk, vv, q_chunks, _chunks_of(owner, cp), c, scale)
+            blk_lse = torch.logsumexp(s, dim=-1)
+            live = torch.isfinite(blk_lse)
+            p = torch.exp(s - torch.where(live, blk_lse, 0.0).unsqueeze(-1))
+            blk_out = torch.matmul(p, vv)
+            new_lse = torch.logaddexp(lse, blk_lse)
+            w_old = torch.exp(lse - new_lse).nan_to_num(0.0).unsqueeze(-1)
+            w_new = torch.exp(blk_lse - new_lse).nan_to_num(0.0).unsqueeze(-1)
+            out = out * w_old + blk_out * w_new
+            lse = new_lse
+            if pending is not None:
+                kv = _Ring.finish(pending)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mesh = mesh
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        mesh = ctx.mesh
+        cp, me = mesh.size(AXIS), mesh.coord(AXIS)
+        b, h, s2, d = q.shape
+        c, n_rep, scale = s2 // 2, h // k.shape[1], d ** -0.5
+        q_chunks = _chunks_of(me, cp)
+        qf, do = q.float(), dout.float()
+        delta = (do * out).sum(-1, keepdim=True)  # rowsum(dO * O)
+        dq = torch.zeros_like(qf)
+        kv = torch.stack([k, v]).float()
+        dkv = torch.zeros_like(kv)
+        ring = _Ring(mesh, 1 << 16)
+        for step in range(cp):
+            owner = (me - step) % cp
+            kk, vv = _expand(kv[0], n_rep), _expand(kv[1], n_rep)
+            s = _block(qf, kk, vv, q_chunks, _chunks_of(owner, cp), c, scale)
+            p = torch.exp(s - lse.unsqueeze(-1))  # exact probabilities of the whole row
+            dv = torch.matmul(p.transpose(-1, -2), do)
+            dp = torch.matmul(do, vv.transpose(-1, -2))
+            ds = p * (dp - delta) * scale
+            dq += torch.matmul(ds, kk)
+            dk = torch.matmul(ds.transpose(-1, -2), qf)
+            dkv = dkv + torch.stack([_reduce_heads(dk, n_rep), _reduce_heads(dv, n_rep)])
+            # K/V move on for the next step; their gradient accumulator moves with them and,
+            # after the last step, arrives back at its owner.
+            pend_dkv = ring.start(dkv)
+            pend_kv = ring.start(kv) if step < cp - 1 else None
+            dkv = _Ring.finish(pend_dkv)
+            if pend_kv is not None:
+                kv = _Ring.finish(pend_kv)
+        dk, dv = dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+        return dq.to(q.dtype), dk, dv, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   mesh: Mesh) -> torch.Tensor:
+    """Causal attention of this rank's zigzag queries [b, h, 2c, d] against the whole sequence,
+    with K/V [b, h_kv, 2c, d] exchanged around the cp ring. Equals the matching rows of full
+    causal attention."""
+    if mesh.size(AXIS) == 1:
+        raise ValueError("ring_attention needs parallel.cp > 1")
+    if not dist.is_initialized():
+        raise RuntimeError("ring_attention needs an initialised process group")
+    return _RingAttention.apply(q, k, v, mesh)
