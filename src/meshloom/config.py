@@ -312,11 +312,13 @@ def validate(cfg: Config, world_size: int, *, check_data: bool = True):
     _require(not p.cpu_offload or p.zero_stage >= 1,
              "parallel.cpu_offload needs parallel.zero_stage >= 1 (it offloads the sharded "
              "optimizer state)")
-    # Strategies this version does not have yet are refused here rather than ignored in a rank.
-    for axis in ("cp",):
-        _require(getattr(dims, axis) == 1,
-                 f"parallel.{axis}={getattr(dims, axis)}: this meshloom version implements data "
-                 f"parallel only; set parallel.{axis}=1")
+    # Combinations this version does not have yet are refused here rather than run wrongly.
+    if dims.cp > 1:
+        _require(p.zero_stage == 0, f"parallel.cp={dims.cp} with parallel.zero_stage="
+                 f"{p.zero_stage} is not supported yet (context parallel runs with DDP or no "
+                 "data parallel); set parallel.zero_stage=0")
+        _require(dims.pp == 1, f"parallel.cp={dims.cp} with parallel.pp={dims.pp} is not "
+                 "supported yet; set parallel.pp=1")
 
     # -- training
     _require(t.steps >= 1, f"train.steps={t.steps} must be >= 1")

@@ -105,7 +105,7 @@ def _forward_backward(par: Parallelized, batches: list, device: torch.device, au
         last = i == len(batches) - 1
         with par.grads.no_sync() if not last else contextlib.nullcontext():
             with autocast:
-                loss = par.loss(par.model(x.to(device)), y.to(device)) / len(batches)
+                loss = _micro_loss(par, x, y, device) / len(batches)
             (loss * loss_scale).backward()
         total += loss.item()
     return total
@@ -122,11 +122,21 @@ def evaluate(par: Parallelized, batches: list, mesh: Mesh, device: torch.device)
         total = par.pipeline.forward_only(batches, device, contextlib.nullcontext())
         (total,) = comm.all_reduce_scalars([total], mesh, "pp")
     else:
-        total = sum(par.loss(model(x.to(device)), y.to(device)).item() for x, y in batches)
+        total = sum(_micro_loss(par, x, y, device).item() for x, y in batches)
     model.train(was_training)
-    # Every rank holds the same number of equal-sized batches, so the mean of means is exact.
-    (total,) = comm.all_reduce_scalars([total / len(batches)], mesh, "dp")
-    return total / mesh.size("dp")
+    # Every rank (data- and context-parallel) holds the same number of equal-sized batches and
+    # tokens, so the mean of the means is exact.
+    (total,) = comm.all_reduce_scalars([total / len(batches)], mesh, "dp_cp")
+    return total / mesh.size("dp_cp")
+
+
+def _micro_loss(par: Parallelized, x: torch.Tensor, y: torch.Tensor,
+                device: torch.device) -> torch.Tensor:
+    """Mean loss of a micro-batch over this rank's tokens (its zigzag slice under cp)."""
+    if par.context is None:
+        return par.loss(par.model(x.to(device)), y.to(device))
+    x, y, positions = par.context.local(x.to(device), y.to(device))
+    return par.loss(par.model(x, positions), y)
 
 
 def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> TrainResult:
@@ -231,8 +241,8 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
         par.grads.zero_grad()
         if dims.pp > 1:  # only the last stage has the loss
             (local_loss,) = comm.all_reduce_scalars([local_loss], mesh, "pp")
-        (loss_sum,) = comm.all_reduce_scalars([local_loss], mesh, "dp")
-        step_loss = loss_sum / dp_size
+        (loss_sum,) = comm.all_reduce_scalars([local_loss], mesh, "dp_cp")
+        step_loss = loss_sum / mesh.size("dp_cp")
         dt = time.perf_counter() - t0
         train_time += dt
         done = step + 1

@@ -191,12 +191,18 @@ class Attention(nn.Module):
         v = self.wv(x).unflatten(-1, (-1, self.head_dim))
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = self.core(q, k, v)
+        return self.wo(out.transpose(1, 2).flatten(2))
+
+    @staticmethod
+    def core(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Causal attention of q [b, h, s, d] over k, v [b, h_kv, s, d]. Context parallel
+        replaces it (per module) with ring attention over the cp ranks' sequence slices."""
         n_rep = q.shape[1] // k.shape[1]
         if n_rep > 1:
             # Explicit repeat rather than enable_gqa: every SDPA backend (and torch 2.4) accepts it.
             k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).flatten(2))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class FeedForward(nn.Module):

@@ -21,6 +21,7 @@ from meshloom.checkpoint import whole_state
 from meshloom.config import ParallelConfig
 from meshloom.mesh import Mesh
 from meshloom.optim import decay_groups, named_trainable
+from meshloom.parallel.context import ContextParallel, PlainAttention
 from meshloom.parallel.ddp import DataParallel
 from meshloom.parallel.fsdp import FullyShardedDataParallel
 from meshloom.parallel.pipeline import PipelinedLogits, PipelineGrads, PipelineRunner
@@ -93,6 +94,7 @@ class Parallelized:
     inference_model: nn.Module | None = None
     tp: TensorParallel | None = None
     pipeline: PipelineRunner | None = None
+    context: ContextParallel | None = None
 
 
 @dataclass(frozen=True)
@@ -115,8 +117,6 @@ def parallelize(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig,
     resulting slices. With zero_stage >= 1 the sharded stages keep `compute_dtype` working
     copies of the parameters and fp32 masters; without sharding the model stays fp32 and the
     training loop runs its forward under autocast."""
-    if mesh.size("cp") > 1:
-        raise NotImplementedError("parallel.cp > 1 is not implemented in this version")
     pp = mesh.size("pp")
     if pp > 1:
         if pipeline is None:
@@ -126,13 +126,17 @@ def parallelize(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig,
     if mesh.size("tp") > 1:
         tp = TensorParallel(model, tp_plan or model.TP_PLAN, mesh,
                             sequence_parallel=pcfg.sequence_parallel, strict=pp == 1)
+    cp = ContextParallel(model, mesh) if mesh.size("cp") > 1 else None
     grads = _data_parallel(model, mesh, pcfg, compute_dtype)
     loss = tp.loss if tp else plain_loss
     if tp is not None:
         grads = TensorParallelGrads(grads, tp)
     if pp == 1:
         inference = GatheredLogits(model, tp) if tp else model
-        return Parallelized(model, grads, loss=loss, inference_model=inference, tp=tp)
+        if cp is not None:
+            inference = PlainAttention(inference, cp)
+        return Parallelized(model, grads, loss=loss, inference_model=inference, tp=tp,
+                            context=cp)
     runner = PipelineRunner(
         model, mesh, schedule=pcfg.pp_schedule, microbatches=pipeline.microbatches,
         virtual_stages=pcfg.pp_virtual_stages, loss=loss, timeout_s=pipeline.timeout_s,
@@ -162,6 +166,6 @@ def _data_parallel(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig,
         return FullyShardedDataParallel(model, mesh,
                                         reshard_after_forward=pcfg.reshard_after_forward,
                                         precision=prec)
-    if mesh.size("dp") > 1:
-        return DataParallel(model, mesh, axis="dp", bucket_mb=pcfg.ddp_bucket_mb)
+    if mesh.size("dp_cp") > 1:  # cp ranks hold the same weights and see other tokens: average
+        return DataParallel(model, mesh, axis="dp_cp", bucket_mb=pcfg.ddp_bucket_mb)
     return LocalGrads(model, mesh)

@@ -15,8 +15,12 @@ Grouped-query attention: K/V travel with their own (fewer) heads and are expande
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from meshloom import comm
 from meshloom.mesh import Mesh
@@ -173,3 +177,48 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if not dist.is_initialized():
         raise RuntimeError("ring_attention needs an initialised process group")
     return _RingAttention.apply(q, k, v, mesh)
+
+
+class ContextParallel:
+    """Applies context parallel to a model whose attention modules have a `core` (meshloom's
+    Llama): each swaps to ring attention; the training loop feeds every cp rank its zigzag slice
+    of the tokens and targets, with their absolute positions (RoPE follows the split)."""
+
+    def __init__(self, model: nn.Module, mesh: Mesh):
+        self.mesh, self.cp, self.rank = mesh, mesh.size(AXIS), mesh.coord(AXIS)
+        self.attentions = [m for m in model.modules() if hasattr(m, "core")
+                           and hasattr(m, "wq")]
+        if not self.attentions:
+            raise ValueError("context parallel found no attention module with a `core`")
+        for m in self.attentions:
+            m.core = lambda q, k, v: ring_attention(q, k, v, mesh)
+
+    def local(self, x: torch.Tensor, y: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's tokens, targets and positions of a batch of whole sequences."""
+        idx = zigzag_indices(x.shape[1], self.cp, self.rank)
+        return x[:, idx], y[:, idx], idx.to(x.device)
+
+    @contextlib.contextmanager
+    def off(self) -> Iterator[None]:
+        """Plain attention on whole sequences (generation: every cp rank holds all weights)."""
+        for m in self.attentions:
+            del m.core  # back to the class's plain causal attention
+        try:
+            yield
+        finally:
+            for m in self.attentions:
+                m.core = lambda q, k, v: ring_attention(q, k, v, self.mesh)
+
+
+class PlainAttention(nn.Module):
+    """A context-parallel model seen as a plain one, for sampling on every cp rank."""
+
+    def __init__(self, model: nn.Module, cp: ContextParallel):
+        super().__init__()
+        self.model, self.cp = model, cp
+        self.cfg = getattr(model, "cfg", None)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        with self.cp.off():
+            return self.model(tokens)
