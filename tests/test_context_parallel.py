@@ -39,6 +39,9 @@ CASES = [
     (4, ["parallel.cp=4", "parallel.dp_shard=1"], 1e-4, 2e-5),
     (4, ["parallel.cp=2", "parallel.dp_shard=2"], 1e-4, 2e-5),
     (4, ["parallel.cp=2", "parallel.tp=2", "parallel.dp_shard=1"], 1e-4, 2e-5),
+    (4, ["parallel.cp=2", "parallel.dp_shard=2", "parallel.zero_stage=1"], 1e-4, 2e-5),
+    (4, ["parallel.cp=2", "parallel.dp_shard=2", "parallel.zero_stage=2"], 1e-4, 2e-5),
+    (4, ["parallel.cp=2", "parallel.dp_shard=2", "parallel.zero_stage=3"], 1e-4, 2e-5),
 ]
 
 

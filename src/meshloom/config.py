@@ -314,9 +314,6 @@ def validate(cfg: Config, world_size: int, *, check_data: bool = True):
              "optimizer state)")
     # Combinations this version does not have yet are refused here rather than run wrongly.
     if dims.cp > 1:
-        _require(p.zero_stage == 0, f"parallel.cp={dims.cp} with parallel.zero_stage="
-                 f"{p.zero_stage} is not supported yet (context parallel runs with DDP or no "
-                 "data parallel); set parallel.zero_stage=0")
         _require(dims.pp == 1, f"parallel.cp={dims.cp} with parallel.pp={dims.pp} is not "
                  "supported yet; set parallel.pp=1")
 

@@ -108,7 +108,8 @@ class FullyShardedDataParallel:
 
     def __init__(self, model: nn.Module, mesh: Mesh, *, reshard_after_forward: bool = True,
                  precision: ShardPrecision = FP32):
-        self.model, self.mesh, self.dp, self.prec = model, mesh, mesh.size("dp"), precision
+        # Gradients are averaged over data- and context-parallel ranks.
+        self.model, self.mesh, self.dp, self.prec = model, mesh, mesh.size("dp_cp"), precision
         self.reshard_after_forward = reshard_after_forward
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         with torch.no_grad():

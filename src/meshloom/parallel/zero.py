@@ -93,7 +93,7 @@ class ZeroDataParallel:
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel handles stages 1 and 2, not {stage}")
         self.model, self.mesh, self.stage, self.prec = model, mesh, stage, precision
-        self.dp = mesh.size("dp")
+        self.dp = mesh.size("dp_cp")  # gradients are averaged over data and context ranks
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         with torch.no_grad():
             for _, p in named:  # replicas start identical
@@ -214,12 +214,15 @@ Masters = dict[tuple[int, int], tuple[nn.Parameter, int]]
 
 
 def all_reduce_replicas(shard: torch.Tensor, mesh: Mesh, device: torch.device) -> None:
-    """HSDP: sum a reduced gradient shard over the replicate group (on the device, where the
-    backend can reach it, even when the shard itself is offloaded to the CPU)."""
-    if mesh.size("dp_replicate") == 1:
+    """Sum a reduced gradient shard over the ranks that hold the same shard: the replicate
+    group (HSDP) and the context-parallel ranks, which saw other tokens of the same sequences
+    (on the device, where the backend can reach it, even when the shard is offloaded)."""
+    axes = [a for a in ("dp_replicate", "cp") if mesh.size(a) > 1]
+    if not axes:
         return
     t = shard if shard.device == device else shard.to(device)
-    comm.all_reduce(t, mesh, "dp_replicate")
+    for axis in axes:
+        comm.all_reduce(t, mesh, axis)
     if t is not shard:
         shard.copy_(t)
 
