@@ -47,8 +47,6 @@ BAD = [
      "needs the micro-batch count (2) to be a multiple of parallel.pp=4"),
     (["--nproc", "4", "--set", "parallel.pp=2", "--set", "parallel.zero_stage=2",
       "--set", "model.tie_embeddings=true"], "tied embeddings across pipeline stages"),
-    (["--nproc", "4", "--set", "parallel.cp=2", "--set", "parallel.pp=2"],
-     "parallel.cp=2 with parallel.pp=2 is not supported yet"),
     (["--nproc", "2", "--set", "parallel.cp=2", "--set", "data.seq_len=62"],
      "data.seq_len=62 must be divisible by 2 x parallel.cp = 4"),
     (["--set", "parallel.zero_stage=5"], "parallel.zero_stage=5 must be 0, 1, 2 or 3"),

@@ -312,10 +312,6 @@ def validate(cfg: Config, world_size: int, *, check_data: bool = True):
     _require(not p.cpu_offload or p.zero_stage >= 1,
              "parallel.cpu_offload needs parallel.zero_stage >= 1 (it offloads the sharded "
              "optimizer state)")
-    # Combinations this version does not have yet are refused here rather than run wrongly.
-    if dims.cp > 1:
-        _require(dims.pp == 1, f"parallel.cp={dims.cp} with parallel.pp={dims.pp} is not "
-                 "supported yet; set parallel.pp=1")
 
     # -- training
     _require(t.steps >= 1, f"train.steps={t.steps} must be >= 1")

@@ -140,9 +140,11 @@ def parallelize(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig,
     runner = PipelineRunner(
         model, mesh, schedule=pcfg.pp_schedule, microbatches=pipeline.microbatches,
         virtual_stages=pcfg.pp_virtual_stages, loss=loss, timeout_s=pipeline.timeout_s,
-        sequence_split=lambda: mesh.size("tp") if tp and tp.sequence_parallel else 1)
+        sequence_split=lambda: mesh.size("tp") if tp and tp.sequence_parallel else 1,
+        context=cp)
     return Parallelized(model, PipelineGrads(grads, model, mesh), loss=loss,
-                        inference_model=PipelinedLogits(runner, tp), tp=tp, pipeline=runner)
+                        inference_model=PipelinedLogits(runner, tp), tp=tp, pipeline=runner,
+                        context=cp)
 
 
 def _cut(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig,

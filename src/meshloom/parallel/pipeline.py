@@ -110,7 +110,7 @@ class PipelineRunner:
 
     def __init__(self, model: PipelineStageModel, mesh: Mesh, *, schedule: str,
                  microbatches: int, virtual_stages: int, loss: Callable, timeout_s: float,
-                 sequence_split: Callable[[], int] = lambda: 1):
+                 sequence_split: Callable[[], int] = lambda: 1, context=None):
         self.model, self.mesh, self.loss = model, mesh, loss
         self.pp, self.m, self.v = mesh.size(AXIS), microbatches, virtual_stages
         self.n_stages = self.pp * self.v
@@ -120,6 +120,7 @@ class PipelineRunner:
         self.peers = mesh.group_ranks(AXIS)
         self.timeout_s = timeout_s
         self.sequence_split = sequence_split  # how many parts the boundary sequence is split in
+        self.context = context  # context parallel: each rank runs its zigzag slice of the tokens
         self.store = WeightGradStore()
         if any(a.kind == "W" for a in self.actions):
             defer_weight_grads(model, self.store)
@@ -157,6 +158,12 @@ class PipelineRunner:
         a = Action(kind, stage, mb)
         return self._wait(a, self._post(a, shape, dtype, device))
 
+    def _localise(self, batches: list, device) -> list:
+        """(tokens, targets, positions) per micro-batch: this cp rank's slice, or all of it."""
+        if self.context is None:
+            return [(x, y, None) for x, y in batches]
+        return [self.context.local(x.to(device), y.to(device)) for x, y in batches]
+
     # -- one training step
 
     def train_step(self, batches: list, grads, device: torch.device, autocast,
@@ -167,6 +174,7 @@ class PipelineRunner:
             raise PipelineError(f"the pipeline schedule was built for {self.m} micro-batches, "
                                 f"the step has {len(batches)}")
         dtype = next(self.model.parameters()).dtype
+        batches = self._localise(batches, device)
         # Every boundary tensor (activations and their gradients) has the same shape and dtype.
         shape = self._boundary(batches[0][0])
         held: dict[tuple, object] = {}
@@ -177,7 +185,7 @@ class PipelineRunner:
         self.t0_wall = time.time()  # puts the ranks' timelines on one clock (same host clocks)
         for i, a in enumerate(self.actions):
             s, k = a.stage, a.mb
-            x_tokens, y = batches[k]
+            x_tokens, y, positions = batches[k]
             seq = x_tokens.shape[1]
             if a.kind in ("RECV_F", "RECV_B"):
                 if i not in posted:
@@ -198,7 +206,8 @@ class PipelineRunner:
                     posted[nxt] = self._post(self.actions[nxt], shape, dtype, device)
                 start = time.perf_counter()
                 if a.kind == "F":
-                    total += self._forward(a, held, x_tokens, y, seq, device, autocast)
+                    total += self._forward(a, held, x_tokens, y, seq, device, autocast,
+                                           positions)
                     alive += 1
                     self.peak_alive = max(self.peak_alive, alive)
                 else:
@@ -215,7 +224,8 @@ class PipelineRunner:
             w.wait()
         return total
 
-    def _forward(self, a: Action, held: dict, x_tokens, y, seq: int, device, autocast) -> float:
+    def _forward(self, a: Action, held: dict, x_tokens, y, seq: int, device, autocast,
+                 positions=None) -> float:
         s, k = a.stage, a.mb
         chunk = self.chunk_of[s]
         if s == 0:
@@ -223,7 +233,7 @@ class PipelineRunner:
         else:
             x = held.pop(("in", s, k)).requires_grad_()
         with autocast:
-            out = self.model(x, chunk, seq)
+            out = self.model(x, chunk, seq, positions)
             if s == self.n_stages - 1:
                 out = self.loss(out, y.to(device)) / self.m
         held[(s, k)] = (x, out)
@@ -252,16 +262,20 @@ class PipelineRunner:
         """Every micro-batch through the stages; the last stage returns the sum of the
         micro-batch mean losses (or the logits of each, with `logits`), the others 0 / []."""
         dtype = next(self.model.parameters()).dtype
+        if not logits:  # sampling runs whole sequences (context parallel switched off)
+            batches = self._localise(batches, device)
+        else:
+            batches = [(x, y, None) for x, y in batches]
         order = [(k, s) for k in range(len(batches)) for s in self.model.stages]
         total, outs, sends = 0.0, [], []
         for k, s in order:
-            x_tokens, y = batches[k]
+            x_tokens, y, positions = batches[k]
             if s == 0:
                 x = x_tokens.to(device)
             else:
                 x = self._recv("RECV_F", s, k, self._boundary(x_tokens), dtype, device)
             with autocast:
-                out = self.model(x, self.chunk_of[s], x_tokens.shape[1])
+                out = self.model(x, self.chunk_of[s], x_tokens.shape[1], positions)
             if s == self.n_stages - 1:
                 if logits:
                     outs.append(out)
@@ -287,7 +301,8 @@ class PipelinedLogits(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         r = self.runner
-        with self.tp.sequence_parallel_off() if self.tp else contextlib.nullcontext():
+        cp_off = r.context.off() if r.context is not None else contextlib.nullcontext()
+        with self.tp.sequence_parallel_off() if self.tp else contextlib.nullcontext(), cp_off:
             outs = r.forward_only([(tokens, tokens)], tokens.device, contextlib.nullcontext(),
                                   logits=True)
         shape = (*tokens.shape, self.vocab)

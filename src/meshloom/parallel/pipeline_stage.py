@@ -100,13 +100,14 @@ class PipelineStageModel(nn.Module):
             self.tied_copy = True
         self.register_buffer("freqs_cis", full.freqs_cis, persistent=False)
 
-    def rope(self, seq_len: int) -> torch.Tensor:
-        return Llama.rope(self, seq_len)
+    def rope(self, seq_len: int, positions: torch.Tensor | None = None) -> torch.Tensor:
+        return Llama.rope(self, seq_len, positions)
 
-    def forward(self, x: torch.Tensor, chunk: int, seq_len: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, chunk: int, seq_len: int,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         """Chunk `chunk`: token ids -> hidden (first stage), hidden -> hidden, or hidden ->
-        logits (last stage)."""
-        rope = self.rope(seq_len)
+        logits (last stage). `positions`: the tokens' absolute positions (context parallel)."""
+        rope = self.rope(seq_len, positions)
         h = self.tok_embeddings(x) if self.chunk_first[chunk] else x
         lo, hi = self.bounds[chunk]
         for i in range(lo, hi):
