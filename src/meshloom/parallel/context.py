@@ -5,8 +5,8 @@ so that under the causal mask every rank has the same amount of work. Attention 
 queries against the whole sequence runs as a ring: each of cp steps computes the local queries
 against the K/V block currently held while that block travels on to the next rank
 (asynchronous p2p, overlapping the compute), and the partial results are merged with the
-log-sum-exp rule. Masked entries are still computed and then dropped (skipping the chunk pairs
-that the mask hides entirely is left to do). The backward pass sends K/V around the ring again,
+log-sum-exp rule; chunk pairs that the mask hides entirely are skipped, and only the diagonal
+pairs are masked. The backward pass sends K/V around the ring again,
 with an accumulator of their gradients that arrives back at its owner after cp steps. No rank
 ever holds the scores of the whole sequence: at most a (2 chunks x 2 chunks) block of them.
 
@@ -53,14 +53,24 @@ def _chunks_of(rank: int, cp: int) -> tuple[int, int]:
     return rank, 2 * cp - 1 - rank
 
 
-def _block(q, k, v, q_chunks, k_chunks, c, scale):
-    """Scores and mask of local queries (2 chunks) against one K/V block (2 chunks): returns
-    (scores [b, h, 2c, 2c] with -inf where masked, fully_masked_rows mask)."""
+def _pairs(q_chunks, k_chunks, c):
+    """The (query chunk, key chunk) sub-blocks the causal mask leaves anything of: (query
+    rows, key rows, diagonal?) as slices; pairs with the key chunk later are skipped."""
+    out = []
+    for qi, qc in enumerate(q_chunks):
+        for ki, kc in enumerate(k_chunks):
+            if kc <= qc:
+                out.append((slice(qi * c, (qi + 1) * c), slice(ki * c, (ki + 1) * c), kc == qc))
+    return out
+
+
+def _scores(q, k, diagonal: bool, scale: float) -> torch.Tensor:
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    qpos = torch.cat([torch.arange(qc * c, (qc + 1) * c) for qc in q_chunks])
-    kpos = torch.cat([torch.arange(kc * c, (kc + 1) * c) for kc in k_chunks])
-    mask = kpos.view(1, -1) > qpos.view(-1, 1)
-    return s.masked_fill(mask.to(s.device), float("-inf"))
+    if diagonal:  # the causal triangle within one chunk
+        n = s.shape[-1]
+        mask = torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1)
+        s = s.masked_fill(mask, float("-inf"))
+    return s
 
 
 def _expand(t: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -115,16 +125,15 @@ class _RingAttention(torch.autograd.Function):
             pending = ring.start(kv) if step < cp - 1 else None
             owner = (me - step) % cp
             kk, vv = _expand(kv[0].float(), n_rep), _expand(kv[1].float(), n_rep)
-            s = _block(qf, kk, vv, q_chunks, _chunks_of(owner, cp), c, scale)
-            blk_lse = torch.logsumexp(s, dim=-1)
-            live = torch.isfinite(blk_lse)
-            p = torch.exp(s - torch.where(live, blk_lse, 0.0).unsqueeze(-1))
-            blk_out = torch.matmul(p, vv)
-            new_lse = torch.logaddexp(lse, blk_lse)
-            w_old = torch.exp(lse - new_lse).nan_to_num(0.0).unsqueeze(-1)
-            w_new = torch.exp(blk_lse - new_lse).nan_to_num(0.0).unsqueeze(-1)
-            out = out * w_old + blk_out * w_new
-            lse = new_lse
+            for rows, cols, diagonal in _pairs(q_chunks, _chunks_of(owner, cp), c):
+                s = _scores(qf[:, :, rows], kk[:, :, cols], diagonal, scale)
+                blk_lse = torch.logsumexp(s, dim=-1)
+                blk_out = torch.matmul(torch.exp(s - blk_lse.unsqueeze(-1)), vv[:, :, cols])
+                new_lse = torch.logaddexp(lse[:, :, rows], blk_lse)
+                w_old = torch.exp(lse[:, :, rows] - new_lse).unsqueeze(-1)
+                w_new = torch.exp(blk_lse - new_lse).unsqueeze(-1)
+                out[:, :, rows] = out[:, :, rows] * w_old + blk_out * w_new
+                lse[:, :, rows] = new_lse
             if pending is not None:
                 kv = _Ring.finish(pending)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -148,13 +157,15 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp):
             owner = (me - step) % cp
             kk, vv = _expand(kv[0], n_rep), _expand(kv[1], n_rep)
-            s = _block(qf, kk, vv, q_chunks, _chunks_of(owner, cp), c, scale)
-            p = torch.exp(s - lse.unsqueeze(-1))  # exact probabilities of the whole row
-            dv = torch.matmul(p.transpose(-1, -2), do)
-            dp = torch.matmul(do, vv.transpose(-1, -2))
-            ds = p * (dp - delta) * scale
-            dq += torch.matmul(ds, kk)
-            dk = torch.matmul(ds.transpose(-1, -2), qf)
+            dk, dv = torch.zeros_like(kk), torch.zeros_like(vv)
+            for rows, cols, diagonal in _pairs(q_chunks, _chunks_of(owner, cp), c):
+                s = _scores(qf[:, :, rows], kk[:, :, cols], diagonal, scale)
+                p = torch.exp(s - lse[:, :, rows].unsqueeze(-1))  # exact row probabilities
+                dv[:, :, cols] += torch.matmul(p.transpose(-1, -2), do[:, :, rows])
+                dp = torch.matmul(do[:, :, rows], vv[:, :, cols].transpose(-1, -2))
+                ds = p * (dp - delta[:, :, rows]) * scale
+                dq[:, :, rows] += torch.matmul(ds, kk[:, :, cols])
+                dk[:, :, cols] += torch.matmul(ds.transpose(-1, -2), qf[:, :, rows])
             dkv = dkv + torch.stack([_reduce_heads(dk, n_rep), _reduce_heads(dv, n_rep)])
             # K/V move on for the next step; their gradient accumulator moves with them and,
             # after the last step, arrives back at its owner.
