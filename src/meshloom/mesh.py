@@ -153,6 +153,12 @@ class Mesh:
     def group_ranks(self, axis: str) -> list[int]:
         return next(g for g in self.dims.group_ranks(axis) if self.rank in g)
 
+    @property
+    def replica_axis(self) -> str:
+        """The ranks that hold the same weights and see different tokens (gradients and losses
+        are averaged over them): data parallel, and context parallel when there is any."""
+        return "dp_cp" if self.dims.cp > 1 else "dp"
+
 
 def draw_layout(dims: ParallelDims, ranks_per_node: int | None = None, backend: str = "",
                 device: str = "", zero_stage: int = 0, model=None,

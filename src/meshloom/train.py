@@ -126,8 +126,8 @@ def evaluate(par: Parallelized, batches: list, mesh: Mesh, device: torch.device)
     model.train(was_training)
     # Every rank (data- and context-parallel) holds the same number of equal-sized batches and
     # tokens, so the mean of the means is exact.
-    (total,) = comm.all_reduce_scalars([total / len(batches)], mesh, "dp_cp")
-    return total / mesh.size("dp_cp")
+    (total,) = comm.all_reduce_scalars([total / len(batches)], mesh, mesh.replica_axis)
+    return total / mesh.size(mesh.replica_axis)
 
 
 def _micro_loss(par: Parallelized, x: torch.Tensor, y: torch.Tensor,
@@ -241,8 +241,8 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
         par.grads.zero_grad()
         if dims.pp > 1:  # only the last stage has the loss
             (local_loss,) = comm.all_reduce_scalars([local_loss], mesh, "pp")
-        (loss_sum,) = comm.all_reduce_scalars([local_loss], mesh, "dp_cp")
-        step_loss = loss_sum / mesh.size("dp_cp")
+        (loss_sum,) = comm.all_reduce_scalars([local_loss], mesh, mesh.replica_axis)
+        step_loss = loss_sum / mesh.size(mesh.replica_axis)
         dt = time.perf_counter() - t0
         train_time += dt
         done = step + 1

@@ -168,6 +168,6 @@ def _data_parallel(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig,
         return FullyShardedDataParallel(model, mesh,
                                         reshard_after_forward=pcfg.reshard_after_forward,
                                         precision=prec)
-    if mesh.size("dp_cp") > 1:  # cp ranks hold the same weights and see other tokens: average
-        return DataParallel(model, mesh, axis="dp_cp", bucket_mb=pcfg.ddp_bucket_mb)
+    if mesh.size(mesh.replica_axis) > 1:  # cp ranks hold the same weights, see other tokens
+        return DataParallel(model, mesh, axis=mesh.replica_axis, bucket_mb=pcfg.ddp_bucket_mb)
     return LocalGrads(model, mesh)
