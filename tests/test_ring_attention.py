@@ -18,7 +18,11 @@ from meshloom.parallel.context import attention_work, ring_attention, zigzag_ind
 B, H, S, D = 2, 4, 32, 8
 
 
-def _job(world, kv_heads):
+def _job(world, kv_heads, fused=True):
+    if not fused:  # the explicit per-block path (what non-CPU devices run)
+        import meshloom.parallel.context as context
+
+        context._fused_cpu = lambda q: False
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
     mesh = Mesh(ParallelDims(cp=world), rank, "cpu", CommCounter())
@@ -41,9 +45,10 @@ def _job(world, kv_heads):
             "calls": dict(mesh.counter.calls)}
 
 
-@pytest.mark.parametrize("world,kv_heads", [(2, 4), (2, 2), (4, 4), (4, 1)])
-def test_ring_attention_equals_full_causal_attention(world, kv_heads):
-    for r in run_ranks(_job, world, world, kv_heads):
+@pytest.mark.parametrize("world,kv_heads,fused", [(2, 4, True), (2, 2, True), (4, 4, True),
+                                                   (4, 1, True), (2, 2, False), (4, 1, False)])
+def test_ring_attention_equals_full_causal_attention(world, kv_heads, fused):
+    for r in run_ranks(_job, world, world, kv_heads, fused):
         for key in ("out", "dq", "dk", "dv"):
             torch.testing.assert_close(r[key], r[f"{key}_ref"], rtol=1e-5, atol=1e-5, msg=key)
         # Forward: cp-1 K/V block exchanges; backward: cp-1 K/V and cp gradient exchanges,

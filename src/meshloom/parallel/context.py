@@ -73,6 +73,37 @@ def _scores(q, k, diagonal: bool, scale: float) -> torch.Tensor:
     return s
 
 
+def _fused_cpu(q: torch.Tensor) -> bool:
+    """CPU has a fused attention kernel that returns the log-sum-exp: it never builds a block's
+    scores in memory (other devices use the explicit block below)."""
+    return q.device.type == "cpu" and hasattr(torch.ops.aten,
+                                              "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def _attend(q, k, v, diagonal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of one sub-block: q [b, h, c, d] against k, v [b, h, c, d]."""
+    if _fused_cpu(q):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, diagonal, scale=scale)
+        return out.float(), lse.float()
+    s = _scores(q, k, diagonal, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v), lse
+
+
+def _attend_grads(do, q, k, v, out, lse, delta, diagonal: bool, scale: float):
+    """(dq, dk, dv) of one sub-block, given the rows' final output and log-sum-exp (so the
+    block's probabilities are the exact ones of the whole row)."""
+    if _fused_cpu(q):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do, q, k, v, out, lse, 0.0, diagonal, scale=scale)
+    s = _scores(q, k, diagonal, scale)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    dv = torch.matmul(p.transpose(-1, -2), do)
+    ds = p * (torch.matmul(do, v.transpose(-1, -2)) - delta) * scale
+    return torch.matmul(ds, k), torch.matmul(ds.transpose(-1, -2), q), dv
+
+
 def _expand(t: torch.Tensor, n_rep: int) -> torch.Tensor:
     return t if n_rep == 1 else t.repeat_interleave(n_rep, dim=1)
 
@@ -126,9 +157,8 @@ class _RingAttention(torch.autograd.Function):
             owner = (me - step) % cp
             kk, vv = _expand(kv[0].float(), n_rep), _expand(kv[1].float(), n_rep)
             for rows, cols, diagonal in _pairs(q_chunks, _chunks_of(owner, cp), c):
-                s = _scores(qf[:, :, rows], kk[:, :, cols], diagonal, scale)
-                blk_lse = torch.logsumexp(s, dim=-1)
-                blk_out = torch.matmul(torch.exp(s - blk_lse.unsqueeze(-1)), vv[:, :, cols])
+                blk_out, blk_lse = _attend(qf[:, :, rows], kk[:, :, cols], vv[:, :, cols],
+                                           diagonal, scale)
                 new_lse = torch.logaddexp(lse[:, :, rows], blk_lse)
                 w_old = torch.exp(lse[:, :, rows] - new_lse).unsqueeze(-1)
                 w_new = torch.exp(blk_lse - new_lse).unsqueeze(-1)
@@ -159,13 +189,12 @@ class _RingAttention(torch.autograd.Function):
             kk, vv = _expand(kv[0], n_rep), _expand(kv[1], n_rep)
             dk, dv = torch.zeros_like(kk), torch.zeros_like(vv)
             for rows, cols, diagonal in _pairs(q_chunks, _chunks_of(owner, cp), c):
-                s = _scores(qf[:, :, rows], kk[:, :, cols], diagonal, scale)
-                p = torch.exp(s - lse[:, :, rows].unsqueeze(-1))  # exact row probabilities
-                dv[:, :, cols] += torch.matmul(p.transpose(-1, -2), do[:, :, rows])
-                dp = torch.matmul(do[:, :, rows], vv[:, :, cols].transpose(-1, -2))
-                ds = p * (dp - delta[:, :, rows]) * scale
-                dq[:, :, rows] += torch.matmul(ds, kk[:, :, cols])
-                dk[:, :, cols] += torch.matmul(ds.transpose(-1, -2), qf[:, :, rows])
+                gq, gk, gv = _attend_grads(do[:, :, rows], qf[:, :, rows], kk[:, :, cols],
+                                           vv[:, :, cols], out[:, :, rows], lse[:, :, rows],
+                                           delta[:, :, rows], diagonal, scale)
+                dq[:, :, rows] += gq
+                dk[:, :, cols] += gk
+                dv[:, :, cols] += gv
             dkv = dkv + torch.stack([_reduce_heads(dk, n_rep), _reduce_heads(dv, n_rep)])
             # K/V move on for the next step; their gradient accumulator moves with them and,
             # after the last step, arrives back at its owner.
