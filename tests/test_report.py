@@ -165,3 +165,11 @@ def test_report_refuses_incomplete_or_malformed_pipelines(tmp_path):
     path.write_text(json.dumps(data))
     with pytest.raises(ReportError, match="timeline_rank2.json is not a pipeline timeline"):
         report(tmp_path)
+
+
+def test_zigzag_picture(tmp_path):
+    from meshloom.report import zigzag_picture
+
+    ratios = zigzag_picture(tmp_path / "z.png", cp=4)
+    assert ratios["zigzag"] <= 1.1 < 6 < ratios["contiguous"]
+    assert (tmp_path / "z.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

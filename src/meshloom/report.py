@@ -312,3 +312,44 @@ def schedule_pictures(folder: str | os.PathLike, pp: int = 4, m: int = 8, v: int
                  f"bubble {t.bubble():.1%}")
         draw_timelines(folder / f"pp_{name}.png", [(title, t)], unit="time (units)")
     return bubbles
+
+
+_RANK_COLORS = [(66, 133, 244), (234, 134, 0), (52, 168, 83), (155, 89, 182),
+                (219, 68, 55), (0, 172, 193), (244, 180, 0), (121, 85, 72)]
+
+
+def zigzag_picture(path: str | os.PathLike, cp: int = 4, cell: int = 22) -> dict[str, float]:
+    """docs/img/cp_zigzag.png: the causal score matrix in 2·cp x 2·cp chunk blocks, each
+    unmasked block coloured by the cp rank whose queries it is, for the contiguous split (left)
+    and the zigzag split (right); returns each split's max/min work ratio."""
+    from meshloom.parallel.context import attention_work
+
+    n = 2 * cp
+    pad, gap, top = 14, 40, 34
+    side = n * cell
+    canvas = Canvas(2 * side + gap + 2 * pad, side + top + 44)
+    ratios = {}
+    for panel, zigzag in enumerate((False, True)):
+        x0 = pad + panel * (side + gap)
+        owner = ([i if i < cp else n - 1 - i for i in range(n)] if zigzag
+                 else [i // 2 for i in range(n)])
+        work = [attention_work(64 * n, cp, r, zigzag) for r in range(cp)]
+        ratios["zigzag" if zigzag else "contiguous"] = max(work) / min(work)
+        title = f"{'zigzag' if zigzag else 'contiguous'}: max/min work {max(work) / min(work):.2f}"
+        canvas.text(x0, 8, title, scale=1)
+        for qc in range(n):
+            for kc in range(qc + 1):
+                color = _RANK_COLORS[owner[qc] % len(_RANK_COLORS)]
+                if kc == qc:  # half of the diagonal block is masked
+                    color = tuple(int(c + (255 - c) * 0.45) for c in color)
+                canvas.rect(x0 + kc * cell + 1, top + qc * cell + 1,
+                            x0 + (kc + 1) * cell - 1, top + (qc + 1) * cell - 1, color)
+        canvas.frame(x0, top, x0 + side, top + side, (120, 120, 120))
+    y = top + side + 10
+    x = pad
+    for r in range(cp):
+        canvas.rect(x, y, x + 12, y + 10, _RANK_COLORS[r % len(_RANK_COLORS)])
+        x = canvas.text(x + 16, y + 2, f"rank {r}") + 14
+    canvas.text(pad, y + 18, "rows: query chunks, columns: key chunks (causal)")
+    canvas.save(path)
+    return ratios
