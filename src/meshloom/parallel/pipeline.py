@@ -28,6 +28,7 @@ from torch import nn
 
 from meshloom import comm
 from meshloom.mesh import Mesh
+from meshloom.parallel.delegate import DelegatingGrads
 from meshloom.parallel.pipeline_schedule import Action, build_schedule
 from meshloom.parallel.pipeline_stage import PipelineStageModel
 
@@ -318,24 +319,19 @@ class PipelinedLogits(nn.Module):
         return logits
 
 
-class PipelineGrads:
+class PipelineGrads(DelegatingGrads):
     """Wraps the (tensor-/data-parallel) gradient strategy of a pipeline stage: the global norm
     adds pp to its axes, and a table tied between the first and the last stage gets the sum of
     both stages' gradients on both, so that the two copies take identical steps."""
 
     def __init__(self, inner, model: PipelineStageModel, mesh: Mesh):
-        self.inner, self.model, self.mesh = inner, model, mesh
+        super().__init__(inner)
+        self.model, self.mesh = model, mesh
         self.norm_axes = (*inner.norm_axes, AXIS)
         self.tied = model.tied_parameter()
         # ZeRO-1 reduce-scatters the whole gradients in finish(): sum the ends before; DDP's
         # gradients are whole (and maybe still in flight) until finish(): sum them after.
         self.tie_before_finish = getattr(_innermost(inner), "stage", None) == 1
-
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)
-
-    def no_sync(self) -> contextlib.AbstractContextManager:
-        return self.inner.no_sync()
 
     def _sum_tied(self) -> None:
         if self.tied is not None and self.tied.grad is not None:
@@ -347,21 +343,6 @@ class PipelineGrads:
         self.inner.finish()
         if not self.tie_before_finish:
             self._sum_tied()
-
-    def optim_param_groups(self):
-        return self.inner.optim_param_groups()
-
-    def after_step(self) -> None:
-        self.inner.after_step()
-
-    def zero_grad(self) -> None:
-        self.inner.zero_grad()
-
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
-        return self.inner.optimizer_state(optimizer)
-
-    def model_state(self) -> dict:
-        return self.inner.model_state()
 
 
 def _innermost(strategy):

@@ -27,6 +27,7 @@ from torch import nn
 
 from meshloom import comm
 from meshloom.mesh import Mesh
+from meshloom.parallel.delegate import DelegatingGrads
 from meshloom.parallel.tensor import (
     AXIS,
     ColumnParallelLinear,
@@ -212,41 +213,20 @@ class GatheredLogits(nn.Module):
         return whole[..., :self.tp.vocab_size]
 
 
-class TensorParallelGrads:
+class TensorParallelGrads(DelegatingGrads):
     """Wraps the data-parallel strategy of a tensor-parallel model: after it has reduced the
     gradients over dp, the sequence-parallel partial ones are summed over tp; the global norm
     adds tp to its axes (slices are disjoint across tp, replicated tensors counted once)."""
 
     def __init__(self, inner, tp: TensorParallel):
-        self.inner, self.tp = inner, tp
+        super().__init__(inner)
+        self.tp = tp
         self.norm_axes = (*inner.norm_axes, AXIS)
-
-    def __getattr__(self, name: str):
-        # Everything else (buckets, units, grad_bytes, ...) is the inner strategy's.
-        return getattr(self.inner, name)
-
-    def no_sync(self) -> contextlib.AbstractContextManager:
-        return self.inner.no_sync()
 
     def finish(self) -> None:
         self.inner.finish()
         decay, no_decay = self.inner.optim_param_groups()
         self.tp.sync_sequence_parallel_grads(decay + no_decay)
-
-    def optim_param_groups(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        return self.inner.optim_param_groups()
-
-    def after_step(self) -> None:
-        self.inner.after_step()
-
-    def zero_grad(self) -> None:
-        self.inner.zero_grad()
-
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
-        return self.inner.optimizer_state(optimizer)
-
-    def model_state(self) -> dict:
-        return self.inner.model_state()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter whole and unpadded (collective over dp_shard and tp)."""
