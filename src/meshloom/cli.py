@@ -12,6 +12,7 @@ from importlib import resources
 from pathlib import Path
 
 from meshloom.config import Config, ConfigError, dump_toml, load_config, validate
+from meshloom.plan.command import add_parser as add_plan_parser
 
 EXIT_BAD_INPUT = 2
 
@@ -183,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="measured vs predicted pipeline timeline of a run (PNG)")
     rep.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (run.dir)")
     rep.set_defaults(func=_report)
+    add_plan_parser(sub)
     return ap
 
 

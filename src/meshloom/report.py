@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -115,6 +116,19 @@ def mean_costs(timeline: Timeline) -> dict[tuple[str, int], float]:
     return {key: sum(d) / len(d) for key, d in sums.items()}
 
 
+def step_bubbles(files: list[dict]) -> list[float]:
+    """The bubble of each recorded step (the last STEP_HISTORY): 1 - sum of the ranks' busy
+    time / (ranks x the step's span from the first start to the last end on any rank)."""
+    per_rank = [f.get("steps") or [] for f in files]
+    n = min(len(st) for st in per_rank)
+    out = []
+    for i in range(n):
+        rows = [st[len(st) - n + i] for st in per_rank]
+        span = max(r[1] for r in rows) - min(r[0] for r in rows)
+        out.append(1.0 - sum(r[2] for r in rows) / (len(rows) * span) if span > 0 else 0.0)
+    return out
+
+
 def _busy(timeline: Timeline) -> list[float]:
     return [sum(e - s for s, e, _ in rank) for rank in timeline.spans]
 
@@ -158,6 +172,7 @@ def report(run_dir: str | os.PathLike, draw: bool = True) -> dict:
         "predicted": _summary(predicted, 1e3, "ms"),
         "predicted_unit_cost": _summary(unit, 1.0, "units"),
         "mean_cost_ms": {f"{k}{s}": c * 1e3 for (k, s), c in sorted(costs.items())},
+        "bubble_per_step": step_bubbles(files),
         "json": str(pipe / "report.json"),
         "png": str(pipe / "timeline.png") if draw else None,
     }
@@ -192,6 +207,10 @@ def format_report(r: dict) -> str:
     for i in range(r["pp"]):
         lines.append(f"{f'busy, pp rank {i}':22}{me['busy_fraction'][i]:>10.1%}"
                      f"{pr['busy_fraction'][i]:>11.1%}{un['busy_fraction'][i]:>11.1%}")
+    steps = r.get("bubble_per_step") or []
+    if len(steps) > 1:
+        lines.append(f"bubble over the last {len(steps)} steps: median "
+                     f"{statistics.median(steps):.1%}, range {min(steps):.1%} to {max(steps):.1%}")
     if any(p is not None for p in r["peak_alive"]):
         lines.append("peak micro-batches alive: " + ", ".join(
             f"pp rank {i}: {p}" for i, p in enumerate(r["peak_alive"])))

@@ -309,7 +309,8 @@ def _write_timeline(run_dir: Path, rank: int, mesh: Mesh, runner, cfg: Config) -
             "schedule": cfg.parallel.pp_schedule, "virtual_stages": runner.v,
             "microbatches": runner.m, "peak_alive": runner.peak_alive,
             "coords": mesh.dims.coordinates(rank), "t0": runner.t0_wall,
-            "spans": [list(span) for span in runner.timeline]}
+            "spans": [list(span) for span in runner.timeline],
+            "steps": [list(st) for st in runner.step_stats]}
     tmp = folder / f".timeline_rank{rank}.json"
     tmp.write_text(json.dumps(data))
     tmp.replace(folder / f"timeline_rank{rank}.json")

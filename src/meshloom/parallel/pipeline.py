@@ -17,6 +17,7 @@ micro-batches' activations were alive at most.
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
 import time
 import types
@@ -33,6 +34,7 @@ from meshloom.parallel.pipeline_schedule import Action, build_schedule
 from meshloom.parallel.pipeline_stage import PipelineStageModel
 
 AXIS = "pp"
+STEP_HISTORY = 100  # steps whose per-rank span and busy time the run keeps for the report
 
 
 class PipelineError(RuntimeError):
@@ -128,6 +130,9 @@ class PipelineRunner:
         self.timeline: list[tuple[float, float, str, int, int]] = []
         self.t0_wall = 0.0
         self.peak_alive = 0
+        # Per step (the last STEP_HISTORY): wall-clock first start, last end and busy seconds of
+        # this rank's compute, so the report can give the bubble of every step, not one sample.
+        self.step_stats: collections.deque = collections.deque(maxlen=STEP_HISTORY)
 
     # -- helpers
 
@@ -223,6 +228,10 @@ class PipelineRunner:
                 self.timeline.append((start - t0, time.perf_counter() - t0, a.kind, s, k))
         for w in sends:
             w.wait()
+        if self.timeline:
+            self.step_stats.append((self.t0_wall + self.timeline[0][0],
+                                    self.t0_wall + self.timeline[-1][1],
+                                    sum(e - b for b, e, *_ in self.timeline)))
         return total
 
     def _forward(self, a: Action, held: dict, x_tokens, y, seq: int, device, autocast,

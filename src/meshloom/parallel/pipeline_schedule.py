@@ -20,7 +20,7 @@ Schedules:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 COMPUTE = ("F", "B", "I", "W")
@@ -41,8 +41,10 @@ def stage_rank(stage: int, pp: int) -> int:
     return stage % pp
 
 
-def compute_lists(schedule: str, pp: int, m: int, v: int = 1) -> list[list[Action]]:
-    """Each rank's compute actions in execution order."""
+def compute_lists(schedule: str, pp: int, m: int, v: int = 1,
+                  ranks: Sequence[int] | None = None) -> list[list[Action]]:
+    """Each rank's compute actions in execution order (only those of `ranks` if given)."""
+    ranks = range(pp) if ranks is None else ranks
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; one of {', '.join(SCHEDULES)}")
     if schedule != "interleaved_1f1b" and v != 1:
@@ -50,15 +52,15 @@ def compute_lists(schedule: str, pp: int, m: int, v: int = 1) -> list[list[Actio
                          "interleaved_1f1b")
     if schedule == "gpipe":
         return [[Action("F", r, k) for k in range(m)] + [Action("B", r, k) for k in range(m)]
-                for r in range(pp)]
+                for r in ranks]
     if schedule == "1f1b":
-        return [_one_f_one_b(r, pp, m) for r in range(pp)]
+        return [_one_f_one_b(r, pp, m) for r in ranks]
     if schedule == "interleaved_1f1b":
         if m % pp:
             raise ValueError(f"interleaved_1f1b needs the micro-batch count ({m}) to be a "
                              f"multiple of pp ({pp})")
-        return [_interleaved(r, pp, m, v) for r in range(pp)]
-    return zero_bubble_lists(pp, m)
+        return [_interleaved(r, pp, m, v) for r in ranks]
+    return zero_bubble_lists(pp, m, ranks)
 
 
 def _one_f_one_b(r: int, pp: int, m: int) -> list[Action]:
@@ -87,14 +89,15 @@ def _interleaved(r: int, pp: int, m: int, v: int) -> list[Action]:
     return out + [bwd(k) for k in range(total - warm, total)]
 
 
-def zero_bubble_lists(pp: int, m: int) -> list[list[Action]]:
+def zero_bubble_lists(pp: int, m: int, ranks: Sequence[int] | None = None
+                      ) -> list[list[Action]]:
     """ZB-H1 (Qi et al. 2023): 1F1B's order with the backward split into I and W, where stage r
     delays its W passes by r micro-batches. Every stage then keeps p micro-batches in flight
     (F done, W not yet), the first stage's 1F1B peak, and the delayed Ws fill the cool-down
     bubbles: with F = I = W the step takes 3m + p - 1 units (m >= p) against 1F1B's
     3m + 3(p - 1), a bubble of (p - 1) / (3m + p - 1)."""
     lists = []
-    for r in range(pp):
+    for r in range(pp) if ranks is None else ranks:
         warm = min(pp - r - 1, m)
         out = [Action("F", r, k) for k in range(warm)]
         w = 0  # next micro-batch whose W runs
@@ -184,7 +187,8 @@ def simulate(lists: list[list[Action]], cost: Cost = unit_cost, latency: float =
     spans: list[list[tuple[float, float, Action]]] = [[] for _ in range(pp)]
     n_stages = 1 + max((a.stage for acts in lists for a in acts), default=0)
     split = any(a.kind == "I" for acts in lists for a in acts)
-    while any(pos[r] < len(lists[r]) for r in range(pp)):
+    remaining = sum(len(acts) for acts in lists)
+    while remaining:
         progressed = False
         for r in range(pp):
             while pos[r] < len(lists[r]):
@@ -200,6 +204,7 @@ def simulate(lists: list[list[Action]], cost: Cost = unit_cost, latency: float =
                 if a.kind in COMPUTE:
                     spans[r].append((start, end, a))
                 pos[r] += 1
+                remaining -= 1
                 progressed = True
         if not progressed:
             stuck = [str(lists[r][pos[r]]) for r in range(pp) if pos[r] < len(lists[r])]

@@ -1,0 +1,165 @@
+"""`meshloom plan`: arguments, the ranked table, `--json` and `--write-config`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from typing import TYPE_CHECKING
+
+from meshloom.plan import PlanError
+from meshloom.plan.hardware import GPUS, make_cluster
+
+if TYPE_CHECKING:  # the cost model imports torch (model presets); the parser must not
+    from meshloom.plan.models import ModelShape
+    from meshloom.plan.search import Candidate
+
+ARCHS = ("gpt", "llama")
+DTYPES = ("bf16", "fp32")
+
+EXAMPLE = ("examples:\n"
+           "  meshloom plan --model llama3-8b --gpus 64 --gpu h100 --seq 8192 "
+           "--global-batch 512\n"
+           "  meshloom plan --model megatron-145.6b --gpus 1536 --gpu a100-80g --seq 2048 \\\n"
+           "      --global-batch 2304 --fix tp=8,pp=8,micro_batch=1,recompute=full\n"
+           "  meshloom plan --arch gpt --hidden 1600 --layers 48 --heads 25 --vocab 50257 \\\n"
+           "      --gpus 2 --gpu titan-rtx-24g --seq 1024 --global-batch 2 --json")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="predict memory and speed of layouts; find the best one",
+                       epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    m = p.add_argument_group("model (a preset or config.json, or explicit dimensions)")
+    m.add_argument("--model", help="a preset (gpt2, gpt2-medium/large/xl, llama3-1b/8b/70b/405b, "
+                   "meshloom's tiny/demo/small, megatron-1.7b ... megatron-1t) or an HF "
+                   "config.json path")
+    m.add_argument("--arch", choices=ARCHS)
+    for flag in ("--hidden", "--layers", "--heads", "--kv-heads", "--ffn-hidden", "--vocab"):
+        m.add_argument(flag, type=int)
+    c = p.add_argument_group("cluster")
+    c.add_argument("--gpus", type=int, default=8)
+    c.add_argument("--gpu", default="h100", help=f"one of {', '.join(GPUS)}")
+    c.add_argument("--gpus-per-node", type=int, default=8)
+    c.add_argument("--peak-tflops", type=float, help="override the GPU's dense bf16 peak")
+    c.add_argument("--gpu-memory-gb", type=float, help="override the GPU's memory")
+    c.add_argument("--intra-node-gbps", type=float, help="override NVLink GB/s (one way)")
+    c.add_argument("--inter-node-gbps", type=float, help="override network GB/s per GPU")
+    b = p.add_argument_group("batch and run")
+    b.add_argument("--seq", type=int, default=2048, help="sequence length (tokens)")
+    b.add_argument("--global-batch", type=int, default=0,
+                   help="sequences per optimizer step (default: one per GPU)")
+    b.add_argument("--dtype", choices=DTYPES, default="bf16")
+    b.add_argument("--attention", choices=("flash", "eager"), default="flash")
+    p.add_argument("--fix", default="", metavar="KEY=V,...",
+                   help="pin part of the layout: tp, pp, dp, cp, dp_replicate, micro_batch, "
+                        "zero, recompute, schedule, v, sp")
+    p.add_argument("--top", type=int, default=10, help="rows to show")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--write-config", metavar="FILE", help="write the best layout as TOML")
+    p.set_defaults(func=run)
+
+
+def _model(args) -> ModelShape:
+    from meshloom.plan.models import from_dims, resolve_model
+    dims = {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads",
+                                           "ffn_hidden", "vocab")}
+    given = [k for k, v in dims.items() if v is not None]
+    if args.model:
+        if args.arch or given:
+            raise PlanError("give either --model or --arch with dimensions, not both")
+        return resolve_model(args.model)
+    if not args.arch:
+        raise PlanError("no model: give --model PRESET|config.json, or --arch with --hidden "
+                        "--layers --heads --vocab")
+    missing = [k for k in ("hidden", "layers", "heads", "vocab") if dims[k] is None]
+    if missing:
+        raise PlanError(f"--arch {args.arch} needs " + ", ".join(
+            "--" + k.replace("_", "-") for k in missing))
+    return from_dims(args.arch, dims["hidden"], dims["layers"], dims["heads"], dims["vocab"],
+                     kv_heads=dims["kv_heads"], ffn_hidden=dims["ffn_hidden"])
+
+
+def plan(args) -> tuple[ModelShape, list[Candidate], dict]:
+    from meshloom.plan.layout import parse_fix
+    from meshloom.plan.search import search
+    shape = _model(args)
+    cluster = make_cluster(args.gpu, args.gpus, args.gpus_per_node,
+                           peak_tflops=args.peak_tflops, memory_gb=args.gpu_memory_gb,
+                           intra_gbps=args.intra_node_gbps, inter_gbps=args.inter_node_gbps)
+    batch = args.global_batch or args.gpus
+    if args.seq < 1 or batch < 1:
+        raise PlanError(f"--seq={args.seq} and --global-batch={batch} must be positive")
+    if args.top < 1:
+        raise PlanError(f"--top={args.top} must be at least 1")
+    fixed = parse_fix(args.fix)
+    found = search(shape, cluster, args.seq, batch, fixed, args.dtype,
+                   args.attention == "flash", args.top)
+    setup = {"model": shape.to_dict(), "cluster": {"gpu": cluster.gpu.__dict__,
+                                                    "gpus": cluster.n_gpus,
+                                                    "gpus_per_node": cluster.gpus_per_node},
+             "seq": args.seq, "global_batch": batch, "dtype": args.dtype,
+             "attention": args.attention, "fix": fixed}
+    return shape, found, setup
+
+
+def run(args) -> int:
+    try:
+        shape, found, setup = plan(args)
+        if args.write_config:
+            _write_config(args.write_config, shape, found[0], setup)
+    except PlanError as e:
+        print(f"meshloom plan: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({**setup, "candidates": [c.to_dict() for c in found]}, indent=1))
+    else:
+        print(format_table(shape, found, setup))
+    if args.write_config:
+        print(f"wrote {args.write_config}", file=sys.stderr)
+    return 0
+
+
+def _write_config(path: str, shape: ModelShape, best: Candidate, setup: dict) -> None:
+    from meshloom.plan.layout import config_toml
+    if not best.fits:
+        raise PlanError("no layout fits in memory; not writing a config")
+    text = config_toml(best.layout, shape, setup["seq"], setup["global_batch"], setup["dtype"])
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise PlanError(f"--write-config: folder {folder} does not exist")
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".plan-", suffix=".toml")
+    with os.fdopen(fd, "w") as f:  # written whole, then renamed: never half a config
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def format_table(shape: ModelShape, found: list[Candidate], setup: dict) -> str:
+    cl = setup["cluster"]
+    gb = 1e9
+    lines = [f"model {shape.name}: {shape.params / 1e9:.3g}B parameters ({shape.arch}, "
+             f"h={shape.hidden}, L={shape.layers}, heads={shape.heads}/{shape.kv_heads}, "
+             f"vocab={shape.vocab});  {cl['gpus']} x {cl['gpu']['name']} "
+             f"({cl['gpus_per_node']} per node);  seq {setup['seq']}, global batch "
+             f"{setup['global_batch']}, {setup['dtype']}, {setup['attention']} attention"]
+    if found and not found[0].fits:
+        lines.append("NOTHING FITS: the layouts below need the least memory.")
+    head = (f"{'#':>2}  {'layout':<52} {'fits':>4} {'mem GB':>7} {'step s':>8} "
+            f"{'TFLOP/s':>7} {'MFU':>5} {'tok/s/GPU':>9}  time: compute/tp/cp/pp/dp/bubble %")
+    lines += [head, "-" * len(head)]
+    for i, c in enumerate(found, 1):
+        t = c.timing
+        parts = [t.compute, t.tp, t.cp, t.pp, t.dp, t.bubble]
+        pct = "/".join(f"{100 * x / t.step_time_s:.0f}" for x in parts)
+        lines.append(f"{i:>2}  {c.layout.short():<52} {'yes' if c.fits else 'NO':>4} "
+                     f"{c.memory.total / gb:>7.1f} {t.step_time_s:>8.3g} "
+                     f"{c.tflops_per_gpu:>7.0f} {c.mfu:>5.0%} {c.tokens_per_s_per_gpu:>9.0f}  "
+                     f"{pct}")
+    best = found[0]
+    mem = best.memory
+    lines.append(f"best: memory per GPU {mem.total / gb:.1f} of {best.gpu_memory / gb:.0f} GB "
+                 f"= params {mem.params / gb:.1f} + grads {mem.grads / gb:.1f} + optimizer "
+                 f"{mem.optimizer / gb:.1f} + activations {mem.activations / gb:.1f} + buffers "
+                 f"{mem.buffers / gb:.1f} + allocator {mem.allocator / gb:.1f}")
+    return "\n".join(lines)

@@ -1,0 +1,97 @@
+"""GPU and cluster presets: peak throughput, memory and link bandwidths.
+
+Peak FLOP/s, memory sizes and link rates are the published figures in
+`../shared/reference/published.md` (vendor specs for the few GPUs it does not list, marked
+below). What a collective actually gets out of a link is one measured ratio from the same file:
+8 H100s reach an all-reduce bus bandwidth of about 370 GB/s over NVLink 4, whose 900 GB/s is the
+sum of both directions, i.e. 450 GB/s each way. We apply that fraction (LINK_EFFICIENCY) to every
+link, NVLink or network, quoted per direction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from meshloom.plan import PlanError
+
+GB = 1e9
+LINK_EFFICIENCY = 370.0 / 450.0  # measured NCCL bus bandwidth / one-way NVLink 4 rate (H100)
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    peak_tflops: float  # dense bf16/fp16 tensor-core peak
+    memory_gb: float  # GB = 1e9 bytes, as marketed; we never count on more
+    hbm_gbps: float  # memory bandwidth, GB/s (the optimizer step is bound by it)
+    intra_gbps: float  # one-way GPU-to-GPU bandwidth inside a node, GB/s
+    inter_gbps: float  # one-way network bandwidth per GPU between nodes, GB/s
+
+
+GPUS: dict[str, GPU] = {
+    # published.md: H100 SXM 989 TFLOP/s, 80 GB at 3.35 TB/s, NVLink 4 900 GB/s both ways,
+    # 400 Gb/s network per GPU.
+    "h100": GPU("h100", 989.0, 80.0, 3350.0, 450.0, 50.0),
+    # Vendor spec (not in published.md): same compute and links as H100, 141 GB at 4.8 TB/s.
+    "h200": GPU("h200", 989.0, 141.0, 4800.0, 450.0, 50.0),
+    # published.md: A100 312 TFLOP/s, 2.0 TB/s, NVLink 600 GB/s; the Megatron-LM cluster had
+    # 8 x 200 Gb/s HDR InfiniBand per node of 8 GPUs = 25 GB/s per GPU.
+    "a100-80g": GPU("a100-80g", 312.0, 80.0, 2000.0, 300.0, 25.0),
+    "a100-40g": GPU("a100-40g", 312.0, 40.0, 1555.0, 300.0, 25.0),
+    # Vendor spec (not in published.md): Titan RTX, the GPU of the Hugging Face FSDP blog;
+    # 130 TFLOP/s fp16 tensor, 24 GB at 672 GB/s, PCIe 3.0 x16 between the two cards.
+    "titan-rtx-24g": GPU("titan-rtx-24g", 130.0, 24.0, 672.0, 16.0, 12.5),
+}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpu: GPU
+    n_gpus: int
+    gpus_per_node: int = 8
+
+    @property
+    def nodes(self) -> int:
+        return -(-self.n_gpus // self.gpus_per_node)
+
+    def bus_bandwidth(self, size: int, stride: int) -> float:
+        """Bytes/s a ring collective over `size` ranks, `stride` apart in rank order, gets per
+        GPU: the intra-node link if the whole group sits in one node, else the network."""
+        inside = stride * size <= self.gpus_per_node
+        gbps = self.gpu.intra_gbps if inside else self.gpu.inter_gbps
+        return gbps * GB * LINK_EFFICIENCY
+
+    def crosses_nodes(self, size: int, stride: int) -> bool:
+        return stride * size > self.gpus_per_node
+
+
+def ring_time(op: str, payload: float, size: int, bandwidth: float) -> float:
+    """Seconds for a ring collective on `payload` bytes (the whole tensor) over `size` ranks.
+    NCCL's bus-bandwidth convention (published.md): all-reduce moves 2(n-1)/n of the payload
+    through each GPU's link, all-gather and reduce-scatter (n-1)/n."""
+    if size <= 1 or payload <= 0:
+        return 0.0
+    factor = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0}[op]
+    return factor * (size - 1) / size * payload / bandwidth
+
+
+def make_cluster(gpu: str, n_gpus: int, gpus_per_node: int = 8, *,
+                 peak_tflops: float | None = None, memory_gb: float | None = None,
+                 intra_gbps: float | None = None, inter_gbps: float | None = None) -> Cluster:
+    """A cluster from a GPU preset, with any figure overridden."""
+    if gpu not in GPUS:
+        import difflib
+        near = difflib.get_close_matches(gpu, list(GPUS), n=1)
+        hint = f" (did you mean '{near[0]}'?)" if near else ""
+        raise PlanError(f"--gpu: unknown GPU '{gpu}'{hint}; one of {', '.join(GPUS)}")
+    if n_gpus < 1:
+        raise PlanError(f"--gpus={n_gpus} must be at least 1")
+    if gpus_per_node < 1:
+        raise PlanError(f"--gpus-per-node={gpus_per_node} must be at least 1")
+    overrides = {k: v for k, v in dict(peak_tflops=peak_tflops, memory_gb=memory_gb,
+                                       intra_gbps=intra_gbps, inter_gbps=inter_gbps).items()
+                 if v is not None}
+    for key, value in overrides.items():
+        if not value > 0:
+            raise PlanError(f"--{key.replace('_', '-')}={value} must be positive")
+    return Cluster(replace(GPUS[gpu], **overrides), n_gpus, min(gpus_per_node, n_gpus))

@@ -1,0 +1,123 @@
+"""A layout: how the GPUs are split and how each step runs. Parsing of `--fix` and the TOML
+config that `--write-config` writes."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from meshloom.parallel.pipeline_schedule import SCHEDULES
+from meshloom.plan import PlanError
+
+RECOMPUTE = ("none", "selective", "full")
+DTYPES = ("bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1  # data-parallel ranks in all (dp_replicate x dp_shard)
+    cp: int = 1
+    dp_replicate: int = 1  # HSDP: replicas of the sharded group; zero shards over dp / this
+    micro_batch: int = 1  # sequences per forward pass per data-parallel rank
+    zero: int = 0  # 0 = DDP; 1, 2, 3 = ZeRO stage over the dp_shard axis
+    recompute: str = "none"
+    schedule: str = "1f1b"  # pipeline schedule; ignored when pp = 1
+    v: int = 1  # virtual stages per rank (interleaved_1f1b)
+    sp: bool = False  # sequence parallel (with tp > 1)
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp * self.cp
+
+    @property
+    def dp_shard(self) -> int:
+        return self.dp // self.dp_replicate
+
+    def microbatches(self, global_batch: int) -> int:
+        return global_batch // (self.dp * self.micro_batch)
+
+    def short(self) -> str:
+        parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}", f"cp{self.cp}",
+                 f"mb{self.micro_batch}", f"zero{self.zero}", self.recompute]
+        if self.dp_replicate > 1:
+            parts.insert(3, f"rep{self.dp_replicate}")
+        if self.pp > 1:
+            parts.append(self.schedule + (f"/v{self.v}" if self.v > 1 else ""))
+        if self.sp:
+            parts.append("sp")
+        return " ".join(parts)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+INT_KEYS = ("tp", "pp", "dp", "cp", "dp_replicate", "micro_batch", "zero", "v")
+FIX_KEYS = INT_KEYS + ("recompute", "schedule", "sp")
+
+
+def parse_fix(text: str) -> dict:
+    """`tp=8,pp=16,schedule=interleaved_1f1b` -> {"tp": 8, "pp": 16, ...}, checked."""
+    out: dict = {}
+    for item in filter(None, (s.strip() for s in (text or "").split(","))):
+        key, eq, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not eq or not value:
+            raise PlanError(f"--fix: '{item}' is not key=value")
+        if key not in FIX_KEYS:
+            import difflib
+            near = difflib.get_close_matches(key, FIX_KEYS, n=1, cutoff=0.5)
+            hint = f" (did you mean '{near[0]}'?)" if near else ""
+            raise PlanError(f"--fix: unknown key '{key}'{hint}; one of {', '.join(FIX_KEYS)}")
+        if key in INT_KEYS:
+            if not value.isdigit() or int(value) < (0 if key == "zero" else 1):
+                raise PlanError(f"--fix: {key}={value} must be a positive integer")
+            out[key] = int(value)
+        elif key == "sp":
+            if value.lower() not in ("true", "false", "1", "0", "on", "off"):
+                raise PlanError(f"--fix: sp={value} must be true or false")
+            out[key] = value.lower() in ("true", "1", "on")
+        else:
+            options = RECOMPUTE if key == "recompute" else SCHEDULES
+            if value not in options:
+                raise PlanError(f"--fix: {key}={value} must be one of {', '.join(options)}")
+            out[key] = value
+    if out.get("zero", 0) > 3:
+        raise PlanError(f"--fix: zero={out['zero']} must be 0, 1, 2 or 3")
+    return out
+
+
+def layout_fields() -> list[str]:
+    return [f.name for f in fields(Layout)]
+
+
+def config_toml(layout: Layout, shape, seq: int, global_batch: int, dtype: str) -> str:
+    """A meshloom training config for this layout. meshloom trains Llama blocks: a preset of
+    its own is named, any other Llama shape is written out; a GPT shape cannot be trained."""
+    from meshloom.models.llama import PRESETS as LLAMA_PRESETS
+    if shape.arch != "llama":
+        raise PlanError(f"--write-config: meshloom trains Llama models; {shape.name} is a "
+                        f"{shape.arch} model")
+    if shape.name in LLAMA_PRESETS:
+        model = [f'preset = "{shape.name}"']
+    else:
+        model = [f"dim = {shape.hidden}", f"n_layers = {shape.layers}",
+                 f"n_heads = {shape.heads}", f"n_kv_heads = {shape.kv_heads}",
+                 f"ffn_hidden = {shape.ffn_hidden}", f"vocab_size = {shape.vocab}",
+                 f"max_seq_len = {seq}", f"tie_embeddings = {str(shape.tied).lower()}"]
+    lines = [
+        f"# Written by `meshloom plan`: the fastest predicted layout ({layout.short()}).",
+        f'name = "plan-{shape.name}"', "", "[model]", *model, "",
+        "[data]", f"seq_len = {seq}", "",
+        "[train]", f"global_batch = {global_batch}", f"micro_batch = {layout.micro_batch}",
+        f'dtype = "{dtype}"', "",
+        "[parallel]", f"dp_replicate = {layout.dp_replicate}", f"dp_shard = {layout.dp_shard}",
+        f"zero_stage = {layout.zero}", f"tp = {layout.tp}",
+        f"sequence_parallel = {'true' if layout.sp else 'false'}",
+        f"pp = {layout.pp}", f"cp = {layout.cp}",
+    ]
+    if layout.pp > 1:
+        lines += [f'pp_schedule = "{layout.schedule}"', f"pp_virtual_stages = {layout.v}"]
+    if layout.recompute != "none":
+        lines.insert(2, f"# activation checkpointing the plan assumes: {layout.recompute}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,188 @@
+"""Memory per GPU of a layout: model states, activations, buffers and an allocator allowance.
+
+Model states come from `formulas.model_state_bytes` (the formulas the ZeRO code is tested
+against). Activations follow Korthikanti et al. (arXiv 2205.05198, Table 2): per layer
+sbh(10 + 24/t + 5as/(ht)) bytes for the GPT block in 16-bit, all of it divided by t with
+sequence parallelism, the attention-core term dropped by selective recompute, and only the
+layer input (2sbh) kept by full recompute. We derive the same terms for the Llama block (below).
+How many micro-batches a pipeline rank holds comes from walking the schedule's own action
+lists (`pipeline_schedule.compute_lists`), the lists the pipeline executor runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from meshloom.parallel.pipeline_schedule import compute_lists
+from meshloom.plan.formulas import FP32, MIXED, model_state_bytes
+from meshloom.plan.layout import Layout
+from meshloom.plan.models import ModelShape
+
+# Stated allowances, not measurements: the caching allocator's fragmentation (a fraction of
+# everything above) and the CUDA context plus library workspaces (cuBLAS, NCCL) per GPU.
+ALLOCATOR_FRACTION = 0.10
+CONTEXT_BYTES = 1.0e9
+DDP_BUCKET_BYTES = 25e6  # meshloom's default parallel.ddp_bucket_mb; two in flight
+
+
+def precision(dtype: str):
+    return MIXED if dtype == "bf16" else FP32
+
+
+def act_elem_bytes(dtype: str) -> int:
+    return 2 if dtype == "bf16" else 4
+
+
+def layers_on_rank(shape: ModelShape, pp: int) -> int:
+    """Layers on the most loaded pipeline rank (balanced split, remainder to the first)."""
+    return -(-shape.layers // pp)
+
+
+def rank_params(shape: ModelShape, lay: Layout, rank: int) -> float:
+    """Parameters one GPU of pipeline rank `rank` holds before ZeRO sharding: its layers' matrices
+    split over tp (norms and biases kept whole), the vocabulary-parallel embedding on the first
+    rank, the head (or, tied across pp > 1, a copy of the embedding) and final norm on the last."""
+    t = lay.tp
+    small = shape.layer_params - shape.layer_matmul_params
+    n = layers_on_rank(shape, lay.pp) * (shape.layer_matmul_params / t + small)
+    table = shape.vocab * shape.hidden
+    if rank == 0:
+        n += shape.embedding_params / t
+    if rank == lay.pp - 1:
+        n += shape.final_norm_params
+        if not shape.tied or lay.pp > 1:
+            n += table / t
+    return n
+
+
+def layer_activation_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype: str,
+                           flash: bool = True, recompute: str | None = None) -> float:
+    """Activation bytes one layer keeps for backward per micro-batch (s = local tokens per
+    sequence, i.e. seq / cp). Terms, in units of sb x element size:
+    - whole on every TP rank (split by SP): the two norm inputs and the two matmul-block inputs
+      (4h), plus for GPT two 1-byte dropout masks (Korthikanti's 10 = 8 + 2);
+    - split over tp: Q, O (2h), K, V (2 kv_dim), and the MLP's tensors: GeLU keeps its input and
+      output (2F), SwiGLU keeps gate, up, silu(gate) and their product (4F);
+    - the attention core: GPT eager keeps softmax, dropout mask and output (5as, Korthikanti);
+      Llama eager keeps the softmax (a s); FlashAttention keeps only the log-sum-exp (fp32).
+    With 2-byte elements and GPT's shape this is Korthikanti's sbh(34 + 5as/h) at t = 1."""
+    rec = lay.recompute if recompute is None else recompute
+    t, e = lay.tp, act_elem_bytes(dtype)
+    h, a, f = shape.hidden, shape.heads, shape.ffn_hidden
+    sb = s * b
+    if rec == "full":  # only the layer input (SP: its sequence slice)
+        return sb * h * e / (t if lay.sp else 1)
+    gpt = shape.arch == "gpt"
+    whole = 4 * h * e + (2 * h if gpt else 0)
+    mlp_tensors = 2 if gpt else (2 if rec == "selective" else 4)  # selective recomputes silu*up
+    split = (2 * h + 2 * shape.kv_dim + mlp_tensors * f) * e
+    if rec == "selective":
+        core = 0.0  # recomputed in backward
+    elif flash:
+        core = 4.0 * a  # the log-sum-exp, fp32 per head and token
+    else:  # GPT: softmax, dropout mask (1 byte), dropout output; Llama: softmax
+        core = a * s * (2 * e + 1 if gpt else e)
+    whole_bytes = sb * whole / (t if lay.sp else 1)
+    return whole_bytes + sb * split / t + sb * core / t
+
+
+def logits_bytes(shape: ModelShape, s: int, b: int, t: int, dtype: str) -> float:
+    """The last rank's loss: logits in the compute dtype plus fp32 copies for the cross entropy
+    (its softmax and gradient), vocabulary-parallel over tp."""
+    return s * b * shape.vocab / t * (act_elem_bytes(dtype) + 4)
+
+
+@lru_cache(maxsize=4096)
+def in_flight(schedule: str, pp: int, m: int, v: int) -> tuple[float, float]:
+    """For the first and the last pipeline rank, the most micro-batch x chunk activations
+    alive at once, in units of one rank's whole share of layers (a chunk counts 1/v). Walked on
+    the schedule's action lists: a forward adds its chunk, the backward that consumes it (W for
+    zero-bubble, which still needs the inputs) removes it."""
+    if pp == 1:
+        return (1.0,)
+    if schedule != "gpipe":  # the peak is reached within the warm-up; more changes nothing
+        rounds = -(-(3 * pp + v * pp) // (v * pp))
+        m = min(m, rounds * pp)
+    peaks = []
+    for acts in compute_lists(schedule, pp, m, v, ranks=(0, pp - 1)):
+        alive = peak = 0
+        for act in acts:
+            if act.kind == "F":
+                alive += 1
+            elif act.kind in ("B", "W"):
+                alive -= 1
+            peak = max(peak, alive)
+        peaks.append(peak / v)
+    return tuple(peaks)
+
+
+@dataclass
+class Memory:
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+    allocator: float
+    rank: int  # the pipeline rank this breakdown is for (the fullest)
+
+    @property
+    def total(self) -> float:
+        return (self.params + self.grads + self.optimizer + self.activations + self.buffers
+                + self.allocator)
+
+    def to_dict(self) -> dict:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "activations": self.activations, "buffers": self.buffers,
+                "allocator": self.allocator, "total": self.total, "pipeline_rank": self.rank}
+
+
+def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
+                   dtype: str = "bf16", flash: bool = True) -> Memory:
+    """Peak bytes on the fullest GPU of the layout."""
+    prec = precision(dtype)
+    s, b, m = seq // lay.cp, lay.micro_batch, lay.microbatches(global_batch)
+    first, last = in_flight(lay.schedule if lay.pp > 1 else "1f1b", lay.pp, m, lay.v) * (
+        2 if lay.pp == 1 else 1)
+    per_layer = layer_activation_bytes(shape, s, b, lay, dtype, flash)
+    working = (layer_activation_bytes(shape, s, b, lay, dtype, flash, recompute="none")
+               if lay.recompute == "full" else 0.0)  # one layer recomputed during backward
+    e = act_elem_bytes(dtype)
+    best = None
+    # Middle ranks hold no embedding or head and at most the first rank's micro-batches in
+    # flight, so the fullest GPU is on the first or the last pipeline rank.
+    for rank in sorted({0, lay.pp - 1}):
+        states = model_state_bytes(rank_params(shape, lay, rank), lay.dp_shard, lay.zero, prec)
+        alive = first if rank == 0 else last
+        acts = alive * layers_on_rank(shape, lay.pp) * per_layer + working
+        if rank == 0:  # the embedding's output (and its 1-byte dropout mask for GPT)
+            acts += alive * s * b * shape.hidden * (e + (1 if shape.arch == "gpt" else 0))
+        if rank == lay.pp - 1:
+            acts += logits_bytes(shape, s, b, lay.tp, dtype) + s * b * shape.hidden * e
+        buffers = _buffers(shape, lay, s, b, dtype)
+        mem = Memory(states["params"], states["grads"], states["optimizer"], acts, buffers, 0.0,
+                     rank)
+        mem.allocator = ALLOCATOR_FRACTION * mem.total + CONTEXT_BYTES
+        if best is None or mem.total > best.total:
+            best = mem
+    return best
+
+
+def _buffers(shape: ModelShape, lay: Layout, s: int, b: int, dtype: str) -> float:
+    """Communication buffers: DDP/ZeRO-1/2 buckets, ZeRO-3's gathered unit plus the prefetched
+    next one and the unit's full gradient before its reduce-scatter, pipeline send/receive
+    buffers, ring-attention K/V blocks (two in flight, and their gradients in backward)."""
+    prec = precision(dtype)
+    e = act_elem_bytes(dtype)
+    out = 0.0
+    if lay.dp > 1 and lay.zero < 3:
+        out += 2 * DDP_BUCKET_BYTES
+    if lay.zero == 3 and lay.dp_shard > 1:
+        unit = shape.layer_params / lay.tp
+        out += unit * (2 * prec.param_bytes + prec.grad_bytes)
+    if lay.pp > 1:
+        out += 2 * s * b * shape.hidden * e / (lay.tp if lay.sp else 1)
+    if lay.cp > 1:
+        out += 2 * 2 * (2 * s * b * shape.kv_dim * e) / lay.tp
+    return out

@@ -1,0 +1,314 @@
+"""Architecture numbers of a transformer, the input every planner cost formula starts from.
+
+A layout's memory and speed depend only on a handful of shape numbers (hidden width, depth, head
+counts, MLP width, vocabulary, whether the head is tied), not on the weights. This module turns a
+preset name, a Hugging Face ``config.json`` or explicit dimensions into one ``ModelShape`` and
+counts its parameters exactly, so the planner never builds a model to size it.
+
+Two block families are modelled:
+
+* ``"gpt"``: the GPT-2 / Megatron-LM block. LayerNorm with bias, biases in every linear, a 4h
+  GeLU MLP (two matrices), learned position embeddings, output head tied to the token table.
+* ``"llama"``: the Llama block as in ``meshloom.models.llama``. RMSNorm, no biases, SwiGLU MLP of
+  width ``ffn_hidden`` (three matrices), grouped-query attention with ``kv_heads``, RoPE (so no
+  position table), head tied or not.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from meshloom.models import llama as _llama
+from meshloom.plan import PlanError
+
+ARCHS = ("gpt", "llama")
+# HF model types whose parameter layout is exactly one of ours. qwen2 is left out on purpose:
+# it has q/k/v biases, which the llama count does not include.
+_HF_LLAMA_TYPES = ("llama", "mistral")
+_HF_GPT_TYPES = ("gpt2",)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Shape of a decoder-only transformer; every count below is exact for its ``arch``."""
+
+    name: str
+    arch: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn_hidden: int
+    vocab: int
+    tied: bool
+    positions: int  # rows of the learned position table (0 for llama: RoPE has none)
+
+    def __post_init__(self) -> None:
+        # Checked here so that every way of building a shape (preset, HF file, flags) is covered.
+        if self.arch not in ARCHS:
+            raise PlanError(f"model {self.name!r}: unknown arch {self.arch!r}; "
+                            f"choose one of: {', '.join(ARCHS)}")
+        for field in ("hidden", "layers", "heads", "kv_heads", "ffn_hidden", "vocab"):
+            value = getattr(self, field)
+            if not _is_int(value) or value <= 0:
+                raise PlanError(f"model {self.name!r}: {field}={value!r} must be a positive "
+                                "integer")
+        if not _is_int(self.positions) or self.positions < 0:
+            raise PlanError(f"model {self.name!r}: positions={self.positions!r} must be a "
+                            "non-negative integer")
+        if not isinstance(self.tied, bool):
+            raise PlanError(f"model {self.name!r}: tied={self.tied!r} must be true or false")
+        if self.hidden % self.heads:
+            raise PlanError(f"model {self.name!r}: hidden={self.hidden} is not divisible by "
+                            f"heads={self.heads}")
+        if self.heads % self.kv_heads:
+            raise PlanError(f"model {self.name!r}: heads={self.heads} is not divisible by "
+                            f"kv_heads={self.kv_heads}")
+        if self.arch == "gpt" and self.kv_heads != self.heads:
+            raise PlanError(f"model {self.name!r}: gpt blocks have no grouped-query attention; "
+                            f"kv_heads={self.kv_heads} must equal heads={self.heads}")
+        if self.arch == "llama" and self.positions:
+            raise PlanError(f"model {self.name!r}: llama uses RoPE and has no position table; "
+                            f"positions={self.positions} must be 0")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the k and v projections (smaller than hidden under grouped-query attention)."""
+        return self.kv_heads * self.head_dim
+
+    @property
+    def layer_matmul_params(self) -> int:
+        """Weight-matrix entries of one block (q, k, v, o and the MLP): what FLOPs scale with."""
+        h, f = self.hidden, self.ffn_hidden
+        if self.arch == "gpt":
+            return 4 * h * h + 2 * h * f
+        return 2 * h * h + 2 * h * self.kv_dim + 3 * h * f
+
+    @property
+    def layer_params(self) -> int:
+        """Every parameter of one block, norms and biases included: what memory scales with."""
+        h, f = self.hidden, self.ffn_hidden
+        if self.arch == "gpt":
+            biases = 3 * h + h + f + h  # qkv, proj, fc1, fc2
+            norms = 2 * 2 * h  # two LayerNorms, weight and bias each
+            return self.layer_matmul_params + biases + norms
+        return self.layer_matmul_params + 2 * h  # two RMSNorm weights
+
+    @property
+    def embedding_params(self) -> int:
+        """Token table plus learned position table."""
+        return (self.vocab + self.positions) * self.hidden
+
+    @property
+    def head_params(self) -> int:
+        """Output-head weights held separately; a tied head is the token table, counted there."""
+        return 0 if self.tied else self.vocab * self.hidden
+
+    @property
+    def final_norm_params(self) -> int:
+        return 2 * self.hidden if self.arch == "gpt" else self.hidden
+
+    @property
+    def params(self) -> int:
+        """Total parameter count (a tied head counted once), as ``model.num_parameters()``."""
+        return (self.layers * self.layer_params + self.embedding_params + self.head_params
+                + self.final_norm_params)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Fields plus the derived counts, for reports and JSON output."""
+        out = asdict(self)
+        for key in ("head_dim", "kv_dim", "layer_params", "layer_matmul_params",
+                    "embedding_params", "head_params", "final_norm_params", "params"):
+            out[key] = getattr(self, key)
+        return out
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def from_dims(
+    arch: str,
+    hidden: int,
+    layers: int,
+    heads: int,
+    vocab: int,
+    kv_heads: int | None = None,
+    ffn_hidden: int | None = None,
+    name: str = "custom",
+    *,
+    positions: int | None = None,
+    tied: bool | None = None,
+) -> ModelShape:
+    """Shape from explicit dimensions, filling the rest with each family's usual defaults.
+
+    gpt: ffn_hidden 4h, tied head, 2048 learned positions. llama: ffn_hidden by meshloom's
+    ``LlamaConfig.hidden`` rule (so plans match the model meshloom would build), untied head.
+    """
+    if arch not in ARCHS:
+        raise PlanError(f"unknown arch {arch!r}; choose one of: {', '.join(ARCHS)}")
+    if kv_heads is None:
+        kv_heads = heads
+    if arch == "gpt":
+        if ffn_hidden is None and _is_int(hidden):
+            ffn_hidden = 4 * hidden
+        positions = 2048 if positions is None else positions
+        tied = True if tied is None else tied
+    else:
+        if ffn_hidden is None and _is_int(hidden) and hidden > 0:
+            ffn_hidden = _llama.LlamaConfig(dim=hidden).hidden
+        positions = 0 if positions is None else positions
+        tied = False if tied is None else tied
+    return ModelShape(name=name, arch=arch, hidden=hidden, layers=layers, heads=heads,
+                      kv_heads=kv_heads, ffn_hidden=ffn_hidden, vocab=vocab, tied=tied,
+                      positions=positions)
+
+
+def _from_llama_preset(name: str) -> ModelShape:
+    return from_llama_config(_llama.config_from_preset(name), name)
+
+
+def from_llama_config(cfg: _llama.LlamaConfig, name: str = "custom") -> ModelShape:
+    """The shape of the model meshloom builds from `cfg` (e.g. a run's resolved config)."""
+    return ModelShape(name=name, arch="llama", hidden=cfg.dim, layers=cfg.n_layers,
+                      heads=cfg.n_heads, kv_heads=cfg.kv_heads, ffn_hidden=cfg.hidden,
+                      vocab=cfg.vocab_size, tied=cfg.tie_embeddings, positions=0)
+
+
+# Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+# Megatron-LM", SC'21 (arXiv 2104.04473), Table 1: A100 80GB, vocab 51,200, sequence 2,048.
+_TABLE1_ROWS = (
+    # name, params_b, heads, hidden, layers, tp, pp, gpus, batch, tflops, pct_peak
+    ("megatron-1.7b", 1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 44),
+    ("megatron-3.6b", 3.6, 32, 3072, 30, 2, 1, 64, 512, 138, 44),
+    ("megatron-7.5b", 7.5, 32, 4096, 36, 4, 1, 128, 512, 142, 46),
+    ("megatron-18.4b", 18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 43),
+    ("megatron-39.1b", 39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, 44),
+    ("megatron-76.1b", 76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 45),
+    ("megatron-145.6b", 145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, 47),
+    ("megatron-310.1b", 310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 50),
+    ("megatron-529.6b", 529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 52),
+    ("megatron-1t", 1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 52),
+)
+_TABLE1_KEYS = ("name", "params_b", "heads", "hidden", "layers", "tp", "pp", "gpus", "batch",
+                "tflops", "pct_peak")
+MEGATRON_TABLE1: list[dict] = [dict(zip(_TABLE1_KEYS, row, strict=True)) for row in _TABLE1_ROWS]
+MEGATRON_VOCAB = 51200
+MEGATRON_SEQ = 2048
+
+_GPT2_VOCAB = 50257
+
+
+def _build_presets() -> dict[str, ModelShape]:
+    presets: dict[str, ModelShape] = {}
+    for name, hidden, layers, heads in (("gpt2", 768, 12, 12), ("gpt2-medium", 1024, 24, 16),
+                                        ("gpt2-large", 1280, 36, 20), ("gpt2-xl", 1600, 48, 25)):
+        presets[name] = from_dims("gpt", hidden, layers, heads, _GPT2_VOCAB, name=name,
+                                  positions=1024)
+    for name in _llama.PRESETS:
+        presets[name] = _from_llama_preset(name)
+    for row in MEGATRON_TABLE1:
+        presets[row["name"]] = from_dims("gpt", row["hidden"], row["layers"], row["heads"],
+                                         MEGATRON_VOCAB, name=row["name"],
+                                         positions=MEGATRON_SEQ)
+    return presets
+
+
+PRESETS: dict[str, ModelShape] = _build_presets()
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise PlanError(f"cannot read model config {path}: {exc.strerror or exc}") from exc
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise PlanError(f"invalid JSON in model config {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise PlanError(f"model config {path} must hold a JSON object, not "
+                        f"{type(data).__name__}")
+    return data
+
+
+def _require(data: dict[str, Any], key: str, path: Path) -> Any:
+    if key not in data or data[key] is None:
+        raise PlanError(f"model config {path} is missing key {key!r}")
+    return data[key]
+
+
+def from_hf_config(path: str | Path) -> ModelShape:
+    """Shape from a Hugging Face ``config.json`` (or a directory holding one).
+
+    Accepts the model types whose parameters we count exactly (llama, mistral, gpt2) and refuses
+    anything that would be miscounted (e.g. an explicit head_dim that does not tile hidden, or
+    biased llama projections) rather than guess.
+    """
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise PlanError(f"model config not found: {file}")
+    data = _read_json(file)
+    name = file.resolve().parent.name or "custom"
+    model_type = _require(data, "model_type", file)
+    if model_type in _HF_LLAMA_TYPES:
+        hidden = _require(data, "hidden_size", file)
+        heads = _require(data, "num_attention_heads", file)
+        head_dim = data.get("head_dim")
+        tiles = _is_int(head_dim) and (not _is_int(heads) or head_dim * heads == hidden)
+        if head_dim is not None and not tiles:
+            raise PlanError(f"model config {file}: head_dim={head_dim} x num_attention_heads="
+                            f"{heads} != hidden_size={hidden} is not supported")
+        for key in ("attention_bias", "mlp_bias"):
+            if data.get(key):
+                raise PlanError(f"model config {file}: {key}=true is not supported (llama "
+                                "shapes have no biases)")
+        kv_heads = data.get("num_key_value_heads")
+        return ModelShape(
+            name=name, arch="llama", hidden=hidden,
+            layers=_require(data, "num_hidden_layers", file), heads=heads,
+            kv_heads=heads if kv_heads is None else kv_heads,
+            ffn_hidden=_require(data, "intermediate_size", file),
+            vocab=_require(data, "vocab_size", file),
+            tied=bool(data.get("tie_word_embeddings", False)), positions=0,
+        )
+    if model_type in _HF_GPT_TYPES:
+        if data.get("add_cross_attention"):
+            raise PlanError(f"model config {file}: add_cross_attention=true is not supported")
+        hidden = _require(data, "n_embd", file)
+        heads = _require(data, "n_head", file)
+        inner = data.get("n_inner")
+        return ModelShape(
+            name=name, arch="gpt", hidden=hidden, layers=_require(data, "n_layer", file),
+            heads=heads, kv_heads=heads,
+            ffn_hidden=4 * hidden if inner is None and _is_int(hidden) else inner,
+            vocab=_require(data, "vocab_size", file),
+            tied=bool(data.get("tie_word_embeddings", True)),
+            positions=_require(data, "n_positions", file),
+        )
+    supported = ", ".join(_HF_LLAMA_TYPES + _HF_GPT_TYPES)
+    raise PlanError(f"unsupported model_type {model_type!r} in {file}; supported: {supported}")
+
+
+def resolve_model(spec: str) -> ModelShape:
+    """``--model`` value: a preset name, else a path to a config.json or a directory with one."""
+    if spec in PRESETS:
+        return PRESETS[spec]
+    path = Path(spec)
+    if path.exists():
+        return from_hf_config(path)
+    if path.suffix == ".json" or "/" in spec or "\\" in spec:
+        raise PlanError(f"model config not found: {spec}")
+    close = difflib.get_close_matches(spec, PRESETS, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise PlanError(f"unknown model {spec!r}{hint}; presets: {', '.join(PRESETS)}; "
+                    "or give a path to a Hugging Face config.json")

@@ -1,0 +1,255 @@
+"""Step time of a layout: compute at an achievable fraction of peak, exposed communication per
+mesh axis, the pipeline bubble from the pipeline code's own schedule simulator, the optimizer.
+
+FLOPs use the convention of the published figures (Narayanan et al. 2021, published.md): per
+token and layer 2 x (matrix weights) for the matmuls plus 4sh for attention (QK^T and AV over the
+whole sequence), the head 2Vh; backward is twice forward; full recompute adds one more forward of
+every layer (Megatron's 96BsLh^2 hardware FLOPs), selective recompute the attention core's.
+`tflops_per_gpu` counts model FLOPs only; `hw_tflops_per_gpu` adds recompute, as Megatron's
+Table 1 does.
+
+The fraction of peak a GPU reaches on a layer depends on how big its matmuls are: we model it as
+MATMUL_EFFICIENCY x n / (n + MATMUL_HALF_SIZE), n the smaller of the per-GPU hidden width (h/t)
+and the tokens per micro-batch (b s / cp). Both constants are fitted once to Megatron-LM's Table 1
+(published.md) with every other term of this model in place; `tests/test_plan_validation.py`
+holds the fit to that table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from meshloom.parallel.pipeline_schedule import Action, build_schedule, simulate
+from meshloom.plan.hardware import GB, Cluster, ring_time
+from meshloom.plan.layout import Layout
+from meshloom.plan.memory import act_elem_bytes, layers_on_rank, precision, rank_params
+from meshloom.plan.models import ModelShape
+
+MATMUL_EFFICIENCY = 0.67  # fitted on Megatron-LM Table 1 (see module docstring)
+MATMUL_HALF_SIZE = 100.0  # fitted on Megatron-LM Table 1
+# AdamW reads and writes master, m and v (4 B each), reads the gradient, writes the param.
+OPTIMIZER_BYTES_PER_PARAM = 28
+SIMULATE_LIMIT = 6000  # compute actions simulated directly; beyond, extrapolated (see _makespan)
+
+
+def model_flops(shape: ModelShape, seq: int, global_batch: int) -> float:
+    """Model FLOPs of one training step (forward + backward, no recompute)."""
+    per_token = shape.layers * (2 * shape.layer_matmul_params + 4 * seq * shape.hidden)
+    per_token += 2 * shape.vocab * shape.hidden
+    return 3.0 * global_batch * seq * per_token
+
+
+def recompute_flops(shape: ModelShape, seq: int, global_batch: int, recompute: str) -> float:
+    """Extra FLOPs the hardware does to recompute activations in backward."""
+    tokens = global_batch * seq
+    if recompute == "full":
+        return tokens * shape.layers * (2 * shape.layer_matmul_params + 4 * seq * shape.hidden)
+    if recompute == "selective":
+        return tokens * shape.layers * 4 * seq * shape.hidden
+    return 0.0
+
+
+def elementwise_bytes(shape: ModelShape, lay: Layout, tokens: int, s_full: int, dtype: str,
+                      flash: bool) -> float:
+    """HBM bytes one layer's memory-bound (elementwise) kernels move in forward for one
+    micro-batch on one GPU: they run at memory bandwidth, not at matmul speed, and are what makes
+    small layers slow. Per token, in elements: GPT: 2 LayerNorms (read, write: 4h), 2 dropout +
+    residual (read 2, write 1, 1-byte mask: 7h/2 per element size), bias + GeLU over 4h/t (read,
+    write); Llama: 2 RMSNorms (4h), 2 residual adds (3h), SwiGLU over F/t (read 2, write 1).
+    Eager attention also moves every score (a/t x s per token): scale-mask-softmax (read, write),
+    dropout (read, write, mask) for GPT, softmax only for Llama; FlashAttention keeps them in
+    on-chip memory."""
+    e = act_elem_bytes(dtype)
+    h, t = shape.hidden, lay.tp
+    whole_div = t if lay.sp else 1
+    if shape.arch == "gpt":
+        per_token = (4 * h * e + 2 * (3 * h * e + h)) / whole_div + 2 * 4 * h * e / t
+        scores = (2 * e + 2 * e + 1) if not flash else 0
+    else:
+        per_token = (4 * h + 2 * 3 * h) * e / whole_div + 3 * shape.ffn_hidden * e / t
+        scores = 2 * e if not flash else 0
+    return tokens * (per_token + scores * shape.heads / t * s_full)
+
+
+def efficiency(n: float) -> float:
+    return MATMUL_EFFICIENCY * n / (n + MATMUL_HALF_SIZE)
+
+
+@dataclass
+class Timing:
+    step_time_s: float
+    compute: float
+    tp: float
+    cp: float
+    pp: float
+    dp: float
+    bubble: float
+    optimizer: float
+    bubble_fraction: float
+    model_flops: float
+    hw_flops: float
+
+    def breakdown(self) -> dict[str, float]:
+        return {"compute": self.compute, "tp_comm": self.tp, "cp_comm": self.cp,
+                "pp_comm": self.pp, "dp_comm": self.dp, "bubble": self.bubble,
+                "optimizer": self.optimizer}
+
+
+def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global_batch: int,
+              dtype: str = "bf16", flash: bool = True, exact_bubble: bool = True) -> Timing:
+    """Predicted seconds per optimizer step and where they go, on the busiest GPU.
+    `exact_bubble=False` uses the closed-form bubble (published.md) instead of the simulator:
+    the search's fast first pass."""
+    gpu = cluster.gpu
+    e = act_elem_bytes(dtype)
+    s, b, t, p, v = seq // lay.cp, lay.micro_batch, lay.tp, lay.pp, lay.v
+    m = lay.microbatches(global_batch)
+    tokens = b * s
+    rate = gpu.peak_tflops * 1e12 * efficiency(min(shape.hidden / t, tokens))
+
+    # One layer, one micro-batch, on one GPU: matmuls and attention split over tp (and cp).
+    fwd_flops = tokens * (2 * shape.layer_matmul_params + 4 * seq * shape.hidden) / t
+    attn_flops = tokens * 4 * seq * shape.hidden / t
+    ew = elementwise_bytes(shape, lay, tokens, seq, dtype, flash) / (gpu.hbm_gbps * GB)
+    f_layer = fwd_flops / rate + ew
+    b_layer = 2 * f_layer + {"none": 0.0, "selective": attn_flops / rate + (0 if flash else ew),
+                             "full": f_layer}[lay.recompute]
+
+    # Tensor parallel: 2 all-reduces forward and 2 backward per layer (all-gather +
+    # reduce-scatter pairs with SP: the same bus time), 2 more when full recompute reruns forward.
+    tp_bw = cluster.bus_bandwidth(t, 1)
+    tp_one = ring_time("all_reduce", tokens * shape.hidden * e, t, tp_bw)
+    tp_f, tp_b = 2 * tp_one, (4 if lay.recompute == "full" else 2) * tp_one
+
+    # Context parallel: cp - 1 ring steps of this rank's K, V block per layer, each hidden behind
+    # the attention of the block it already holds; backward also passes their gradients.
+    cp_f = cp_b = 0.0
+    if lay.cp > 1:
+        kv_bytes = 2 * tokens * shape.kv_dim * e / t
+        hop = kv_bytes / cluster.bus_bandwidth(2, t)
+        block = tokens * 4 * s * shape.hidden / t / rate
+        cp_f = (lay.cp - 1) * max(0.0, hop - block)
+        cp_b = (lay.cp - 1) * max(0.0, 2 * hop - 2 * block)
+        if lay.recompute == "full":
+            cp_b += cp_f
+
+    layers = layers_on_rank(shape, p)
+    head_f = tokens * 2 * shape.vocab * shape.hidden / t / rate
+    chunk_layers = layers / v
+    f_chunk = chunk_layers * (f_layer + tp_f + cp_f)
+    b_chunk = chunk_layers * (b_layer + tp_b + cp_b)
+    n_stages = p * v
+
+    def cost(a: Action, comm: bool = True) -> float:
+        last = a.stage == n_stages - 1
+        if a.kind == "F":
+            c = chunk_layers * (f_layer + (tp_f + cp_f) * comm) + (head_f if last else 0.0)
+        else:
+            c = chunk_layers * (b_layer + (tp_b + cp_b) * comm) + (2 * head_f if last else 0.0)
+            if a.kind in ("I", "W"):  # zero-bubble halves: I carries the comm
+                c = c / 2 if a.kind == "W" else c / 2 + chunk_layers * (tp_b + cp_b) * comm / 2
+        return c
+
+    hop_pp = 0.0
+    if p > 1:
+        stride = lay.dp * lay.cp * t
+        act = tokens * shape.hidden * e / (t if lay.sp else 1)
+        hop_pp = act / cluster.bus_bandwidth(2, stride)
+
+    # Busiest rank: the last (it also runs the head).
+    busy_mb = v * (f_chunk + b_chunk) + 3 * head_f
+    comm_mb = layers * (tp_f + tp_b + cp_f + cp_b)
+    tp_total = m * layers * (tp_f + tp_b)
+    cp_total = m * layers * (cp_f + cp_b)
+    if p == 1:
+        span_nolat = span = m * busy_mb
+    elif exact_bubble:
+        sched = lay.schedule
+        span_nolat = _makespan(sched, p, m, v, _cost_key(cost, n_stages, v), 0.0)
+        span = _makespan(sched, p, m, v, _cost_key(cost, n_stages, v), hop_pp)
+    else:
+        frac = (p - 1) / ((v if lay.schedule == "interleaved_1f1b" else 1) * m + p - 1)
+        if lay.schedule == "zb_h1":
+            frac = (p - 1) / (3 * m + p - 1)
+        span_nolat = m * busy_mb / (1 - frac)
+        span = span_nolat + 2 * (p - 1) * hop_pp
+    bubble = max(0.0, span_nolat - m * busy_mb)
+    pp_comm = max(0.0, span - span_nolat)
+
+    dp_exposed = _dp_time(shape, lay, cluster, dtype, m, v * f_chunk, v * b_chunk)
+    opt_params = rank_params(shape, lay, p - 1) / (lay.dp_shard if lay.zero else 1)
+    optimizer = opt_params * OPTIMIZER_BYTES_PER_PARAM / (gpu.hbm_gbps * GB)
+
+    total = span + dp_exposed + optimizer
+    mf = model_flops(shape, seq, global_batch)
+    hw = mf + recompute_flops(shape, seq, global_batch, lay.recompute)
+    compute = m * busy_mb - m * comm_mb
+    return Timing(total, compute, tp_total, cp_total, pp_comm, dp_exposed, bubble, optimizer,
+                  bubble / span_nolat if span_nolat else 0.0, mf, hw)
+
+
+def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: int,
+             f_mb: float, b_mb: float) -> float:
+    """Exposed data-parallel communication per step. DDP and ZeRO-1 reduce gradients once, in
+    buckets during the last micro-batch's backward (hidden up to that backward's length); ZeRO-2
+    reduce-scatters after every micro-batch behind its backward; ZeRO-1/2 all-gather the updated
+    parameters after the step (exposed); ZeRO-3 gathers every unit for forward and backward and
+    reduce-scatters its gradient, prefetched behind the micro-batch's compute, except the first
+    unit's gather; HSDP all-reduces the shard across replicas after the step (exposed)."""
+    if lay.dp <= 1:
+        return 0.0
+    prec = precision(dtype)
+    psi = rank_params(shape, lay, lay.pp - 1)
+    stride = lay.cp * lay.tp
+    n = lay.dp_shard
+    bw = cluster.bus_bandwidth(n, stride)
+    grad_b, param_b = psi * prec.grad_bytes, psi * prec.param_bytes
+    out = 0.0
+    if lay.zero == 0:
+        return max(0.0, ring_time("all_reduce", grad_b, lay.dp, cluster.bus_bandwidth(
+            lay.dp, stride)) - b_mb)
+    if lay.zero == 1:
+        out += max(0.0, ring_time("reduce_scatter", grad_b, n, bw) - b_mb)
+        out += ring_time("all_gather", param_b, n, bw)
+    elif lay.zero == 2:
+        out += m * max(0.0, ring_time("reduce_scatter", grad_b, n, bw) - b_mb)
+        out += ring_time("all_gather", param_b, n, bw)
+    else:
+        ag = ring_time("all_gather", param_b, n, bw)
+        rs = ring_time("reduce_scatter", grad_b, n, bw)
+        units = max(1, layers_on_rank(shape, lay.pp))
+        out += m * (max(0.0, ag - f_mb) + max(0.0, ag + rs - b_mb) + ag / units)
+    if lay.dp_replicate > 1:
+        out += ring_time("all_reduce", grad_b / n, lay.dp_replicate,
+                         cluster.bus_bandwidth(lay.dp_replicate, stride * n))
+    return out
+
+
+def _cost_key(cost, n_stages: int, v: int) -> tuple:
+    """The per-stage costs as a hashable key (so identical pipelines simulate once)."""
+    kinds = ("F", "B", "I", "W")
+    return tuple(round(cost(Action(k, st, 0)), 12) for st in range(n_stages) for k in kinds)
+
+
+def _makespan(schedule: str, p: int, m: int, v: int, key: tuple, latency: float) -> float:
+    """Simulated step span. From 2p micro-batches on, a 1F1B-type schedule is in its steady
+    state, where every further round of p micro-batches adds the same time: simulate 2p and 3p
+    and extrapolate linearly (tests check this against direct simulation)."""
+    step = p  # one round of micro-batches through every stage (interleaving needs m % p == 0)
+    m1, m2 = 2 * p, 3 * p
+    if m <= m2 or schedule == "gpipe" and m * p <= 2 * SIMULATE_LIMIT:
+        return _simulate(schedule, p, m, v, key, latency)
+    if schedule == "gpipe":  # all forwards, then all backwards: linear in m from the start
+        m1, m2 = step, 2 * step
+    s1 = _simulate(schedule, p, m1, v, key, latency)
+    s2 = _simulate(schedule, p, m2, v, key, latency)
+    return s1 + (m - m1) * (s2 - s1) / (m2 - m1)
+
+
+@lru_cache(maxsize=8192)
+def _simulate(schedule: str, p: int, m: int, v: int, key: tuple, latency: float) -> float:
+    kinds = ("F", "B", "I", "W")
+    table = {(kinds[i % 4], i // 4): c for i, c in enumerate(key)}
+    lists = build_schedule(schedule, p, m, v)
+    return simulate(lists, lambda a: table[(a.kind, a.stage)], latency).makespan

@@ -1,0 +1,184 @@
+"""The planner's pieces: activation formulas, micro-batches in flight, the simulator shortcut,
+the search and the `meshloom plan` command (output, --json, --fix, --write-config, errors)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from meshloom.config import load_config, validate
+from meshloom.parallel.pipeline_schedule import build_schedule, simulate
+from meshloom.plan import PlanError
+from meshloom.plan.hardware import make_cluster, ring_time
+from meshloom.plan.layout import Layout, parse_fix
+from meshloom.plan.memory import in_flight, layer_activation_bytes
+from meshloom.plan.models import PRESETS
+from meshloom.plan.search import evaluate, layouts, search
+from meshloom.plan.timing import _makespan, model_flops
+
+
+@pytest.mark.parametrize("t,sp,rec,coef", [
+    (1, False, "none", lambda s, h, a, t: 34 + 5 * a * s / h),
+    (4, False, "none", lambda s, h, a, t: 10 + 24 / t + 5 * a * s / (h * t)),
+    (4, True, "none", lambda s, h, a, t: 34 / t + 5 * a * s / (h * t)),
+    (4, False, "selective", lambda s, h, a, t: 10 + 24 / t),
+    (4, True, "selective", lambda s, h, a, t: 34 / t),
+    (4, False, "full", lambda s, h, a, t: 2),
+])
+def test_korthikanti_activation_formulas(t, sp, rec, coef):
+    """Table 2 of Korthikanti et al.: bytes per layer for the GPT block, 16-bit, eager attention."""
+    shape = PRESETS["megatron-7.5b"]
+    s, b, h, a = 2048, 2, shape.hidden, shape.heads
+    got = layer_activation_bytes(shape, s, b, Layout(tp=t, sp=sp, recompute=rec), "bf16",
+                                 flash=False)
+    assert got == pytest.approx(s * b * h * coef(s, h, a, t))
+
+
+def test_flash_attention_drops_the_score_terms():
+    shape = PRESETS["llama3-8b"]
+    eager = layer_activation_bytes(shape, 4096, 1, Layout(), "bf16", flash=False)
+    flash = layer_activation_bytes(shape, 4096, 1, Layout(), "bf16", flash=True)
+    assert eager - flash == pytest.approx(4096 * shape.heads * 4096 * 2 - 4096 * shape.heads * 4)
+
+
+def test_in_flight_per_schedule():
+    p, m = 4, 16
+    assert in_flight("1f1b", p, m, 1) == (p, 1)  # first stage p, last stage 1 (Narayanan)
+    assert in_flight("gpipe", p, m, 1) == (m, m)
+    assert in_flight("zb_h1", p, m, 1) == (p, p)
+    v = 2  # interleaved: first stage p (1 + (p - 1) / (p v)) in units of its whole share
+    assert in_flight("interleaved_1f1b", p, m, v)[0] == pytest.approx(p * (1 + (p - 1) / (p * v)))
+
+
+@pytest.mark.parametrize("schedule,p,v", [("1f1b", 4, 1), ("interleaved_1f1b", 4, 2),
+                                          ("zb_h1", 6, 1), ("gpipe", 4, 1), ("1f1b", 8, 1)])
+def test_steady_state_extrapolation_matches_the_simulator(schedule, p, v):
+    """The search simulates 2p and 3p micro-batches and extrapolates; uneven stage costs (a
+    heavier last stage) and a p2p latency included, it stays within 2% of simulating all."""
+    n = p * v
+    costs = []
+    for st in range(n):
+        f = 1.0 + 0.1 * (st % 3) + (0.5 if st == n - 1 else 0.0)
+        costs += [f, 2 * f, f, f]  # F, B, I, W
+    key, m = tuple(costs), 10 * p
+    table = {(k, st): costs[4 * st + i] for st in range(n) for i, k in enumerate("FBIW")}
+    direct = simulate(build_schedule(schedule, p, m, v), lambda a: table[(a.kind, a.stage)],
+                      0.2).makespan
+    assert _makespan(schedule, p, m, v, key, 0.2) == pytest.approx(direct, rel=0.02)
+
+
+def test_model_flops_is_megatrons_formula():
+    shape, B, s = PRESETS["megatron-18.4b"], 1024, 2048
+    h, L, V = shape.hidden, shape.layers, shape.vocab
+    megatron = 72 * B * L * s * h ** 2 * (1 + s / (6 * h) + V / (12 * h * L))
+    # Ours counts every matrix exactly (biases excluded): the same to 0.1%.
+    assert model_flops(shape, s, B) == pytest.approx(megatron, rel=1e-3)
+
+
+def test_ring_time_uses_the_bus_bandwidth_convention():
+    assert ring_time("all_reduce", 8e9, 8, 1e9) == pytest.approx(2 * 7 / 8 * 8)
+    assert ring_time("all_gather", 8e9, 8, 1e9) == pytest.approx(7 / 8 * 8)
+    assert ring_time("all_reduce", 8e9, 1, 1e9) == 0.0
+    cl = make_cluster("h100", 64)
+    assert cl.bus_bandwidth(8, 1) > cl.bus_bandwidth(8, 8)  # NVLink inside, network across
+
+
+def test_more_sharding_less_memory_and_search_respects_fix():
+    shape, cl = PRESETS["llama3-8b"], make_cluster("h100", 8)
+    mems = [evaluate(shape, Layout(dp=8, zero=z), cl, 4096, 8).memory.total for z in range(4)]
+    assert mems == sorted(mems, reverse=True)
+    fixed = {"tp": 2, "recompute": "full"}
+    for lay in layouts(shape, cl, 4096, 16, fixed):
+        assert lay.tp == 2 and lay.recompute == "full" and lay.gpus == 8
+    best = search(shape, cl, 4096, 16, fixed, top=3)
+    assert len(best) == 3 and all(c.fits for c in best)
+    times = [c.timing.step_time_s for c in best]
+    assert times == sorted(times)
+    for c in best:  # the breakdown adds up to the step
+        assert sum(c.timing.breakdown().values()) == pytest.approx(c.timing.step_time_s)
+
+
+@pytest.mark.parametrize("text,msg", [
+    ("tp=8,pp", "not key=value"), ("tq=2", "did you mean 'tp'"), ("tp=0", "positive integer"),
+    ("recompute=some", "one of none, selective, full"), ("zero=4", "0, 1, 2 or 3"),
+    ("sp=maybe", "true or false"), ("schedule=fast", "one of gpipe"),
+])
+def test_fix_errors_are_one_line(text, msg):
+    with pytest.raises(PlanError, match=msg):
+        parse_fix(text)
+
+
+def test_invalid_pinned_layout_says_why():
+    shape, cl = PRESETS["llama3-8b"], make_cluster("h100", 8)
+    with pytest.raises(PlanError, match="tp=16 does not divide|not --gpus"):
+        search(shape, cl, 4096, 16, {"tp": 16, "dp": 1, "pp": 1, "cp": 1})
+    with pytest.raises(PlanError, match="does not divide --gpus 8"):
+        search(shape, cl, 4096, 16, {"tp": 3})
+    with pytest.raises(PlanError, match="global-batch 6 is not a multiple"):
+        search(shape, cl, 4096, 6, {"tp": 1, "pp": 1, "cp": 1})
+
+
+def _plan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "meshloom.cli", "plan", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_table_json_and_config(tmp_path):
+    r = _plan("--model", "small", "--gpus", "8", "--seq", "1024", "--global-batch", "32",
+              "--top", "4")
+    assert r.returncode == 0, r.stderr
+    assert "model small" in r.stdout and "MFU" in r.stdout and "best: memory per GPU" in r.stdout
+    out = tmp_path / "best.toml"
+    r = _plan("--model", "small", "--gpus", "4", "--seq", "1024", "--global-batch", "16",
+              "--json", "--write-config", str(out), "--fix", "tp=2")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    c = data["candidates"][0]
+    for key in ("layout", "fits", "memory_per_gpu_bytes", "step_time_s", "tflops_per_gpu",
+                "mfu", "tokens_per_s_per_gpu", "time_breakdown_s"):
+        assert key in c
+    assert set(c["memory_per_gpu_bytes"]) >= {"params", "grads", "optimizer", "activations",
+                                               "buffers"}
+    assert set(c["time_breakdown_s"]) == {"compute", "tp_comm", "cp_comm", "pp_comm",
+                                          "dp_comm", "bubble", "optimizer"}
+    assert c["layout"]["tp"] == 2 and c["fits"]
+    # The written config is a valid meshloom config with the chosen layout.
+    cfg = load_config(out, [])
+    validate(cfg, world_size=4)
+    assert cfg.parallel.tp == 2 and cfg.model.preset == "small" and cfg.data.seq_len == 1024
+
+
+def test_cli_hf_config_and_explicit_dims(tmp_path):
+    hf = tmp_path / "config.json"
+    hf.write_text(json.dumps({"model_type": "llama", "hidden_size": 512,
+                              "num_hidden_layers": 4, "num_attention_heads": 8,
+                              "num_key_value_heads": 4, "intermediate_size": 1376,
+                              "vocab_size": 32000}))
+    r = _plan("--model", str(hf), "--gpus", "2", "--seq", "512", "--global-batch", "4",
+              "--json", "--top", "1")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["model"]["hidden"] == 512
+    r = _plan("--arch", "gpt", "--hidden", "768", "--layers", "12", "--heads", "12",
+              "--vocab", "50257", "--gpus", "1", "--seq", "1024", "--global-batch", "8",
+              "--top", "1")
+    assert r.returncode == 0, r.stderr
+    assert "0.125B parameters (gpt" in r.stdout  # GPT-2 small + 2048 positions
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--model", "llama9"], "unknown"),
+    (["--gpu", "h1000", "--model", "tiny"], "did you mean 'h100'"),
+    (["--arch", "llama", "--hidden", "64"], "needs --layers"),
+    (["--model", "tiny", "--gpus", "0"], "--gpus=0"),
+    (["--model", "tiny", "--fix", "tp=3"], "does not divide"),
+    (["--model", "gpt2", "--write-config", "/nonexistent/x.toml"], "meshloom trains Llama"),
+    (["--model", "tiny", "--write-config", "/nonexistent/x.toml"], "does not exist"),
+])
+def test_cli_bad_input_one_line_exit_2(args, msg, capsys):
+    from meshloom.cli import main
+    assert main(["plan", *args]) == 2
+    err = capsys.readouterr().err
+    assert msg in err and len(err.strip().splitlines()) == 1, err

@@ -1,0 +1,168 @@
+"""The planner against published results (../shared/reference/published.md) and our own runs."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+from conftest import tiny_config
+from dist_harness import run_ranks
+
+from meshloom.plan.formulas import FP32, MIXED, model_state_bytes
+from meshloom.plan.hardware import make_cluster
+from meshloom.plan.layout import Layout
+from meshloom.plan.models import MEGATRON_TABLE1, PRESETS, from_dims
+from meshloom.plan.search import evaluate, search
+
+SEQ = 2048  # Megatron-LM Table 1
+
+
+def test_zero_paper_example_exactly():
+    """ZeRO (arXiv 1910.02054): 7.5B parameters on 64 data-parallel GPUs, mixed-precision Adam:
+    120 / 31.4 / 16.6 / 1.9 GB of model states per GPU for DDP / stage 1 / 2 / 3."""
+    gb = [sum(model_state_bytes(7.5e9, 64, s, MIXED).values()) / 1e9 for s in (0, 1, 2, 3)]
+    assert [round(x, 1) for x in gb] == [120.0, 31.4, 16.6, 1.9]
+    # The planner's per-GPU model states are those formulas on the GPU's share of the model.
+    shape = PRESETS["megatron-7.5b"]
+    cl = make_cluster("a100-80g", 64)
+    for stage in (0, 1, 2, 3):
+        c = evaluate(shape, Layout(dp=64, zero=stage, recompute="full"), cl, SEQ, 64)
+        want = model_state_bytes(shape.params, 64, stage, MIXED)
+        assert c.memory.params == pytest.approx(want["params"])
+        assert c.memory.grads == pytest.approx(want["grads"])
+        assert c.memory.optimizer == pytest.approx(want["optimizer"])
+
+
+def test_gpt2_xl_on_two_24gb_gpus():
+    """Hugging Face FSDP blog (Titan RTX 24 GB): GPT-2 XL does not fit with DDP even at batch 1,
+    whatever the recompute; it fits with FSDP (ZeRO-3) over the two GPUs."""
+    shape, cl = PRESETS["gpt2-xl"], make_cluster("titan-rtx-24g", 2)
+    ddp = search(shape, cl, 1024, 2, {"dp": 2, "zero": 0, "micro_batch": 1}, top=50)
+    assert ddp and not any(c.fits for c in ddp)
+    assert min(c.memory.params + c.memory.grads + c.memory.optimizer for c in ddp) > 24e9
+    fsdp = search(shape, cl, 1024, 2, {"dp": 2, "zero": 3, "micro_batch": 1})
+    assert fsdp[0].fits
+    # And the free search finds a layout that splits the model states (sharding or a
+    # pipeline), never plain DDP.
+    best = search(shape, cl, 1024, 2, {})[0]
+    assert best.fits and (best.layout.zero or best.layout.pp > 1 or best.layout.tp > 1)
+
+
+def _published_layout(row: dict, v: int) -> dict:
+    return {"tp": row["tp"], "pp": row["pp"], "dp": row["gpus"] // (row["tp"] * row["pp"]),
+            "cp": 1, "micro_batch": 1, "zero": 0, "recompute": "full", "sp": False,
+            **({"schedule": "interleaved_1f1b"} if row["pp"] > 1 else {})}
+
+
+@pytest.fixture(scope="module")
+def megatron_rows():
+    """Each Table 1 row evaluated on its published layout (the virtual-stage count, which the
+    table does not give, is searched)."""
+    out = []
+    for row in MEGATRON_TABLE1:
+        shape, cl = PRESETS[row["name"]], make_cluster("a100-80g", row["gpus"])
+        best = search(shape, cl, SEQ, row["batch"], _published_layout(row, 1), flash=False,
+                      top=1)[0]
+        out.append((row, shape, cl, best))
+    return out
+
+
+def test_megatron_table1_tflops(megatron_rows):
+    """Predicted TFLOP/s per GPU (hardware FLOPs, recompute included, as the table counts them)
+    within 15% of the published figure on every row, mean error under 10%."""
+    errors = []
+    for row, _, _, best in megatron_rows:
+        err = best.hw_tflops_per_gpu / row["tflops"] - 1
+        errors.append(abs(err))
+        assert abs(err) <= 0.15, f"{row['name']}: {best.hw_tflops_per_gpu:.0f} vs {row['tflops']}"
+        assert best.fits, f"{row['name']}: the published layout must fit in 80 GB"
+    assert statistics.mean(errors) < 0.10
+    # Model FLOPs exclude the recomputed forward: 3/4 of the hardware FLOPs plus the head's share.
+    for _, _, _, best in megatron_rows:
+        assert 0.74 < best.tflops_per_gpu / best.hw_tflops_per_gpu < 0.80
+
+
+def test_search_beats_or_matches_the_published_layouts(megatron_rows):
+    """Free search: the chosen layout fits and is predicted at least as fast as the published
+    one (which is in the search space)."""
+    for row, shape, cl, published in megatron_rows[::3]:
+        best = search(shape, cl, SEQ, row["batch"], {}, flash=False, top=1)[0]
+        assert best.fits
+        assert best.timing.step_time_s <= published.timing.step_time_s * (1 + 1e-9), row["name"]
+
+
+def test_zero3_175b_trend():
+    """Narayanan et al. 2021: ZeRO-3 on a 175B model at batch 1536 gave 144 / 88 / 44 TFLOP/s
+    per GPU on 384 / 768 / 1536 GPUs: communication-bound, halving with each doubling. The
+    planner's best ZeRO-3 layout (no TP/PP) shows the same trend within 15% of each ratio."""
+    shape = from_dims("gpt", 12288, 96, 96, 51200, positions=SEQ)
+    got = []
+    for n in (384, 768, 1536):
+        best = search(shape, make_cluster("a100-80g", n), SEQ, 1536,
+                      {"tp": 1, "pp": 1, "cp": 1, "zero": 3}, flash=False, top=1)[0]
+        assert best.fits
+        got.append(best.hw_tflops_per_gpu)
+    published = [144, 88, 44]
+    for i in (0, 1):
+        assert got[i + 1] / got[i] == pytest.approx(published[i + 1] / published[i], rel=0.15)
+
+
+# ---------------------------------------------------------------- our own runs (CPU, fp32)
+
+
+def _states(run_dir, cache, overrides):
+    from meshloom.train import train
+    cfg = tiny_config(run_dir, cache, "train.steps=1", "train.eval_every=0",
+                      "train.eval_sequences=0", "train.sample_tokens=0", *overrides)
+    return dict(train(cfg).summary["model_state_bytes"])
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_predicted_model_states_equal_measured(tmp_path, token_cache, stage):
+    """Model-state bytes per rank of a real 2-rank CPU run (fp32: 4 B params and grads, 8 B Adam
+    state) equal the planner's prediction; ZeRO's flat buffers pad Ψ to a multiple of the shard
+    count per unit, which is the only difference allowed."""
+    got = run_ranks(_states, 2, tmp_path, token_cache, [f"parallel.zero_stage={stage}"])[0]
+    shape = PRESETS["tiny"]
+    c = evaluate(shape, Layout(dp=2, zero=stage), make_cluster("h100", 2), 64, 16, "fp32")
+    want = model_state_bytes(shape.params, 2, stage, FP32)
+    assert c.memory.params == want["params"] and c.memory.grads == want["grads"]
+    slack = 64 * 16  # at most a few padding elements per flat unit, 16 bytes of state each
+    for key in ("params", "grads", "optimizer"):
+        assert abs(got[key] - getattr(c.memory, key)) <= (slack if stage else 0), key
+
+
+def _pipeline_run(run_dir, cache, overrides):
+    from meshloom.train import train
+    cfg = tiny_config(run_dir, cache, "train.steps=7", "train.eval_every=0",
+                      "train.eval_sequences=0", "train.sample_tokens=0", *overrides)
+    train(cfg)
+    return str(run_dir)
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("gpipe", 1)])
+def test_predicted_bubble_matches_measured_timeline(tmp_path, token_cache, schedule, v):
+    """A pp=2 CPU run's measured bubble (median over its steps after the first) against the
+    planner's prediction for the same layout. The model is big enough for compute to dominate
+    (dim 384, 8 layers: ~60 ms per stage forward); single steps scatter by +-15%, hence the
+    median. Tolerance 25%, not the 10% we aim for on GPUs: on this 2-core CPU the two stages
+    share memory bandwidth, so a stage computing alongside the other runs ~30% slower than one
+    computing alone (the timeline shows F 65 ms alone, 83-88 ms concurrently), which stretches
+    the steady state against the ramps; and the head + loss cost ~45% of a stage's forward on
+    CPU against ~2% of its FLOPs. Measured medians sit 15-20% above the prediction. That the
+    simulator reproduces a run's bubble from its measured costs within ~1% is tested in
+    test_report.py."""
+    from meshloom.report import load_pipeline, step_bubbles
+    ov = ["model.dim=384", "model.n_heads=6", "model.n_layers=8", "parallel.pp=2",
+          f"parallel.pp_schedule={schedule}", f"parallel.pp_virtual_stages={v}",
+          "parallel.pp_microbatches=4", "train.global_batch=16"]
+    run_dir = run_ranks(_pipeline_run, 2, tmp_path, token_cache, ov)[0]
+    bubbles = step_bubbles(load_pipeline(run_dir))
+    assert len(bubbles) == 7
+    measured = statistics.median(bubbles[1:])
+    shape = from_dims("llama", 384, 8, 6, 257, kv_heads=2)
+    lay = Layout(pp=2, dp=1, micro_batch=4, schedule=schedule, v=v)
+    predicted = evaluate(shape, lay, make_cluster("h100", 2), 64, 16, "fp32").timing
+    assert predicted.bubble_fraction == pytest.approx(measured, rel=0.25), (
+        f"predicted {predicted.bubble_fraction:.3f} vs measured {measured:.3f} "
+        f"(steps: {', '.join(f'{b:.3f}' for b in bubbles)})")
