@@ -99,7 +99,7 @@ def config_toml(layout: Layout, shape, seq: int, global_batch: int, dtype: str) 
         raise PlanError(f"--write-config: meshloom trains Llama models; {shape.name} is a "
                         f"{shape.arch} model")
     if shape.name in LLAMA_PRESETS:
-        model = [f'preset = "{shape.name}"']
+        model = [f'preset = "{shape.name}"', f"max_seq_len = {seq}"]
     else:
         model = [f"dim = {shape.hidden}", f"n_layers = {shape.layers}",
                  f"n_heads = {shape.heads}", f"n_kv_heads = {shape.kv_heads}",
@@ -110,7 +110,8 @@ def config_toml(layout: Layout, shape, seq: int, global_batch: int, dtype: str) 
         f'name = "plan-{shape.name}"', "", "[model]", *model, "",
         "[data]", f"seq_len = {seq}", "",
         "[train]", f"global_batch = {global_batch}", f"micro_batch = {layout.micro_batch}",
-        f'dtype = "{dtype}"', "",
+        f"eval_sequences = {global_batch}", f'dtype = "{dtype}"',
+        f'activation_checkpointing = "{layout.recompute}"', "",
         "[parallel]", f"dp_replicate = {layout.dp_replicate}", f"dp_shard = {layout.dp_shard}",
         f"zero_stage = {layout.zero}", f"tp = {layout.tp}",
         f"sequence_parallel = {'true' if layout.sp else 'false'}",
@@ -118,6 +119,4 @@ def config_toml(layout: Layout, shape, seq: int, global_batch: int, dtype: str) 
     ]
     if layout.pp > 1:
         lines += [f'pp_schedule = "{layout.schedule}"', f"pp_virtual_stages = {layout.v}"]
-    if layout.recompute != "none":
-        lines.insert(2, f"# activation checkpointing the plan assumes: {layout.recompute}")
     return "\n".join(lines) + "\n"

@@ -23,7 +23,7 @@ from meshloom.plan.models import ModelShape
 # everything above) and the CUDA context plus library workspaces (cuBLAS, NCCL) per GPU.
 ALLOCATOR_FRACTION = 0.10
 CONTEXT_BYTES = 1.0e9
-DDP_BUCKET_BYTES = 25e6  # meshloom's default parallel.ddp_bucket_mb; two in flight
+DDP_BUCKET_BYTES = 25 * 2**20  # meshloom's default parallel.ddp_bucket_mb; two in flight
 
 
 def precision(dtype: str):
@@ -88,8 +88,8 @@ def layer_activation_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype
 
 
 def logits_bytes(shape: ModelShape, s: int, b: int, t: int, dtype: str) -> float:
-    """The last rank's loss: logits in the compute dtype plus fp32 copies for the cross entropy
-    (its softmax and gradient), vocabulary-parallel over tp."""
+    """The last rank's loss: logits in the compute dtype plus one fp32 copy for the cross
+    entropy (its softmax, later overwritten by the gradient), vocabulary-parallel over tp."""
     return s * b * shape.vocab / t * (act_elem_bytes(dtype) + 4)
 
 
@@ -143,8 +143,8 @@ def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
     """Peak bytes on the fullest GPU of the layout."""
     prec = precision(dtype)
     s, b, m = seq // lay.cp, lay.micro_batch, lay.microbatches(global_batch)
-    first, last = in_flight(lay.schedule if lay.pp > 1 else "1f1b", lay.pp, m, lay.v) * (
-        2 if lay.pp == 1 else 1)
+    flight = in_flight(lay.schedule if lay.pp > 1 else "1f1b", lay.pp, m, lay.v)
+    first, last = flight[0], flight[-1]
     per_layer = layer_activation_bytes(shape, s, b, lay, dtype, flash)
     working = (layer_activation_bytes(shape, s, b, lay, dtype, flash, recompute="none")
                if lay.recompute == "full" else 0.0)  # one layer recomputed during backward

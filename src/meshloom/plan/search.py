@@ -2,7 +2,8 @@
 
 The search enumerates every layout the training code accepts for this model and cluster (TP
 that divides the heads and stays inside a node, CP with the zigzag split, PP up to one layer per
-stage, every data-parallel strategy, micro-batch size, recompute mode and pipeline schedule),
+stage, DDP and ZeRO-1/2/3 (HSDP when `dp_replicate` is pinned), micro-batch size, recompute
+mode and pipeline schedule),
 keeps what `--fix` pins, and ranks in two passes: all candidates with the closed-form bubble,
 then the fastest few again with the pipeline simulator, whose numbers are the ones reported.
 """

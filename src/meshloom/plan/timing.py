@@ -30,7 +30,7 @@ MATMUL_EFFICIENCY = 0.67  # fitted on Megatron-LM Table 1 (see module docstring)
 MATMUL_HALF_SIZE = 100.0  # fitted on Megatron-LM Table 1
 # AdamW reads and writes master, m and v (4 B each), reads the gradient, writes the param.
 OPTIMIZER_BYTES_PER_PARAM = 28
-SIMULATE_LIMIT = 6000  # compute actions simulated directly; beyond, extrapolated (see _makespan)
+SIMULATE_LIMIT = 6000  # GPipe: micro-batches x stages simulated directly before extrapolating
 
 
 def model_flops(shape: ModelShape, seq: int, global_batch: int) -> float:
@@ -127,7 +127,7 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     cp_f = cp_b = 0.0
     if lay.cp > 1:
         kv_bytes = 2 * tokens * shape.kv_dim * e / t
-        hop = kv_bytes / cluster.bus_bandwidth(2, t)
+        hop = kv_bytes / cluster.bus_bandwidth(lay.cp, t)  # the network once the ring leaves a node
         block = tokens * 4 * s * shape.hidden / t / rate
         cp_f = (lay.cp - 1) * max(0.0, hop - block)
         cp_b = (lay.cp - 1) * max(0.0, 2 * hop - 2 * block)
@@ -191,12 +191,14 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
 
 def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: int,
              f_mb: float, b_mb: float) -> float:
-    """Exposed data-parallel communication per step. DDP and ZeRO-1 reduce gradients once, in
-    buckets during the last micro-batch's backward (hidden up to that backward's length); ZeRO-2
+    """Exposed data-parallel communication per step, as meshloom's strategies run it. DDP
+    all-reduces in buckets during the last micro-batch's backward (hidden up to that backward's
+    length), over dp x cp ranks; ZeRO-1 reduce-scatters once after the last backward; ZeRO-2
     reduce-scatters after every micro-batch behind its backward; ZeRO-1/2 all-gather the updated
     parameters after the step (exposed); ZeRO-3 gathers every unit for forward and backward and
     reduce-scatters its gradient, prefetched behind the micro-batch's compute, except the first
-    unit's gather; HSDP all-reduces the shard across replicas after the step (exposed)."""
+    unit's gather; HSDP all-reduces the shard across replicas after the step, and with cp > 1 the
+    shard is averaged over the cp ranks too (both exposed)."""
     if lay.dp <= 1:
         return 0.0
     prec = precision(dtype)
@@ -205,12 +207,13 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     n = lay.dp_shard
     bw = cluster.bus_bandwidth(n, stride)
     grad_b, param_b = psi * prec.grad_bytes, psi * prec.param_bytes
+    if lay.zero == 0:  # meshloom's DDP averages over every replica: dp x cp ranks, stride tp
+        ranks = lay.dp * lay.cp
+        return max(0.0, ring_time("all_reduce", grad_b, ranks, cluster.bus_bandwidth(
+            ranks, lay.tp)) - b_mb)
     out = 0.0
-    if lay.zero == 0:
-        return max(0.0, ring_time("all_reduce", grad_b, lay.dp, cluster.bus_bandwidth(
-            lay.dp, stride)) - b_mb)
-    if lay.zero == 1:
-        out += max(0.0, ring_time("reduce_scatter", grad_b, n, bw) - b_mb)
+    if lay.zero == 1:  # reduce-scatters the accumulated gradients after the last backward
+        out += ring_time("reduce_scatter", grad_b, n, bw)
         out += ring_time("all_gather", param_b, n, bw)
     elif lay.zero == 2:
         out += m * max(0.0, ring_time("reduce_scatter", grad_b, n, bw) - b_mb)
@@ -223,6 +226,8 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     if lay.dp_replicate > 1:
         out += ring_time("all_reduce", grad_b / n, lay.dp_replicate,
                          cluster.bus_bandwidth(lay.dp_replicate, stride * n))
+    if lay.cp > 1:  # the cp ranks of a shard hold the same parameters: average their shards
+        out += ring_time("all_reduce", grad_b / n, lay.cp, cluster.bus_bandwidth(lay.cp, lay.tp))
     return out
 
 
