@@ -20,6 +20,8 @@ AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 BACKENDS = ("auto", "nccl", "gloo", "mpi")
 DTYPES = ("fp32", "bf16", "fp16")
+AC_MODES = ("none", "full", "selective")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 
 class ConfigError(ValueError):
@@ -76,6 +78,9 @@ class TrainConfig:
     sample_temperature: float = 0.8
     sample_top_k: int = 40
     dtype: str = "fp32"  # compute: fp32 | bf16 | fp16 (loss-scaled); masters and Adam stay fp32
+    activation_checkpointing: str = "none"  # none | full (per block) | selective (see docs)
+    compile: bool = False  # torch.compile each transformer block's forward
+    compile_backend: str = "inductor"  # torch.compile backend ("eager"/"aot_eager" to debug)
 
 
 @dataclass
@@ -305,6 +310,14 @@ def validate(cfg: Config, world_size: int, *, check_data: bool = True):
              "parallel.sequence_parallel needs parallel.tp > 1 (it splits the tensor-parallel "
              "group's activations)")
     _require(p.ddp_bucket_mb > 0, f"parallel.ddp_bucket_mb={p.ddp_bucket_mb} must be > 0")
+    _require(t.activation_checkpointing in AC_MODES,
+             f"train.activation_checkpointing: unknown mode '{t.activation_checkpointing}'"
+             f"{_closest(t.activation_checkpointing, list(AC_MODES))}; one of "
+             f"{', '.join(AC_MODES)}")
+    _require(t.compile_backend in COMPILE_BACKENDS,
+             f"train.compile_backend: unknown backend '{t.compile_backend}'"
+             f"{_closest(t.compile_backend, list(COMPILE_BACKENDS))}; one of "
+             f"{', '.join(COMPILE_BACKENDS)}")
     _require(t.dtype in DTYPES, f"train.dtype: unknown dtype '{t.dtype}'"
              f"{_closest(t.dtype, list(DTYPES))}; one of {', '.join(DTYPES)}")
     _require(p.reduce_dtype in DTYPES, f"parallel.reduce_dtype: unknown dtype '{p.reduce_dtype}'"

@@ -174,7 +174,9 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
     model = build_model(mcfg, cfg.train.seed, device=device)
     spec = PipelineSpec(microbatches, cfg.data.seq_len, cfg.parallel.pp_timeout_s) \
         if microbatches else None
-    par = parallelize(model, mesh, cfg.parallel, cfg.train.dtype, pipeline=spec)
+    par = parallelize(model, mesh, cfg.parallel, cfg.train.dtype, pipeline=spec,
+                      activation_checkpointing=cfg.train.activation_checkpointing,
+                      compile_blocks=cfg.train.compile, compile_backend=cfg.train.compile_backend)
     # Unsharded layouts keep fp32 parameters (they are the master weights) and compute in the
     # low-precision dtype under autocast; the sharded stages hold low-precision working copies.
     autocast = (torch.autocast(device.type, dtype=TORCH_DTYPES[cfg.train.dtype])

@@ -1,9 +1,8 @@
 """`parallelize()`: apply the layout's strategies to a plain model, always in the same order.
 
 Order (DESIGN.md): pipeline split -> tensor (+ sequence) parallel -> context parallel ->
-activation checkpointing -> data parallel. This version implements tensor (+ sequence) parallel
-and data parallel (DDP, ZeRO-1/2/3, HSDP) over the tensor-parallel slices; the config layer
-rejects pp and cp before launch, so nothing here silently ignores one.
+activation checkpointing (and torch.compile) per block -> data parallel (DDP, ZeRO-1/2/3,
+HSDP) over what the earlier steps left on this rank.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from meshloom.checkpoint import whole_state
 from meshloom.config import ParallelConfig
 from meshloom.mesh import Mesh
 from meshloom.optim import decay_groups, named_trainable
+from meshloom.parallel.checkpointing import apply_block_options
 from meshloom.parallel.context import ContextParallel, PlainAttention
 from meshloom.parallel.ddp import DataParallel
 from meshloom.parallel.fsdp import FullyShardedDataParallel
@@ -111,7 +111,9 @@ TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.flo
 
 def parallelize(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig,
                 compute_dtype: str = "fp32", tp_plan: dict[str, str] | None = None,
-                pipeline: PipelineSpec | None = None) -> Parallelized:
+                pipeline: PipelineSpec | None = None, activation_checkpointing: str = "none",
+                compile_blocks: bool = False, compile_backend: str = "inductor"
+                ) -> Parallelized:
     """Apply the layout, in DESIGN.md's order: pipeline split (the model becomes this rank's
     stages), tensor parallel (the model's `TP_PLAN`, or `tp_plan`), then data parallel over the
     resulting slices. With zero_stage >= 1 the sharded stages keep `compute_dtype` working
@@ -127,6 +129,7 @@ def parallelize(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig,
         tp = TensorParallel(model, tp_plan or model.TP_PLAN, mesh,
                             sequence_parallel=pcfg.sequence_parallel, strict=pp == 1)
     cp = ContextParallel(model, mesh) if mesh.size("cp") > 1 else None
+    apply_block_options(model, activation_checkpointing, compile_blocks, compile_backend)
     grads = _data_parallel(model, mesh, pcfg, compute_dtype)
     loss = tp.loss if tp else plain_loss
     if tp is not None:

@@ -1,0 +1,83 @@
+"""Activation checkpointing per transformer block: `none`, `full` or `selective`.
+
+`full` keeps only each block's input and reruns the whole block in backward (Korthikanti et al.:
+2sbh bytes per layer). `selective` reruns only what is cheap to recompute and dear to keep: the
+attention core (its scores / softmax, or the ring exchange under context parallel) and the
+elementwise ops (norms, RoPE, SiLU, products), while every matmul's output is saved, so no
+matmul runs twice. Both use PyTorch's non-reentrant checkpoint; the selection is a policy on
+the ATen ops (`create_selective_checkpoint_contexts`).
+
+Applied in DESIGN.md's order, after tensor and context parallel (the rerun block includes
+their collectives, which every rank repeats in the same order) and before data parallel (whose
+hooks sit on the block module, outside the checkpointed function: ZeRO-3 gathers the block's
+parameters before its backward, which is when the rerun happens). Optionally each block's
+forward is compiled with `torch.compile` (`train.compile`) inside the checkpoint.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+MODES = ("none", "full", "selective")
+
+# Outputs kept by selective recompute: the matmuls (linear layers lower to these on every
+# device). Everything else in a block is recomputed.
+_SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+              torch.ops.aten.bmm.default, torch.ops.aten.linear.default,
+              torch.ops.aten.matmul.default}
+
+
+def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context():
+    return create_selective_checkpoint_contexts(_policy)
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks: the children of the model's `layers` container (a whole model's
+    ModuleList, or a pipeline stage's ModuleDict of the blocks it runs)."""
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no `layers` of transformer blocks to "
+                         "checkpoint or compile")
+    return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
+
+
+def apply_block_options(model: nn.Module, mode: str = "none", compile_blocks: bool = False,
+                        compile_backend: str = "inductor") -> int:
+    """Checkpoint (and/or compile) every block's forward in place; returns how many blocks."""
+    if mode not in MODES:
+        raise ValueError(f"activation checkpointing mode {mode!r}; one of {', '.join(MODES)}")
+    if mode == "none" and not compile_blocks:
+        return 0
+    found = blocks(model)
+    for block in found:
+        inner = block.forward  # the bound method of the class, before any wrapping
+        if compile_blocks:
+            inner = torch.compile(inner, backend=compile_backend)
+        if mode != "none":
+            inner = _checkpointed(inner, mode)
+        block.forward = inner  # instance attribute: module hooks still run around it
+    return len(found)
+
+
+def _checkpointed(fn, mode: str):
+    context = _selective_context if mode == "selective" else None
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():  # evaluation and sampling: nothing to save
+            return fn(*args, **kwargs)
+        extra = {"context_fn": context} if context else {}
+        return checkpoint(fn, *args, use_reentrant=False, **extra, **kwargs)
+    return run
