@@ -191,3 +191,18 @@ def test_bf16_gradient_reduction_halves_the_reduce_scatter(tmp_path, token_cache
     assert a[key] > 0 and 2 * b[key] == a[key], (a, b)
     gather = ("dp_shard", "all_gather")
     assert b[gather] == a[gather] > 0
+
+
+def test_ddp_bf16_gradient_reduction(tmp_path, token_cache, reference):
+    """DDP in bf16 (autocast, fp32 parameters) on 2 ranks: parallel.reduce_dtype=bf16 sends the
+    gradient buckets in bf16, half the all-reduce bytes; accumulation and the average stay fp32
+    and training still tracks fp32."""
+    ov = ["train.dtype=bf16"]
+    fp32_reduce = run_ranks(_job, 2, tmp_path / "fp32", token_cache, ov)
+    bf16_reduce = run_ranks(_job, 2, tmp_path / "bf16", token_cache,
+                            [*ov, "parallel.reduce_dtype=bf16"])
+    _check(reference, fp32_reduce, ov)
+    _check(reference, bf16_reduce, [*ov, "parallel.reduce_dtype=bf16"])
+    key = ("dp", "all_reduce")
+    a, b = fp32_reduce[0]["bytes"], bf16_reduce[0]["bytes"]
+    assert a[key] > 0 and 2 * b[key] == a[key], (a, b)

@@ -114,7 +114,8 @@ def _states(run_dir, cache, overrides):
     from meshloom.train import train
     cfg = tiny_config(run_dir, cache, "train.steps=1", "train.eval_every=0",
                       "train.eval_sequences=0", "train.sample_tokens=0", *overrides)
-    return dict(train(cfg).summary["model_state_bytes"])
+    summary = train(cfg).summary
+    return dict(summary["model_state_bytes"]), summary["predicted_memory_per_gpu"]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -122,7 +123,8 @@ def test_predicted_model_states_equal_measured(tmp_path, token_cache, stage):
     """Model-state bytes per rank of a real 2-rank CPU run (fp32: 4 B params and grads, 8 B Adam
     state) equal the planner's prediction; ZeRO's flat buffers pad Ψ to a multiple of the shard
     count per unit, which is the only difference allowed."""
-    got = run_ranks(_states, 2, tmp_path, token_cache, [f"parallel.zero_stage={stage}"])[0]
+    got, in_summary = run_ranks(_states, 2, tmp_path, token_cache,
+                                [f"parallel.zero_stage={stage}"])[0]
     shape = PRESETS["tiny"]
     c = evaluate(shape, Layout(dp=2, zero=stage), make_cluster("h100", 2), 64, 16, "fp32")
     want = model_state_bytes(shape.params, 2, stage, FP32)
@@ -130,6 +132,7 @@ def test_predicted_model_states_equal_measured(tmp_path, token_cache, stage):
     slack = 64 * 16  # at most a few padding elements per flat unit, 16 bytes of state each
     for key in ("params", "grads", "optimizer"):
         assert abs(got[key] - getattr(c.memory, key)) <= (slack if stage else 0), key
+        assert in_summary[key] == getattr(c.memory, key)  # the run's own summary says the same
 
 
 def _pipeline_run(run_dir, cache, overrides):

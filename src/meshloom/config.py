@@ -99,7 +99,7 @@ class ParallelConfig:
     cp: int = 1
     ddp_bucket_mb: float = 25.0
     reshard_after_forward: bool = True  # ZeRO-3: free gathered parameters after each forward
-    reduce_dtype: str = "fp32"  # gradient reduction dtype of the sharded stages
+    reduce_dtype: str = "fp32"  # dtype gradients are reduced in (DDP and the sharded stages)
     cpu_offload: bool = False  # ZeRO: fp32 master shard and AdamW state (stage 3: params) on CPU
 
 

@@ -41,11 +41,13 @@ from meshloom.metrics import (
     device_peak_flops,
     live_state_bytes,
     peak_memory_bytes,
+    peak_reserved_bytes,
 )
 from meshloom.models.generate import generate
 from meshloom.models.llama import build_model
 from meshloom.optim import LossScaler, build_optimizer, clip_grads, grad_norm, lr_at, set_lr
 from meshloom.parallel import TORCH_DTYPES, Parallelized, PipelineSpec, parallelize
+from meshloom.plan.memory import predict_run_memory
 
 
 @dataclass
@@ -254,6 +256,7 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
                   "tokens_per_s": tps,
                   "mfu": flops_per_token * tps / (peak * world) if peak else None,
                   "peak_mem_bytes": peak_memory_bytes(device),
+                  "peak_mem_reserved_bytes": peak_reserved_bytes(device),
                   "comm_bytes": counter.by_axis(since=before), "step_time_s": dt}
         if (cfg.train.eval_every and done % cfg.train.eval_every == 0) or done == cfg.train.steps:
             eval_loss = evaluate(par, evals, mesh, device)
@@ -282,6 +285,17 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
     peaks = [0.0] * world
     peaks[rank] = float(peak_memory_bytes(device))
     peaks = comm.all_reduce_scalars(peaks, mesh, "world")
+    reserved = [0.0] * world
+    reserved[rank] = float(peak_reserved_bytes(device) or 0)
+    reserved = comm.all_reduce_scalars(reserved, mesh, "world")
+    try:  # the planner's prediction for this very run, to hold the measured peaks against
+        predicted = predict_run_memory(mcfg, cfg, dims, micro).to_dict()
+    except (ValueError, KeyError) as e:
+        predicted = {"error": str(e)}
+    if device.type == "cuda" and "total" in predicted:
+        logger.message(f"memory per GPU: peak allocated {max(peaks) / 1e9:.2f} GB, reserved "
+                       f"{max(reserved) / 1e9:.2f} GB; planner predicted "
+                       f"{predicted['total'] / 1e9:.2f} GB (with its allocator allowance)")
     total_steps = cfg.train.steps - start
     result.summary.update({
         "run_dir": str(run_dir), "steps": cfg.train.steps, "start_step": start,
@@ -292,6 +306,9 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
         "wall_time_s": time.perf_counter() - t_start,
         "params": mcfg.num_params(), "layout": vars(dims), "world_size": world,
         "peak_mem_bytes_per_rank": [int(p) for p in peaks],
+        "peak_mem_reserved_bytes_per_rank": ([int(r) for r in reserved]
+                                             if device.type == "cuda" else None),
+        "predicted_memory_per_gpu": predicted,
         "comm_bytes": {f"{a}/{o}": n for (a, o), n in counter.bytes.items()},
         "sample": sample,
     })

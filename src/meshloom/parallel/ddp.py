@@ -46,17 +46,23 @@ class _Bucket:
         self.pending = len(params)
         self.work = None
         self.launched = False
+        self.wire: torch.Tensor | None = None  # the low-precision copy on the wire, if any
 
     def reset(self) -> None:
         self.pending, self.work, self.launched = len(self.params), None, False
+        self.wire = None
 
 
 class DataParallel:
     """Bucketed, overlapped gradient averaging over a data-parallel mesh axis."""
 
     def __init__(self, model: nn.Module, mesh: Mesh, *, axis: str = "dp",
-                 bucket_mb: float = 25.0, broadcast_params: bool = True):
+                 bucket_mb: float = 25.0, broadcast_params: bool = True,
+                 reduce_dtype: torch.dtype | None = None):
         self.model, self.mesh, self.axis = model, mesh, axis
+        # parallel.reduce_dtype: gradients travel (and are summed) in this dtype, e.g. bf16 to
+        # halve the traffic; accumulation and the average stay in the parameters' dtype.
+        self.reduce_dtype = reduce_dtype
         self.size = mesh.size(axis)
         # model.parameters() already de-duplicates tied weights.
         params = [p for p in model.parameters() if p.requires_grad]
@@ -138,7 +144,10 @@ class DataParallel:
             b = self.buckets[self._next]
             if not force and b.pending > 0:
                 return
-            b.work = comm.all_reduce(b.buffer, self.mesh, self.axis, async_op=True)
+            wire = b.buffer
+            if self.reduce_dtype is not None and self.reduce_dtype != b.buffer.dtype:
+                wire = b.wire = b.buffer.to(self.reduce_dtype)
+            b.work = comm.all_reduce(wire, self.mesh, self.axis, async_op=True)
             b.launched = True
             self._next += 1
 
@@ -150,6 +159,8 @@ class DataParallel:
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
+            if b.wire is not None:
+                b.buffer.copy_(b.wire)
             if self.size > 1:
                 b.buffer.div_(self.size)
             b.reset()
