@@ -106,11 +106,12 @@ def check_layout(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int,
 
 
 def evaluate(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global_batch: int,
-             dtype: str = "bf16", flash: bool = True, exact: bool = True) -> Candidate:
+             dtype: str = "bf16", flash: bool = True, exact: bool = True,
+             memory: Memory | None = None) -> Candidate:
     why = check_layout(shape, lay, cluster, seq, global_batch)
     if why:
         raise PlanError(f"layout {lay.short()}: {why}")
-    mem = memory_per_gpu(shape, lay, seq, global_batch, dtype, flash)
+    mem = memory or memory_per_gpu(shape, lay, seq, global_batch, dtype, flash)
     tim = step_time(shape, lay, cluster, seq, global_batch, dtype, flash, exact_bubble=exact)
     return Candidate(lay, mem, tim, cluster.gpu.memory_gb * 1e9, cluster.n_gpus,
                      cluster.gpu.peak_tflops * 1e12, global_batch * seq)
@@ -192,7 +193,7 @@ def search(shape: ModelShape, cluster: Cluster, seq: int, global_batch: int, fix
             smallest.append((mem.total, lay))
             continue
         fitting.append(evaluate(shape, lay, cluster, seq, global_batch, dtype, flash,
-                                exact=False))
+                                exact=False, memory=mem))
     if not count:
         raise PlanError(_no_layout(shape, cluster, seq, global_batch, fixed))
     if not fitting:
@@ -200,8 +201,8 @@ def search(shape: ModelShape, cluster: Cluster, seq: int, global_batch: int, fix
         return [evaluate(shape, lay, cluster, seq, global_batch, dtype, flash)
                 for _, lay in smallest[:top]]
     fitting.sort(key=lambda c: c.timing.step_time_s)
-    head = [evaluate(shape, c.layout, cluster, seq, global_batch, dtype, flash)
-            for c in fitting[:max(top, EXACT_PASS)]]
+    head = [evaluate(shape, c.layout, cluster, seq, global_batch, dtype, flash,
+                     memory=c.memory) for c in fitting[:max(top, EXACT_PASS)]]
     head.sort(key=lambda c: c.timing.step_time_s)
     return head[:top]
 
