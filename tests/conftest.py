@@ -7,7 +7,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
 
+import torch  # noqa: E402
+
 from meshloom.config import Config, load_config  # noqa: E402
+
+# The test process forks ranks (dist_harness) after some tests compute in-process. GNU OpenMP
+# does not survive a fork once it has started its worker threads: a forked rank then hangs in
+# its first parallel op. One thread in the parent means no worker threads to inherit; each
+# forked rank sets its own count.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

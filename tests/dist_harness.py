@@ -8,6 +8,7 @@ that does not finish within `timeout` seconds is killed, so no test can hang CI.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -61,6 +62,10 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
     procs = [ctx.Process(target=_worker, daemon=True,
                          args=(r, world_size, port, fn, args, kwargs, results, threads))
              for r in range(world_size)]
+    # Garbage left by earlier in-process work (process groups, stores, tensors of a previous
+    # test) is collected here, not by the garbage collector of a freshly forked child, where
+    # freeing such objects has crashed or hung.
+    gc.collect()
     for p in procs:
         p.start()
     out: dict[int, Any] = {}

@@ -70,19 +70,19 @@ def test_single_process_and_resume_via_cli(tmp_path, token_cache):
 
 
 def test_failing_rank_is_named_and_exits_1(tmp_path, token_cache):
-    """A checkpoint folder that claims to be complete but holds no data: the ranks fail on
-    resume; the user gets one line per rank naming it, exit status 1."""
+    """A rank that raises: the user gets one line per failed rank naming it and the error,
+    the traceback in the run folder, exit status 1."""
     run_dir = tmp_path / "run"
-    bad = run_dir / "checkpoints" / "step_0000001"
-    bad.mkdir(parents=True)
-    (bad / "meta.json").write_text('{"step": 1, "world_size": 2}')
-    proc = _run([sys.executable, "-m", "meshloom.cli", "train", TINY, "--nproc", "2", "--resume",
-                 "--set", "train.steps=2", "--set", f"run.dir={run_dir}",
-                 "--set", f"data.cache_dir={token_cache}"], tmp_path)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MESHLOOM_FAULT": "raise:1:1"}
+    proc = subprocess.run([sys.executable, "-m", "meshloom.cli", "train", TINY, "--nproc", "2",
+                           "--set", "train.steps=3", "--set", f"run.dir={run_dir}",
+                           "--set", f"data.cache_dir={token_cache}"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 1
-    assert "meshloom: rank 0 failed:" in proc.stderr
+    assert "meshloom: rank 1 failed: RuntimeError: fault injected by MESHLOOM_FAULT at step 2" \
+        in proc.stderr
     assert "meshloom: training failed on rank" in proc.stderr
-    assert (run_dir / "error_rank0.txt").is_file()
+    assert (run_dir / "error_rank1.txt").is_file()
 
 
 def test_meshloom_train_tensor_parallel(tmp_path, token_cache):

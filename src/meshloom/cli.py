@@ -11,7 +11,10 @@ import time
 from importlib import resources
 from pathlib import Path
 
+from meshloom.checkpoint_command import add_parser as add_checkpoint_parser
 from meshloom.config import Config, ConfigError, dump_toml, load_config, validate
+from meshloom.convert import add_parser as add_convert_parser
+from meshloom.generate_command import add_parser as add_generate_parser
 from meshloom.plan.command import add_parser as add_plan_parser
 
 EXIT_BAD_INPUT = 2
@@ -51,6 +54,12 @@ def resolve_run_dir(cfg: Config, resume: bool) -> Path:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from meshloom.ps import is_ps_config
+
+    if is_ps_config(args.config):  # a [ps] section: the parameter-server hybrid (meshloom.ps)
+        from meshloom.ps.launch import run_cli
+
+        return run_cli(args)
     from meshloom.data import DataError
     from meshloom.train import prepare_data, print_layout
 
@@ -73,7 +82,7 @@ def _train(args: argparse.Namespace) -> int:
     resolved = run_dir / "config.toml"
     resolved.write_text(dump_toml(cfg))
     rank_args = [str(resolved)] + (["--resume"] if args.resume else [])
-    if nproc * args.nnodes == 1:
+    if nproc * args.nnodes == 1 and args.max_restarts == 0:
         from meshloom.train import main as rank_main
 
         os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
@@ -92,6 +101,7 @@ def _free_port() -> int:
 
 
 def _torchrun(args: argparse.Namespace, nproc: int, rank_args: list[str]) -> int:
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -108,7 +118,8 @@ def _torchrun(args: argparse.Namespace, nproc: int, rank_args: list[str]) -> int
                    "--rdzv-id", args.rdzv_id]
     else:
         launch += ["--standalone"]
-    launch += ["--max-restarts", "0", "-m", "meshloom.train", *rank_args]
+    # A restarted rank resumes by itself from the last intact checkpoint (train.main).
+    launch += ["--max-restarts", str(args.max_restarts), "-m", "meshloom.train", *rank_args]
     try:
         run(get_args_parser().parse_args(launch))
     except ChildFailedError as e:
@@ -120,6 +131,10 @@ def _torchrun(args: argparse.Namespace, nproc: int, rank_args: list[str]) -> int
         print(f"meshloom: training failed on rank {ranks} (exit codes {exits}); "
               "see the messages above", file=sys.stderr)
         return 1
+    except SignalException as e:  # preemption: the ranks got the signal too and saved
+        print(f"meshloom: stopped by signal {e.sigval.name}; the ranks saved a checkpoint "
+              "where they stopped: continue with --resume", file=sys.stderr)
+        return 128 + int(e.sigval)
     except Exception as e:  # noqa: BLE001 - e.g. a rendezvous that never completes
         print(f"meshloom: launch failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
@@ -176,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--node-rank", type=int, default=0)
     t.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the rendezvous")
     t.add_argument("--rdzv-id", default="meshloom")
+    t.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                   help="restart all ranks up to K times after a failure; they resume from "
+                        "the last intact checkpoint")
     t.set_defaults(func=_train)
     lay = sub.add_parser("layout", help="print which rank holds what, without training")
     _add_config_args(lay)
@@ -185,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (run.dir)")
     rep.set_defaults(func=_report)
     add_plan_parser(sub)
+    add_generate_parser(sub)
+    add_convert_parser(sub)
+    add_checkpoint_parser(sub)
     return ap
 
 
@@ -192,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "nproc", 0) < 0:
         print(f"meshloom: error: --nproc={args.nproc} must be >= 1", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if getattr(args, "max_restarts", 0) < 0:
+        print(f"meshloom: error: --max-restarts={args.max_restarts} must be >= 0",
+              file=sys.stderr)
         return EXIT_BAD_INPUT
     return args.func(args)
 

@@ -10,6 +10,7 @@ all-reduce of Ψ, as in the ZeRO paper's accounting.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -23,10 +24,15 @@ from meshloom.mesh import Mesh
 class CommCounter:
     bytes: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     calls: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    # The latest collective issued and when: the stall watchdog (faults.py) reports it.
+    last: tuple[str, str] = ("", "")
+    last_time: float = field(default_factory=time.monotonic)
 
     def record(self, axis: str, op: str, tensor: torch.Tensor) -> None:
         self.bytes[(axis, op)] += tensor.numel() * tensor.element_size()
         self.calls[(axis, op)] += 1
+        self.last = (axis, op)
+        self.last_time = time.monotonic()
 
     def snapshot(self) -> dict[tuple[str, str], int]:
         return dict(self.bytes)

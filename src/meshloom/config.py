@@ -21,7 +21,9 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 BACKENDS = ("auto", "nccl", "gloo", "mpi")
 DTYPES = ("fp32", "bf16", "fp16")
 AC_MODES = ("none", "full", "selective")
+NONFINITE_POLICIES = ("stop", "skip")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+PARALLEL_MODES = ("", "auto", "dp")
 
 
 class ConfigError(ValueError):
@@ -43,6 +45,9 @@ class ModelConfig:
     norm_eps: float | None = None
     tie_embeddings: bool | None = None
     init_std: float | None = None
+    # "hf:PATH" (a Hugging Face Llama folder) or "meshloom:PATH" (weights, checkpoint or run
+    # folder): start from those weights; the shape then comes from there. "" = random init.
+    init_from: str = ""
 
 
 @dataclass
@@ -79,6 +84,8 @@ class TrainConfig:
     sample_top_k: int = 40
     dtype: str = "fp32"  # compute: fp32 | bf16 | fp16 (loss-scaled); masters and Adam stay fp32
     activation_checkpointing: str = "none"  # none | full (per block) | selective (see docs)
+    on_nonfinite: str = "stop"  # NaN/inf loss or grad norm: stop, or skip the step
+    nonfinite_max_skips: int = 10  # with "skip": stop after this many such steps in a row
     compile: bool = False  # torch.compile each transformer block's forward
     compile_backend: str = "inductor"  # torch.compile backend ("eager"/"aot_eager" to debug)
 
@@ -101,6 +108,11 @@ class ParallelConfig:
     reshard_after_forward: bool = True  # ZeRO-3: free gathered parameters after each forward
     reduce_dtype: str = "fp32"  # dtype gradients are reduced in (DDP and the sharded stages)
     cpu_offload: bool = False  # ZeRO: fp32 master shard and AdamW state (stage 3: params) on CPU
+    # "" / "auto": the mesh axes above; "dp": one process drives several devices with replicas
+    # in threads (the nn.DataParallel baseline, docs/data-parallel.md) over parallel.dp_devices:
+    # a count (cuda:0..N-1, or N CPU replicas; 0 = every GPU) or a list like ["cuda:0", "cuda:1"].
+    mode: str = ""
+    dp_devices: int | list[str] = 0
 
 
 @dataclass
@@ -113,7 +125,7 @@ class RunConfig:
     tensorboard: bool = False
     peak_tflops: float = 0.0  # device peak for MFU; 0 = from the built-in table
     threads: int = 0  # torch threads per rank; 0 = cores / local ranks
-    timeout_s: float = 600.0  # collective time-out
+    timeout_s: float = 600.0  # a rank with no progress this long: stop, naming the stalled rank
 
 
 @dataclass
@@ -132,11 +144,14 @@ class Config:
 # ---------------------------------------------------------------- loading and overrides
 
 
-def _sections() -> dict[str, type]:
-    return {f.name: f.default_factory for f in dataclasses.fields(Config) if f.name != "name"}
+def _sections(cfg: Any = None) -> dict[str, type]:
+    """The [section] tables of a config dataclass (meshloom's Config by default)."""
+    kind = Config if cfg is None else type(cfg)
+    return {f.name: f.default_factory for f in dataclasses.fields(kind) if f.name != "name"}
 
 
-def _closest(word: str, options: list[str]) -> str:
+def closest(word: str, options: list[str]) -> str:
+    """' (did you mean X?)' for the option nearest to a misspelt word, or ''."""
     match = difflib.get_close_matches(word, options, n=1)
     return f" (did you mean '{match[0]}'?)" if match else ""
 
@@ -181,19 +196,19 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
 
 
-def _apply(cfg: Config, key: str, value: Any) -> None:
+def _apply(cfg: Any, key: str, value: Any) -> None:
     parts = key.split(".")
-    sections = _sections()
+    sections = _sections(cfg)
     if len(parts) != 2:
         raise ConfigError(f"{key}: keys have the form section.name; sections: "
                           f"{', '.join(sections)}")
     sec, name = parts
     if sec not in sections:
-        raise ConfigError(f"{key}: unknown section '{sec}'{_closest(sec, list(sections))}")
+        raise ConfigError(f"{key}: unknown section '{sec}'{closest(sec, list(sections))}")
     obj = getattr(cfg, sec)
     hints = typing.get_type_hints(type(obj))
     if name not in hints:
-        raise ConfigError(f"{key}: unknown key{_closest(name, list(hints))}")
+        raise ConfigError(f"{key}: unknown key{closest(name, list(hints))}")
     setattr(obj, name, _coerce(key, value, hints[name]))
 
 
@@ -207,7 +222,12 @@ def _parse_value(text: str) -> Any:
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Build a Config from a TOML file (None = the defaults) and `section.key=value` overrides."""
-    cfg = Config()
+    return fill_config(Config(), path, overrides)
+
+
+def fill_config(cfg: Any, path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()):
+    """Fill a config dataclass of [section] dataclasses (and a `name`) from a TOML file and
+    `section.key=value` overrides, checking every key and type; returns `cfg`."""
     if path is not None:
         p = Path(path)
         if not p.is_file():
@@ -221,7 +241,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             cfg.name = raw.pop("name")
         for sec, table in raw.items():
             if not isinstance(table, dict):
-                hint = _closest(sec, list(_sections()))
+                hint = closest(sec, list(_sections(cfg)))
                 raise ConfigError(f"{sec}: expected a [section] table{hint}")
             for name, value in table.items():
                 _apply(cfg, f"{sec}.{name}", value)
@@ -233,10 +253,11 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     return cfg
 
 
-def dump_toml(cfg: Config) -> str:
-    """The resolved config as TOML (None values are left out: they mean 'from the preset')."""
+def dump_toml(cfg: Any) -> str:
+    """The resolved config (a Config, or another config dataclass of sections) as TOML. None
+    values are left out: they mean 'from the preset'."""
     lines = [f"name = {_toml_value(cfg.name)}"]
-    for sec in _sections():
+    for sec in _sections(cfg):
         lines.append(f"\n[{sec}]")
         for k, v in dataclasses.asdict(getattr(cfg, sec)).items():
             if v is not None:
@@ -267,11 +288,18 @@ def model_config(cfg: Config, vocab_size: int | None = None):
     """The LlamaConfig the run will build: the preset with the config's overrides applied."""
     from meshloom.models.llama import PRESETS, config_from_preset
 
+    if cfg.model.init_from:
+        from meshloom.weights import WeightsError, init_from_config
+
+        try:
+            return init_from_config(cfg.model, vocab_size)
+        except WeightsError as e:
+            raise ConfigError(f"model.init_from: {e}") from None
     _require(cfg.model.preset in PRESETS,
              f"model.preset: unknown preset '{cfg.model.preset}'"
-             f"{_closest(cfg.model.preset, list(PRESETS))}; presets: {', '.join(PRESETS)}")
+             f"{closest(cfg.model.preset, list(PRESETS))}; presets: {', '.join(PRESETS)}")
     overrides = {k: v for k, v in dataclasses.asdict(cfg.model).items()
-                 if k != "preset" and v is not None}
+                 if k not in ("preset", "init_from") and v is not None}
     if "vocab_size" not in overrides and vocab_size is not None:
         overrides["vocab_size"] = vocab_size
     try:
@@ -289,6 +317,16 @@ def validate(cfg: Config, world_size: int, *, check_data: bool = True):
 
     p, t, d, r = cfg.parallel, cfg.train, cfg.data, cfg.run
     _require(world_size >= 1, f"--nproc={world_size} must be >= 1")
+    _require(p.mode in PARALLEL_MODES, f"parallel.mode: unknown mode '{p.mode}'"
+             f"{closest(p.mode, ['auto', 'dp'])}; one of auto (the mesh axes) or dp (one "
+             "process, several devices)")
+    _require(p.mode == "dp" or p.dp_devices == 0,
+             f"parallel.dp_devices={p.dp_devices!r} is only used with parallel.mode=dp")
+    if p.mode == "dp":  # before the axes are resolved: its own messages are the clearer ones
+        from meshloom.parallel.data_parallel import check_dp_config
+
+        problem = check_dp_config(cfg, world_size)
+        _require(problem is None, problem or "")
     try:
         dims = ParallelDims.resolve(world_size, pp=p.pp, dp_replicate=p.dp_replicate,
                                     dp_shard=p.dp_shard, cp=p.cp, tp=p.tp)
@@ -302,7 +340,7 @@ def validate(cfg: Config, world_size: int, *, check_data: bool = True):
              f"parallel.zero_stage={p.zero_stage} shards over parallel.dp_shard, which is 1")
     _require(p.pp_schedule in PP_SCHEDULES,
              f"parallel.pp_schedule: unknown schedule '{p.pp_schedule}'"
-             f"{_closest(p.pp_schedule, list(PP_SCHEDULES))}; one of {', '.join(PP_SCHEDULES)}")
+             f"{closest(p.pp_schedule, list(PP_SCHEDULES))}; one of {', '.join(PP_SCHEDULES)}")
     _require(p.pp_microbatches >= 0, f"parallel.pp_microbatches={p.pp_microbatches} must be >= 0")
     _require(p.pp_virtual_stages >= 1,
              f"parallel.pp_virtual_stages={p.pp_virtual_stages} must be >= 1")
@@ -310,16 +348,21 @@ def validate(cfg: Config, world_size: int, *, check_data: bool = True):
              "parallel.sequence_parallel needs parallel.tp > 1 (it splits the tensor-parallel "
              "group's activations)")
     _require(p.ddp_bucket_mb > 0, f"parallel.ddp_bucket_mb={p.ddp_bucket_mb} must be > 0")
+    _require(t.on_nonfinite in NONFINITE_POLICIES,
+             f"train.on_nonfinite: unknown policy '{t.on_nonfinite}'; one of "
+             f"{', '.join(NONFINITE_POLICIES)}")
+    _require(t.nonfinite_max_skips >= 0,
+             f"train.nonfinite_max_skips={t.nonfinite_max_skips} must be >= 0")
     _require(t.activation_checkpointing in AC_MODES,
              f"train.activation_checkpointing: unknown mode '{t.activation_checkpointing}'"
-             f"{_closest(t.activation_checkpointing, list(AC_MODES))}; one of "
+             f"{closest(t.activation_checkpointing, list(AC_MODES))}; one of "
              f"{', '.join(AC_MODES)}")
     _require(t.compile_backend in COMPILE_BACKENDS,
              f"train.compile_backend: unknown backend '{t.compile_backend}'"
-             f"{_closest(t.compile_backend, list(COMPILE_BACKENDS))}; one of "
+             f"{closest(t.compile_backend, list(COMPILE_BACKENDS))}; one of "
              f"{', '.join(COMPILE_BACKENDS)}")
     _require(t.dtype in DTYPES, f"train.dtype: unknown dtype '{t.dtype}'"
-             f"{_closest(t.dtype, list(DTYPES))}; one of {', '.join(DTYPES)}")
+             f"{closest(t.dtype, list(DTYPES))}; one of {', '.join(DTYPES)}")
     _require(p.reduce_dtype in DTYPES, f"parallel.reduce_dtype: unknown dtype '{p.reduce_dtype}'"
              f"; one of {', '.join(DTYPES)}")
     _require(not p.cpu_offload or p.zero_stage >= 1,
@@ -456,7 +499,7 @@ def _check_backend(r: RunConfig) -> None:
     import torch.distributed as dist
 
     _require(r.backend in BACKENDS,
-             f"run.backend: unknown backend '{r.backend}'{_closest(r.backend, list(BACKENDS))}; "
+             f"run.backend: unknown backend '{r.backend}'{closest(r.backend, list(BACKENDS))}; "
              f"one of {', '.join(BACKENDS)}")
     _require(r.device in ("auto", "cpu", "cuda"),
              f"run.device: '{r.device}' is not auto, cpu or cuda")

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
+import math
 import os
 import sys
 import time
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshloom import checkpoint, comm
+from meshloom import checkpoint, comm, faults
 from meshloom.comm import CommCounter
 from meshloom.config import (
     Config,
@@ -91,8 +91,12 @@ def _init_distributed(cfg: Config, world: int, rank: int, local_rank: int) -> to
     os.environ.setdefault("MASTER_PORT", "29500")
     if not dist.is_initialized():
         kwargs = {"device_id": device} if device.type == "cuda" else {}
+        timeout = faults.process_group_timeout(cfg.run.timeout_s)
+        store = faults.attempt_store(world, timeout)
+        if store is not None:
+            kwargs["store"] = store
         dist.init_process_group(backend=resolve_backend(cfg.run), world_size=world, rank=rank,
-                                timeout=datetime.timedelta(seconds=cfg.run.timeout_s), **kwargs)
+                                timeout=timeout, **kwargs)
     return device
 
 
@@ -141,6 +145,39 @@ def _micro_loss(par: Parallelized, x: torch.Tensor, y: torch.Tensor,
     return par.loss(par.model(x, positions), y)
 
 
+class NonFiniteError(RuntimeError):
+    """Training stopped on a NaN/inf loss or gradient norm (train.on_nonfinite)."""
+
+
+def _non_finite(cfg: Config, done: int, loss: float, norm: float, in_a_row: int, run_dir: Path,
+                logger: MetricsLogger) -> None:
+    """A step whose loss or gradient norm is NaN/inf: skip it (the optimizer is not stepped),
+    or stop. Stopping raises on every rank alike; no checkpoint of the bad state is written."""
+    what = (f"step {done}: the loss or gradients are not finite (here: loss {loss:g}, "
+            f"gradient norm {norm:g})")
+    allowed = cfg.train.nonfinite_max_skips
+    if cfg.train.on_nonfinite == "skip" and in_a_row <= allowed:
+        logger.message(f"{what}: step skipped ({in_a_row} in a row, "
+                       f"train.nonfinite_max_skips={allowed})")
+        return
+    last = checkpoint.latest_checkpoint(run_dir)
+    why = (f"{in_a_row} such steps in a row" if cfg.train.on_nonfinite == "skip"
+           else "train.on_nonfinite=stop")
+    raise NonFiniteError(f"{what}: {why}; training stopped, no checkpoint of this state is "
+                         f"written (last checkpoint: {last.name if last else 'none'}; "
+                         "train.on_nonfinite=skip skips such steps)")
+
+
+def _agree(mesh: Mesh, finite: bool, preempted: bool) -> tuple[bool, bool]:
+    """(all ranks' step finite, any rank got SIGTERM), the same on every rank: one tiny
+    all-reduce, so that no rank steps or stops alone (which would hang the others)."""
+    if mesh.size("world") == 1:
+        return finite, preempted
+    bad, stop = comm.all_reduce_scalars([float(not finite), float(preempted)], mesh, "world",
+                                        op=dist.ReduceOp.MAX)
+    return bad == 0, stop > 0
+
+
 def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> TrainResult:
     """Run training on this rank. Expects RANK/WORLD_SIZE (and a rendezvous) in the environment."""
     rank, world, local_rank, local_world = _rank_env()
@@ -174,6 +211,10 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
 
     mcfg = model_config(cfg, tokenizer.vocab_size)
     model = build_model(mcfg, cfg.train.seed, device=device)
+    if cfg.model.init_from and not (resume and checkpoint.complete_checkpoints(run_dir)):
+        from meshloom.weights import load_init_weights  # a resumed run has its own weights
+
+        load_init_weights(model, cfg.model.init_from)  # whole: parallelize slices it as usual
     spec = PipelineSpec(microbatches, cfg.data.seq_len, cfg.parallel.pp_timeout_s) \
         if microbatches else None
     par = parallelize(model, mesh, cfg.parallel, cfg.train.dtype, pipeline=spec,
@@ -192,7 +233,8 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
     scaler = LossScaler(cfg.train.dtype == "fp16")
     start = 0
     if resume:
-        ckpt = checkpoint.latest_checkpoint(run_dir)
+        ckpt = checkpoint.resumable_checkpoint(
+            run_dir, log=lambda m: print(m, flush=True) if main else None)
         if ckpt is not None:
             meta = checkpoint.load_checkpoint(ckpt, model, optimizer, par.grads)
             start = meta["step"]
@@ -210,7 +252,8 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
                            tensorboard=cfg.run.tensorboard)
     if main:
         n_params = mcfg.num_params()
-        print(f"model: llama {cfg.model.preset} ({n_params / 1e6:.2f}M parameters), "
+        name = cfg.model.init_from or cfg.model.preset
+        print(f"model: llama {name} ({n_params / 1e6:.2f}M parameters), "
               f"{len(train_ds)} train / {len(val_ds)} val sequences of {cfg.data.seq_len} tokens, "
               f"global batch {cfg.train.global_batch} = {dp_size} x {loader.accum_steps} x {micro}",
               flush=True)
@@ -218,62 +261,89 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
     result = TrainResult(summary={}, counter=counter)
     result.grad_bytes = getattr(par.grads, "grad_bytes", 0)
     ckpt_meta = {"layout": vars(dims) | {"zero_stage": cfg.parallel.zero_stage},
-                 "config": cfg.to_dict()}
+                 "config": cfg.to_dict(), "model": dict(vars(mcfg))}
     t_start, train_time, eval_loss = time.perf_counter(), 0.0, None
-    for step in range(start, cfg.train.steps):
-        t0 = time.perf_counter()
-        before = counter.snapshot()
-        lr = lr_at(step, cfg.train)
-        set_lr(optimizer, lr)
-        local_loss = _forward_backward(par, loader.micro_batches(step), device, autocast,
-                                       scaler.scale)
-        par.grads.finish()
-        norm = grad_norm(params, mesh, par.grads.norm_axes)
-        if scaler.update(norm):
-            if scaler.enabled:
-                norm /= scaler.scale
-                torch._foreach_mul_([p.grad for p in params], 1.0 / scaler.scale)
-            clip_grads(params, cfg.train.grad_clip, norm)
-            optimizer.step()
-            par.grads.after_step()
-            scaler.grow()
-            if step == cfg.train.steps - 1:  # what the layout holds per rank, gradients included
-                result.summary["model_state_bytes"] = live_state_bytes(model, optimizer, params)
-        elif main:
-            logger.message(f"step {step + 1}: fp16 gradients overflowed; step skipped, "
-                           f"loss scale -> {scaler.scale:g}")
-        par.grads.zero_grad()
-        if dims.pp > 1:  # only the last stage has the loss
-            (local_loss,) = comm.all_reduce_scalars([local_loss], mesh, "pp")
-        (loss_sum,) = comm.all_reduce_scalars([local_loss], mesh, mesh.replica_axis)
-        step_loss = loss_sum / mesh.size(mesh.replica_axis)
-        dt = time.perf_counter() - t0
-        train_time += dt
-        done = step + 1
-        result.losses.append(step_loss)
-        tps = tokens_per_step / dt
-        record = {"step": done, "loss": step_loss, "lr": lr, "grad_norm": norm,
-                  "tokens_per_s": tps,
-                  "mfu": flops_per_token * tps / (peak * world) if peak else None,
-                  "peak_mem_bytes": peak_memory_bytes(device),
-                  "peak_mem_reserved_bytes": peak_reserved_bytes(device),
-                  "comm_bytes": counter.by_axis(since=before), "step_time_s": dt}
-        if (cfg.train.eval_every and done % cfg.train.eval_every == 0) or done == cfg.train.steps:
-            eval_loss = evaluate(par, evals, mesh, device)
-            if eval_loss is not None:
-                record["eval_loss"] = eval_loss
-                result.eval_losses[done] = eval_loss
-                logger.message(f"step {done}: eval loss {eval_loss:.4f}")
-        if done % cfg.train.log_every == 0 or done == cfg.train.steps:
-            logger.log(record)
-        logger.progress(done, step_loss, tps)
-        if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) \
-                or done == cfg.train.steps:
-            path = checkpoint.save_checkpoint(run_dir, done, model, optimizer, par.grads,
-                                              {**ckpt_meta, "loss_scaler": scaler.state()},
-                                              keep=cfg.run.keep_checkpoints)
-            if done == cfg.train.steps:
-                result.summary["checkpoint"] = str(path)
+    skipped_in_a_row = 0
+    preempt = faults.Preemption()
+    watchdog = faults.Watchdog(counter, rank, faults.axis_groups(dims), cfg.run.timeout_s,
+                               run_dir)
+    with preempt, watchdog:
+        for step in range(start, cfg.train.steps):
+            watchdog.beat(step)
+            faults.inject_before_step(rank, step)
+            t0 = time.perf_counter()
+            before = counter.snapshot()
+            lr = lr_at(step, cfg.train)
+            set_lr(optimizer, lr)
+            local_loss = _forward_backward(par, loader.micro_batches(step), device, autocast,
+                                           scaler.scale)
+            par.grads.finish()
+            faults.inject_after_backward(rank, step, params)
+            norm = grad_norm(params, mesh, par.grads.norm_axes)
+            if dims.pp > 1:  # only the last stage has the loss
+                (local_loss,) = comm.all_reduce_scalars([local_loss], mesh, "pp")
+            (loss_sum,) = comm.all_reduce_scalars([local_loss], mesh, mesh.replica_axis)
+            step_loss = loss_sum / mesh.size(mesh.replica_axis)
+            done = step + 1
+            finite = math.isfinite(step_loss) and (math.isfinite(norm) or scaler.enabled)
+            # Every rank takes the same branch below and stops at the same step.
+            finite, stop = _agree(mesh, finite, preempt.requested)
+            if not finite:
+                skipped_in_a_row += 1
+                _non_finite(cfg, done, step_loss, norm, skipped_in_a_row, run_dir, logger)
+            elif scaler.update(norm):
+                skipped_in_a_row = 0
+                if scaler.enabled:
+                    norm /= scaler.scale
+                    torch._foreach_mul_([p.grad for p in params], 1.0 / scaler.scale)
+                clip_grads(params, cfg.train.grad_clip, norm)
+                optimizer.step()
+                par.grads.after_step()
+                scaler.grow()
+                if step == cfg.train.steps - 1:  # what the layout holds per rank, with grads
+                    result.summary["model_state_bytes"] = live_state_bytes(model, optimizer,
+                                                                           params)
+            else:
+                logger.message(f"step {done}: fp16 gradients overflowed; step skipped, "
+                               f"loss scale -> {scaler.scale:g}")
+            par.grads.zero_grad()
+            dt = time.perf_counter() - t0
+            train_time += dt
+            result.losses.append(step_loss)
+            tps = tokens_per_step / dt
+            record = {"step": done, "loss": step_loss, "lr": lr, "grad_norm": norm,
+                      "tokens_per_s": tps,
+                      "mfu": (flops_per_token * tps / (peak * world * par.devices)
+                              if peak else None),
+                      "peak_mem_bytes": peak_memory_bytes(device),
+                      "peak_mem_reserved_bytes": peak_reserved_bytes(device),
+                      "comm_bytes": counter.by_axis(since=before), "step_time_s": dt}
+            if not finite:
+                record["skipped"] = "non-finite"
+            last = done == cfg.train.steps
+            if (cfg.train.eval_every and done % cfg.train.eval_every == 0) or last:
+                eval_loss = evaluate(par, evals, mesh, device)
+                if eval_loss is not None:
+                    record["eval_loss"] = eval_loss
+                    result.eval_losses[done] = eval_loss
+                    logger.message(f"step {done}: eval loss {eval_loss:.4f}")
+            if done % cfg.train.log_every == 0 or last:
+                logger.log(record)
+            logger.progress(done, step_loss, tps)
+            stop = stop and not last
+            if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or last \
+                    or stop:
+                watchdog.beat(step)
+                path = checkpoint.save_checkpoint(run_dir, done, model, optimizer, par.grads,
+                                                  {**ckpt_meta, "loss_scaler": scaler.state()},
+                                                  keep=cfg.run.keep_checkpoints)
+                if last or stop:
+                    result.summary["checkpoint"] = str(path)
+            if stop:
+                logger.message(f"step {done}: SIGTERM received: checkpoint {path.name} saved; "
+                               "stopping (continue with --resume)")
+                result.summary["preempted_at_step"] = done
+                break
 
     if par.pipeline is not None:
         _write_timeline(run_dir, rank, mesh, par.pipeline, cfg)
@@ -359,6 +429,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     rank, world, _, _ = _rank_env()
+    # Restarted by the elastic agent (--max-restarts): continue from the last good checkpoint.
+    args.resume = args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     try:
         from meshloom.cli import builtin_config
 
@@ -374,6 +446,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         result = train(cfg, resume=args.resume)
+    except (NonFiniteError, checkpoint.CheckpointError) as e:
+        if rank == 0:  # every rank stops alike; one line says why
+            print(f"meshloom: error: {e}", file=sys.stderr, flush=True)
+        return 1
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
@@ -391,6 +467,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _print_ending(summary: dict[str, Any]) -> None:
+    if summary.get("preempted_at_step"):
+        print(f"stopped by SIGTERM after step {summary['preempted_at_step']}; checkpoint "
+              f"{summary['checkpoint']} saved: continue with --resume", flush=True)
     if summary.get("sample"):
         print("\n--- sample ---\n" + summary["sample"] + "\n--------------")
     first, last = summary.get("first_loss"), summary.get("final_loss")

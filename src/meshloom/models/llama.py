@@ -183,7 +183,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, kv_dim, bias=False)
         self.wo = nn.Linear(q_dim, cfg.dim, bias=False)
 
-    def forward(self, x: Tensor, rope: Tensor) -> Tensor:
+    def forward(self, x: Tensor, rope: Tensor, cache: LayerKV | None = None) -> Tensor:
         # Head counts come from the projected shapes, never from the config: a tensor-parallel
         # rewrite that keeps a slice of the heads in wq/wk/wv (and wo's columns) runs unchanged.
         q = self.wq(x).unflatten(-1, (-1, self.head_dim))
@@ -191,7 +191,10 @@ class Attention(nn.Module):
         v = self.wv(x).unflatten(-1, (-1, self.head_dim))
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = self.core(q, k, v)
+        if cache is None:
+            out = self.core(q, k, v)
+        else:  # incremental decoding: attend over every token cached so far
+            out = cached_attention(q, *cache.append(k, v))
         return self.wo(out.transpose(1, 2).flatten(2))
 
     @staticmethod
@@ -203,6 +206,71 @@ class Attention(nn.Module):
             # Explicit repeat rather than enable_gqa: every SDPA backend (and torch 2.4) accepts it.
             k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class LayerKV:
+    """One block's cached keys and values, [b, kv_heads, max_len, head_dim] each, filled up to
+    ``length``. The buffers are allocated on the first ``append`` with the shape and dtype of
+    the keys written, so a tensor-parallel rank caches only its own heads without knowing it."""
+
+    def __init__(self, max_len: int):
+        self.max_len, self.length = max_len, 0
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store k, v [b, kv_heads, s, head_dim] after the cached tokens; return all of them."""
+        if self.k is None:
+            b, heads, _, dim = k.shape
+            self.k = k.new_empty(b, heads, self.max_len, dim)
+            self.v = v.new_empty(b, heads, self.max_len, dim)
+        end = self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache full: {self.length} cached + {k.shape[2]} new tokens "
+                             f"exceed its {self.max_len}")
+        self.k[:, :, self.length:end] = k
+        self.v[:, :, self.length:end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class KVCache:
+    """Per-block keys and values of every token seen so far, for incremental decoding
+    (``Llama.new_cache``). Preallocated to ``max_len`` so a decode step copies one token's
+    K/V per layer, never the whole history."""
+
+    def __init__(self, n_layers: int, max_len: int):
+        self.max_len = max_len
+        self.layers = [LayerKV(max_len) for _ in range(n_layers)]
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length if self.layers else 0
+
+    def next_positions(self, n: int, device: torch.device) -> Tensor:
+        """Absolute positions of the next ``n`` tokens; ValueError if they do not fit."""
+        if self.length + n > self.max_len:
+            raise ValueError(f"KV cache full: {self.length} cached + {n} new tokens exceed "
+                             f"its {self.max_len}")
+        return torch.arange(self.length, self.length + n, device=device)
+
+
+def cached_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Attention of the newest s tokens, q [b, h, s, d], over all t cached ones, k, v
+    [b, h_kv, t, d] (the queries are the last s of them): query i sees keys 0 .. t - s + i."""
+    b, h, s, d = q.shape
+    h_kv, t = k.shape[1], k.shape[2]
+    if s == t:  # the prefill: exactly the training path's causal attention
+        return Attention.core(q, k, v)
+    # A decode step (s = 1, or a few tokens): fold each KV head's group of query heads into
+    # query rows instead of repeating the whole cached K/V for every query head.
+    q = q.reshape(b, h_kv, (h // h_kv) * s, d)
+    mask = None
+    if s > 1:  # row r * s + i is query i of some head: the same causal row for every head
+        mask = torch.ones(s, t, dtype=torch.bool, device=q.device).tril(t - s)
+        mask = mask.repeat(h // h_kv, 1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return out.reshape(b, h, s, d)
 
 
 class FeedForward(nn.Module):
@@ -224,8 +292,12 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg.dim, cfg.hidden)
 
-    def forward(self, x: Tensor, rope: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: Tensor, rope: Tensor, cache: LayerKV | None = None) -> Tensor:
+        # Without a cache the attention gets exactly (x, rope): module-input hooks (torch's
+        # tensor-parallel PrepareModuleInput, in the DTensor benchmark) count the inputs.
+        a = self.attention(self.attention_norm(x), rope) if cache is None else \
+            self.attention(self.attention_norm(x), rope, cache=cache)
+        h = x + a
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -288,14 +360,36 @@ class Llama(nn.Module):
             freqs = self.freqs_cis[positions]
         return torch.view_as_real(freqs).unsqueeze(-3)
 
-    def forward(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
+    def forward(self, tokens: Tensor, positions: Tensor | None = None,
+                cache: KVCache | None = None) -> Tensor:
         """tokens [b, s] -> logits [b, s, vocab]. ``positions`` (int64 [s] or [b, s], each below
-        max_seq_len; default arange(s)) are absolute positions, e.g. of a context-parallel chunk."""
+        max_seq_len; default arange(s)) are absolute positions, e.g. of a context-parallel chunk.
+
+        With ``cache`` (from ``new_cache``), ``tokens`` continue the ones already cached: their
+        positions follow on, their keys and values are appended to the cache, and they attend
+        to every cached token (prefill once with the prompt, then one token per call).
+        """
+        if cache is not None:
+            if positions is not None:
+                raise ValueError("with a KV cache the positions follow from the cache")
+            positions = cache.next_positions(tokens.shape[1], tokens.device)
         rope = self.rope(tokens.shape[1], positions)
         h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h, rope)
+        if cache is None:
+            for layer in self.layers:
+                h = layer(h, rope)
+        else:
+            for layer, kv in zip(self.layers, cache.layers, strict=True):
+                h = layer(h, rope, kv)
         return self.output(self.norm(h))
+
+    def new_cache(self, max_len: int | None = None) -> KVCache:
+        """An empty KV cache for up to ``max_len`` tokens (default and limit: max_seq_len)."""
+        max_len = self.cfg.max_seq_len if max_len is None else max_len
+        if not 0 < max_len <= self.cfg.max_seq_len:
+            raise ValueError(f"KV cache of {max_len} tokens: must be 1..model.max_seq_len="
+                             f"{self.cfg.max_seq_len}")
+        return KVCache(len(self.layers), max_len)
 
     def pipeline_cut_points(self) -> list[str]:
         """Blocks the model may be cut between; embedding precedes the first, norm+output follow."""

@@ -22,6 +22,7 @@ from meshloom.mesh import Mesh
 from meshloom.optim import decay_groups, named_trainable
 from meshloom.parallel.checkpointing import apply_block_options
 from meshloom.parallel.context import ContextParallel, PlainAttention
+from meshloom.parallel.data_parallel import ReplicaGrads, ReplicatedModule, resolve_devices
 from meshloom.parallel.ddp import DataParallel
 from meshloom.parallel.fsdp import FullyShardedDataParallel
 from meshloom.parallel.pipeline import PipelinedLogits, PipelineGrads, PipelineRunner
@@ -95,6 +96,8 @@ class Parallelized:
     tp: TensorParallel | None = None
     pipeline: PipelineRunner | None = None
     context: ContextParallel | None = None
+    # Distinct devices this rank computes on (for MFU's peak): several under parallel.mode=dp.
+    devices: int = 1
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,10 @@ def parallelize(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig,
     stages), tensor parallel (the model's `TP_PLAN`, or `tp_plan`), then data parallel over the
     resulting slices. With zero_stage >= 1 the sharded stages keep `compute_dtype` working
     copies of the parameters and fp32 masters; without sharding the model stays fp32 and the
-    training loop runs its forward under autocast."""
+    training loop runs its forward under autocast. `parallel.mode = "dp"` bypasses the mesh axes:
+    one process, a replica of the whole model per device (parallel/data_parallel.py)."""
+    if pcfg.mode == "dp":  # one process driving several devices, instead of the mesh axes
+        return _replicated(model, mesh, pcfg, activation_checkpointing)
     pp = mesh.size("pp")
     if pp > 1:
         if pipeline is None:
@@ -158,6 +164,16 @@ def _cut(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig,
     bounds = split_layers(model.cfg.n_layers, pp * v, costs, head, pcfg.pp_layers or None)
     me = mesh.coord("pp")
     return PipelineStageModel(model, [c * pp + me for c in range(v)], bounds)
+
+
+def _replicated(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig,
+                activation_checkpointing: str) -> Parallelized:
+    """parallel.mode=dp: a replica per device of parallel.dp_devices, made from the master
+    every micro-batch (data_parallel.py); each replica gets its own checkpoint wrappers."""
+    devices = resolve_devices(pcfg.dp_devices, mesh.device_type)
+    replicated = ReplicatedModule(model, devices, mesh.counter, activation_checkpointing)
+    return Parallelized(replicated, ReplicaGrads(replicated, mesh), inference_model=model,
+                        devices=len(set(devices)))
 
 
 def _data_parallel(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig,

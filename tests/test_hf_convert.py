@@ -1,0 +1,309 @@
+"""Hugging Face import/export: a converted model computes the same logits as transformers'
+LlamaForCausalLM (fp32, within 1e-5) in both directions, from any file layout; training starts
+from HF weights in any parallel layout; bad input is one line and exit status 2."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_config
+from dist_harness import run_ranks
+
+from meshloom import checkpoint
+from meshloom.cli import main as cli_main
+from meshloom.config import ConfigError, model_config, validate
+from meshloom.data import BatchLoader, TokenDataset
+from meshloom.models import hf_checkpoint
+from meshloom.models.llama import build_model
+from meshloom.placement import tp_split
+from meshloom.train import prepare_data, train
+from meshloom.weights import load_init_weights, open_source
+
+transformers = pytest.importorskip("transformers")
+
+TOL = 1e-5
+HF_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=300, max_position_embeddings=128,
+                rope_theta=50000.0, rms_norm_eps=1e-5)
+QUICK = ("train.eval_every=0", "train.eval_sequences=0", "train.sample_tokens=0")
+TOKENS = torch.randint(0, 300, (2, 48), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _single_threaded():
+    """The comparisons in this process run on one thread: once a process has run a
+    multi-threaded op, GNU OpenMP hangs in the ranks forked from it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _hf_model(tied: bool):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**HF_SHAPE, tie_word_embeddings=tied)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # norm gains of ones would hide a mixed-up norm
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+    return model
+
+
+def _save_tokenizer(path) -> None:
+    """A three-word tokenizer.json; "</s>" (id 1) is what meshloom takes for end of text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "</s>": 1, "hello": 2}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path))
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    """{tied: (model, {"single": folder, "sharded": folder})}, saved by transformers."""
+    out = {}
+    for tied in (False, True):
+        model = _hf_model(tied)
+        root = tmp_path_factory.mktemp(f"hf-tied{int(tied)}")
+        model.save_pretrained(root / "single")
+        model.save_pretrained(root / "sharded", max_shard_size="20KB")
+        assert (root / "sharded" / hf_checkpoint.INDEX).is_file()
+        for folder in ("single", "sharded"):
+            _save_tokenizer(root / folder / "tokenizer.json")
+        out[tied] = (model, {"single": root / "single", "sharded": root / "sharded"})
+    return out
+
+
+@torch.no_grad()
+def _hf_logits(model, tokens=TOKENS) -> torch.Tensor:
+    return model(tokens).logits
+
+
+@torch.no_grad()
+def _meshloom_logits(path, tokens=TOKENS) -> torch.Tensor:
+    """Logits of a meshloom model built from a weights, checkpoint or run folder."""
+    model = build_model(open_source(path).cfg, seed=123).eval()
+    load_init_weights(model, f"meshloom:{path}")
+    return model(tokens)
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+@pytest.mark.parametrize("layout", ["single", "sharded"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_hf_to_meshloom_logits_match(hf, tmp_path, tied, layout):
+    model, folders = hf[tied]
+    dst = tmp_path / "weights"
+    assert cli_main(["convert", "hf-to-meshloom", str(folders[layout]), str(dst)]) == 0
+    assert open_source(dst).cfg.tie_embeddings is tied
+    assert open_source(dst).cfg.norm_eps == 1e-5 and open_source(dst).cfg.rope_theta == 50000
+    assert _diff(_meshloom_logits(dst), _hf_logits(model)) < TOL
+
+
+def test_reads_the_transformers_4_config_style(hf, tmp_path):
+    """transformers < 5 writes rope_theta and rope_scaling at the top level."""
+    model, folders = hf[False]
+    old = _edited_copy(folders["single"], tmp_path / "old", rope_theta=50000.0, rope_scaling=None,
+                       rope_parameters=None)
+    assert cli_main(["convert", "hf-to-meshloom", str(old), str(tmp_path / "weights")]) == 0
+    assert _diff(_meshloom_logits(tmp_path / "weights"), _hf_logits(model)) < TOL
+
+
+def test_rope_permutation_is_what_makes_them_match(hf, tmp_path, monkeypatch):
+    """Without permuting wq/wk rows the logits are far off: the comparison above has teeth."""
+    model, folders = hf[False]
+    monkeypatch.setattr(hf_checkpoint, "hf_to_meshloom_rows", lambda w, heads: w)
+    dst = tmp_path / "weights"
+    assert cli_main(["convert", "hf-to-meshloom", str(folders["single"]), str(dst)]) == 0
+    assert _diff(_meshloom_logits(dst), _hf_logits(model)) > 1e-3
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_round_trip_back_to_transformers(hf, tmp_path, tied):
+    model, folders = hf[tied]
+    ml, sharded, single = tmp_path / "ml", tmp_path / "sharded", tmp_path / "single"
+    assert cli_main(["convert", "hf-to-meshloom", str(folders["sharded"]), str(ml)]) == 0
+    assert cli_main(["convert", "meshloom-to-hf", str(ml), str(sharded),
+                     "--max-shard-size", "30KB"]) == 0
+    assert cli_main(["convert", "meshloom-to-hf", str(ml), str(single)]) == 0
+
+    assert (ml / "tokenizer.json").is_file()  # carried along both ways
+    index = json.loads((sharded / hf_checkpoint.INDEX).read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    assert sorted(p.name for p in single.glob("*.safetensors")) == ["model.safetensors"]
+    want = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    for folder in (sharded, single):
+        back = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
+        assert back.config.tie_word_embeddings is tied
+        assert back.config.eos_token_id == 1 and (folder / "tokenizer.json").is_file()
+        got = back.state_dict()
+        for name, w in want.items():  # permuting there and back is exact
+            assert torch.equal(got[name], w), name
+        assert _diff(_hf_logits(back), _hf_logits(model)) < TOL
+
+
+def _train_job(run_dir, cache, overrides):
+    cfg = tiny_config(run_dir, cache, *QUICK, *overrides)
+    r = train(cfg, keep_model=True)
+    # Each rank's parameters with where they sit in the global tensor (tensor-parallel slices).
+    params = {n: (p.detach().clone(), tp_split(p)) for n, p in r.model.named_parameters()}
+    return {"losses": r.losses, "params": params, "start": r.summary["start_step"]}
+
+
+def _whole(rank_params: list[dict]) -> dict[str, torch.Tensor]:
+    """Whole parameters from every rank's (slice, TPSplit) of them."""
+    out = {}
+    for params in rank_params:
+        for name, (t, split) in params.items():
+            if split is None:
+                out[name] = t
+                continue
+            full = out.setdefault(name, torch.zeros(split.global_shape))
+            keep = min(t.shape[split.dim], split.global_shape[split.dim] - split.offset)
+            full.narrow(split.dim, split.offset, keep).copy_(t.narrow(split.dim, 0, keep))
+    return out
+
+
+@pytest.mark.parametrize("world,overrides", [(1, []), (2, ["parallel.tp=2"])],
+                         ids=["1proc", "tp2"])
+def test_training_checkpoint_to_transformers(tmp_path, token_cache, world, overrides):
+    """A run's checkpoint (in tp=2 each tensor is saved in pieces) -> HF: transformers computes
+    what the trained meshloom model computes."""
+    results = run_ranks(_train_job, world, tmp_path / "run", token_cache,
+                        ["train.steps=2", *overrides])
+    whole = _whole([r["params"] for r in results])
+    model = build_model(open_source(tmp_path / "run").cfg, seed=5).eval()
+    model.load_state_dict(whole, strict=False)
+    assert sorted(whole) == sorted(n for n, _ in model.named_parameters())
+    tokens = TOKENS % 257
+    assert cli_main(["convert", "meshloom-to-hf", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert back.config.eos_token_id == 256  # the byte tokenizer's
+    with torch.no_grad():
+        assert _diff(_hf_logits(back, tokens), model(tokens)) < TOL
+        # The same checkpoint as model.init_from=meshloom:RUN gives the same model.
+        assert _diff(_meshloom_logits(tmp_path / "run", tokens), model(tokens)) == 0
+
+
+def _first_batch(cfg):
+    data = TokenDataset(prepare_data(cfg), cfg.data.seq_len, "train", cfg.data.val_fraction)
+    loader = BatchLoader(data, global_batch=cfg.train.global_batch,
+                         micro_batch=cfg.train.global_batch, dp_rank=0, dp_size=1,
+                         seed=cfg.train.seed)
+    ((x, y),) = loader.micro_batches(0)
+    return x, y
+
+
+@pytest.mark.parametrize("tied,world,overrides", [(False, 1, []), (True, 2, ["parallel.tp=2"])],
+                         ids=["1proc-untied", "tp2-tied"])
+def test_init_from_hf_starts_from_its_weights(hf, tmp_path, token_cache, tied, world, overrides):
+    """The first step's loss is the HF model's loss on the same batch: training began from the
+    HF weights (whatever the layout slices them into)."""
+    model, folders = hf[tied]
+    init = [f"model.init_from=hf:{folders['sharded']}", "train.steps=1", *overrides]
+    results = run_ranks(_train_job, world, tmp_path / "run", token_cache, init)
+    x, y = _first_batch(tiny_config(tmp_path / "run", token_cache, *init))
+    with torch.no_grad():
+        want = F.cross_entropy(_hf_logits(model, x).flatten(0, 1), y.flatten()).item()
+    assert results[0]["losses"][0] == pytest.approx(want, rel=TOL)
+    assert open_source(tmp_path / "run").cfg.vocab_size == 300  # the HF vocabulary wins
+
+
+def test_resume_does_not_reload_hf_weights(hf, tmp_path, token_cache):
+    _, folders = hf[False]
+    src = tmp_path / "hf"
+    shutil.copytree(folders["single"], src)
+    init = [f"model.init_from=hf:{src}"]
+    first = run_ranks(_train_job, 1, tmp_path / "run", token_cache, [*init, "train.steps=1"])[0]
+    (src / "model.safetensors").unlink()  # a re-read would fail now
+    cfg = tiny_config(tmp_path / "run", token_cache, *QUICK, *init, "train.steps=2")
+    resumed = run_ranks(lambda: train(cfg, resume=True).summary, 1)[0]
+    assert resumed["start_step"] == 1 and first["start"] == 0
+    assert checkpoint.latest_checkpoint(tmp_path / "run").name == "step_0000002"
+
+
+# ------------------------------------------------------------------------------ bad input
+
+
+def _cli_error(capsys, *argv: str) -> str:
+    try:
+        code = cli_main(["convert", *argv])
+    except SystemExit as e:  # argparse's errors exit from inside the parser
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("meshloom: error: "), err
+    return err
+
+
+def _edited_copy(src, dst, **changes):
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_bad_input_is_one_line_and_exit_2(hf, tmp_path, capsys):
+    single = hf[False][1]["single"]
+    out = str(tmp_path / "out")
+    assert "no such folder" in _cli_error(capsys, "hf-to-meshloom", str(tmp_path / "nope"), out)
+    assert "no such folder" in _cli_error(capsys, "meshloom-to-hf", str(tmp_path / "nope"), out)
+    gpt2 = _edited_copy(single, tmp_path / "gpt2", model_type="gpt2")
+    assert "model_type='gpt2'" in _cli_error(capsys, "hf-to-meshloom", str(gpt2), out)
+    scaled = _edited_copy(single, tmp_path / "scaled", rope_parameters={
+        "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0})
+    assert "rope_type='llama3'" in _cli_error(capsys, "hf-to-meshloom", str(scaled), out)
+    bias = _edited_copy(single, tmp_path / "bias", attention_bias=True)
+    assert "attention_bias" in _cli_error(capsys, "hf-to-meshloom", str(bias), out)
+    wrong = _edited_copy(single, tmp_path / "wrong", intermediate_size=96)
+    assert "has shape" in _cli_error(capsys, "hf-to-meshloom", str(wrong), out)
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    shutil.copy(single / "config.json", pickled)
+    (pickled / "pytorch_model.bin").write_bytes(b"not opened")
+    assert "only safetensors" in _cli_error(capsys, "hf-to-meshloom", str(pickled), out)
+    assert "not a Hugging Face" in _cli_error(capsys, "hf-to-meshloom", str(tmp_path), out)
+    garbage = _edited_copy(single, tmp_path / "garbage")
+    (garbage / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}")
+    assert "safetensors" in _cli_error(capsys, "hf-to-meshloom", str(garbage), out)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+    # The destination must be new (or empty), and sizes must parse.
+    assert "not an empty folder" in _cli_error(capsys, "hf-to-meshloom", str(single), str(gpt2))
+    assert "5 parsecs" in _cli_error(capsys, "meshloom-to-hf", str(single), out,
+                                     "--max-shard-size", "5 parsecs")
+    assert "neither" in _cli_error(capsys, "meshloom-to-hf", str(single), out)
+
+
+def test_init_from_config_errors_name_the_key(hf, tmp_path, token_cache):
+    single = hf[False][1]["single"]
+
+    def check(*overrides: str, world: int = 1) -> str:
+        with pytest.raises(ConfigError) as e:
+            validate(tiny_config(tmp_path / "run", token_cache, *overrides), world,
+                     check_data=False)
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    assert check(f"model.init_from={single}").startswith("model.init_from: ")  # no hf: prefix
+    assert "no such folder" in check(f"model.init_from=hf:{tmp_path / 'nope'}")
+    assert "model.dim" in check(f"model.init_from=hf:{single}", "model.dim=128")
+    gpt2 = _edited_copy(single, tmp_path / "gpt2", model_type="gpt2")
+    assert "model_type" in check(f"model.init_from=hf:{gpt2}")
+    assert "parallel.tp" in check(f"model.init_from=hf:{single}", "parallel.tp=3", world=3)
+    assert "data.seq_len" in check(f"model.init_from=hf:{single}", "data.seq_len=256")
+    # The HF folder's own tokenizer fits; the vocabulary stays the checkpoint's.
+    cfg = tiny_config(tmp_path / "run", token_cache, f"model.init_from=hf:{single}",
+                      f"data.tokenizer={single}")
+    validate(cfg, 1)
+    assert model_config(cfg, 3).vocab_size == 300
+    small = _edited_copy(single, tmp_path / "small", vocab_size=200)
+    with pytest.raises(ConfigError, match="exceeds the checkpoint's vocab_size=200"):
+        validate(tiny_config(tmp_path / "run", token_cache, f"model.init_from=hf:{small}"), 1)
