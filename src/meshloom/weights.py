@@ -179,6 +179,9 @@ def write_weights_folder(folder: str | Path, cfg: LlamaConfig,
                          dtype: torch.dtype | None = None,
                          tokenizer: str | Path | None = None) -> None:
     """Write a weights folder into the existing, empty ``folder``."""
+    from meshloom.models.hf_checkpoint import require_safetensors
+
+    require_safetensors()
     from safetensors.torch import save_file
 
     folder = Path(folder)

@@ -235,8 +235,18 @@ def weight_files(folder: str | Path) -> list[Path]:
     raise HFCheckpointError(f"{folder}: no {SINGLE} or {INDEX}")
 
 
+def require_safetensors() -> None:
+    """A one-line error instead of an ImportError when the optional package is missing."""
+    try:
+        import safetensors  # noqa: F401
+    except ImportError:
+        raise HFCheckpointError("reading or writing Hugging Face weights needs the safetensors "
+                                "package: pip install 'meshloom[hf]'") from None
+
+
 def open_safetensors(path: Path):
     """``safe_open`` with a one-line error for a file that is not safetensors."""
+    require_safetensors()
     from safetensors import safe_open
 
     try:
@@ -280,6 +290,7 @@ def write_hf_folder(folder: str | Path, cfg: LlamaConfig, weights: dict[str, Ten
     """Write ``config.json`` and safetensors of meshloom ``weights`` (meshloom names and layout)
     into an existing ``folder``: one ``model.safetensors`` if it fits ``max_shard_bytes``, else
     ``model-0000i-of-0000n.safetensors`` shards and their index. Returns the weight files."""
+    require_safetensors()
     from safetensors.torch import save_file
 
     folder = Path(folder)
