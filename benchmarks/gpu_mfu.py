@@ -15,11 +15,16 @@ Models:
 
 Variants, each a fresh model from the same seed trained on the same batches:
 - `eager`: plain PyTorch;
-- `compiled`: `torch.compile` per transformer block (`block.compile()` on every element of
-  `model.layers` / `model.transformer.h`, torchtitan's pattern; `--compile-scope model` compiles
-  the whole loss function, head and cross entropy included, instead);
-- `eager+ac`, `compiled+ac`: the same with full activation checkpointing of every block
-  (`torch.utils.checkpoint`, non-reentrant; compile wraps the checkpointed block).
+- `compiled`: `torch.compile` per transformer block, and of the cross entropy (what
+  `train.compile` does; torchtitan's pattern); `--compile-scope model` compiles the whole loss
+  function, embedding, head and cross entropy included, as one graph instead;
+- `eager+ac`, `compiled+ac`: the same with full activation checkpointing of every block;
+- `eager+sac`, `compiled+sac` (not run by default): selective checkpointing (matmul outputs kept,
+  attention core and elementwise ops rerun).
+Checkpointing and compile are applied by the library's own code, the same calls as a meshloom run
+with `train.activation_checkpointing` and `train.compile` (meshloom.parallel.checkpointing
+.apply_block_options: compile inside the checkpoint; the loss through
+meshloom.parallel.compiled_loss).
 
 A step: forward under autocast (bf16 compute, fp32 master weights; `--dtype fp32`: no autocast),
 cross entropy in fp32, backward, AdamW (meshloom.optim.build_optimizer: fused on CUDA, foreach on
@@ -65,14 +70,14 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from meshloom.config import TrainConfig
 from meshloom.metrics import PEAK_TFLOPS, device_peak_flops
 from meshloom.models.llama import build_model, config_from_preset
 from meshloom.optim import build_optimizer, decay_groups
+from meshloom.parallel import compiled_loss, plain_loss
+from meshloom.parallel.checkpointing import apply_block_options
 from meshloom.plan import PlanError
 from meshloom.plan.hardware import make_cluster
 from meshloom.plan.layout import Layout
@@ -87,7 +92,9 @@ from _launch import batch, git_state, write_result  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODELS = ("llama1b", "gpt2")
-VARIANTS = ("eager", "compiled", "eager+ac", "compiled+ac")
+VARIANTS = ("eager", "compiled", "eager+ac", "compiled+ac", "eager+sac", "compiled+sac")
+DEFAULT_VARIANTS = VARIANTS[:4]
+AC_MODES = {"": "none", "+ac": "full", "+sac": "selective"}
 # (seq, batch) of a real run per model; --seq / --batch override both models.
 REAL_SHAPES = {"llama1b": (2048, 8), "gpt2": (1024, 16)}
 SMOKE = dict(seq=32, batch=2, steps=2, warmup=1)
@@ -189,23 +196,6 @@ def gpt2_bench(args: argparse.Namespace, seq: int, b: int) -> Bench:
 # ----------------------------------------------------------------------------- one variant
 
 
-class Checkpointed(nn.Module):
-    """Full activation checkpointing of one block: keep its inputs, recompute it in backward
-    (torch.utils.checkpoint, non-reentrant, RNG state preserved).
-
-    Local to this benchmark on purpose: the library's own option (train.activation_checkpointing,
-    meshloom/parallel/checkpointing.py) is being written concurrently; this keeps the benchmark
-    independent of it.
-    """
-
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.block = block
-
-    def forward(self, *args, **kwargs):
-        return checkpoint(self.block, *args, use_reentrant=False, **kwargs)
-
-
 def free_memory(device: torch.device) -> None:
     from torch._dynamo.utils import counters
 
@@ -226,19 +216,22 @@ def dynamo_stats() -> dict:
             "graph_break_reasons": [r.split("\n")[0][:200] for r in list(breaks)[:5]]}
 
 
+def ac_mode(variant: str) -> str:
+    """The activation checkpointing mode a variant's name asks for."""
+    return AC_MODES[variant[variant.index("+"):] if "+" in variant else ""]
+
+
 def run_variant(bench: Bench, variant: str, args: argparse.Namespace,
                 device: torch.device) -> dict:
-    compiled, ac = variant.startswith("compiled"), variant.endswith("+ac")
+    compiled, ac = variant.startswith("compiled"), ac_mode(variant)
     free_memory(device)
     model = bench.build(device)
     model.train()
-    blocks = bench.blocks(model)
-    if ac:
-        for i in range(len(blocks)):
-            blocks[i] = Checkpointed(blocks[i])
-    if compiled and args.compile_scope == "block":
-        for block in blocks:
-            block.compile(backend=args.compile_backend)
+    # What train.activation_checkpointing and train.compile do in a meshloom run.
+    apply_block_options(model, ac, compiled and args.compile_scope == "block",
+                        args.compile_backend, block_list=list(bench.blocks(model)))
+    cross_entropy = (compiled_loss(args.compile_backend)
+                     if compiled and args.compile_scope == "block" else plain_loss)
     optimizer = build_optimizer(*decay_groups(model.parameters()), TrainConfig(lr=LR))
     params = sum(p.numel() for p in model.parameters())
 
@@ -247,7 +240,7 @@ def run_variant(bench: Bench, variant: str, args: argparse.Namespace,
                else contextlib.nullcontext())
         with ctx:
             logits = bench.logits(model, x)
-        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        return cross_entropy(logits, y)
 
     if compiled and args.compile_scope == "model":
         loss_fn = torch.compile(loss_fn, backend=args.compile_backend)
@@ -294,7 +287,7 @@ def run_variant(bench: Bench, variant: str, args: argparse.Namespace,
     tokens = bench.batch * bench.seq
     tokens_per_s = args.steps * tokens / elapsed
     out = {
-        "compiled": compiled, "activation_checkpointing": "full" if ac else "none",
+        "compiled": compiled, "activation_checkpointing": ac,
         "params": params,
         "tokens_per_s": tokens_per_s,
         "step_s": elapsed / args.steps, "median_step_s": statistics.median(times),
@@ -310,9 +303,9 @@ def run_variant(bench: Bench, variant: str, args: argparse.Namespace,
     return out  # the model and optimizer go with this frame (and dynamo's cache, next reset)
 
 
-def predict(bench: Bench, ac: bool, args: argparse.Namespace) -> dict:
+def predict(bench: Bench, ac: str, args: argparse.Namespace) -> dict:
     """The planner's prediction for the same run on one H100 (it does not model compile)."""
-    lay = Layout(dp=1, micro_batch=bench.batch, recompute="full" if ac else "none")
+    lay = Layout(dp=1, micro_batch=bench.batch, recompute=ac)
     try:
         c = evaluate(bench.shape, lay, make_cluster("h100", 1), bench.seq, bench.batch,
                      dtype=args.dtype)
@@ -342,7 +335,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=None,
                    help="sequences per step for every model (default llama1b 8, gpt2 16)")
     p.add_argument("--models", default=",".join(MODELS), help=f"from {','.join(MODELS)}")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"from {','.join(VARIANTS)}")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help=f"from {','.join(VARIANTS)}")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
                    help="bf16: autocast, fp32 master weights; fp32: no autocast (MFU still vs the "
                         "bf16 peak)")
@@ -426,7 +420,7 @@ def main(argv: list[str] | None = None) -> dict:
                  "variants": {}}
         models[key] = entry
         for variant in args.variants:
-            ac = variant.endswith("+ac")
+            ac = ac_mode(variant)
             try:
                 r = run_variant(bench, variant, args, device)
             except RuntimeError as e:  # out of memory, a compiler failure: report, go on
@@ -468,9 +462,11 @@ def ac_loss_diffs(variants: dict) -> dict:
     seed, same data: activation checkpointing must not change the maths)."""
     out = {}
     for base in ("eager", "compiled"):
-        a, b = variants.get(base, {}), variants.get(base + "+ac", {})
-        if "losses" in a and "losses" in b:
-            out[base] = max(abs(x - y) for x, y in zip(a["losses"], b["losses"], strict=True))
+        for suffix in ("+ac", "+sac"):
+            a, b = variants.get(base, {}), variants.get(base + suffix, {})
+            if "losses" in a and "losses" in b:
+                out[base + suffix] = max(abs(x - y) for x, y in
+                                         zip(a["losses"], b["losses"], strict=True))
     return out
 
 

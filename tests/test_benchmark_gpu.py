@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/gpu_mfu.py on the CPU: both tiny models, all four variants, fp32 (so
+"""Smoke test of benchmarks/gpu_mfu.py on the CPU: both tiny models, all six variants, fp32 (so
 that activation checkpointing must reproduce the plain run's losses exactly), compiled with
 dynamo's eager backend (no C++ toolchain needed). Run as a subprocess, as on a GPU machine."""
 
@@ -13,7 +13,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_mfu.py"
-VARIANTS = ("eager", "compiled", "eager+ac", "compiled+ac")
+VARIANTS = ("eager", "compiled", "eager+ac", "compiled+ac", "eager+sac", "compiled+sac")
+AC = {"": "none", "+ac": "full", "+sac": "selective"}
 PREDICTED = ("step_time_s", "tokens_per_s", "mfu", "planner_mfu", "memory_bytes", "fits")
 
 
@@ -48,7 +49,8 @@ def test_gpu_mfu_smoke_cpu(tmp_path):
         for name, v in m["variants"].items():
             assert "error" not in v, (key, name, v.get("error"))
             assert v["compiled"] == name.startswith("compiled")
-            assert v["activation_checkpointing"] == ("full" if name.endswith("+ac") else "none")
+            assert v["activation_checkpointing"] == AC[name[name.find("+"):] if "+" in name
+                                                       else ""]
             assert v["tokens_per_s"] > 0 and len(v["times_s"]) == steps
             assert 0 < v["mfu"] < 1
             assert math.isclose(v["mfu"], v["tokens_per_s"] * m["flops_per_token"]
@@ -73,8 +75,9 @@ def test_gpu_mfu_smoke_cpu(tmp_path):
         # Activation checkpointing must not change the maths: same seed, same data, fp32 on the
         # CPU -> the very same losses at every step.
         for base in ("eager", "compiled"):
-            assert vs[base + "+ac"]["losses"] == vs[base]["losses"], (key, base)
-            assert m["ac_loss_max_abs_diff"][base] == 0.0
+            for suffix in ("+ac", "+sac"):
+                assert vs[base + suffix]["losses"] == vs[base]["losses"], (key, base, suffix)
+                assert m["ac_loss_max_abs_diff"][base + suffix] == 0.0
         # Training on random tokens from a near-uniform start: the loss goes down, if slightly.
         assert vs["eager"]["losses"][-1] < vs["eager"]["losses"][0], key
 

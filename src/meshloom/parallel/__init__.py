@@ -8,6 +8,7 @@ HSDP) over what the earlier steps left on this rank.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -85,6 +86,17 @@ def plain_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
+@functools.cache
+def compiled_loss(backend: str = "inductor") -> Callable[[torch.Tensor, torch.Tensor],
+                                                         torch.Tensor]:
+    """`plain_loss` through torch.compile (with `train.compile`). Eager cross entropy over a big
+    vocabulary writes the logits again in fp32, then their log-softmax, then an fp32 gradient:
+    at Llama-3's 128k vocabulary and 16k tokens a step that is 8 GB per copy. Compiled, it reads
+    the logits once and writes their gradient once, in the logits' own dtype. Measured on one
+    H100 (docs/gpu.md): the 1B Llama's step 10% shorter, its peak 15.6 GiB lower."""
+    return torch.compile(plain_loss, backend=backend, dynamic=False)
+
+
 @dataclass
 class Parallelized:
     model: nn.Module
@@ -137,7 +149,8 @@ def parallelize(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig,
     cp = ContextParallel(model, mesh) if mesh.size("cp") > 1 else None
     apply_block_options(model, activation_checkpointing, compile_blocks, compile_backend)
     grads = _data_parallel(model, mesh, pcfg, compute_dtype)
-    loss = tp.loss if tp else plain_loss
+    # Under tp the loss is vocab-parallel and holds collectives: it stays eager.
+    loss = tp.loss if tp else compiled_loss(compile_backend) if compile_blocks else plain_loss
     if tp is not None:
         grads = TensorParallelGrads(grads, tp)
     if pp == 1:
