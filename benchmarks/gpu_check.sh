@@ -5,6 +5,8 @@
 #
 #   bash benchmarks/gpu_check.sh train      # env, meshloom train / generate on CUDA
 #   bash benchmarks/gpu_check.sh mfu MODELS [gpu_mfu.py args]   # the MFU benchmark
+#   bash benchmarks/gpu_check.sh lib NAME [--set ...]   # meshloom train on the 1B Llama
+#   bash benchmarks/gpu_check.sh tests      # tests/test_gpu.py
 set -uo pipefail
 OUT=${OUT:-benchmarks/results/gpu_check}
 mkdir -p "$OUT"
@@ -77,5 +79,9 @@ print(f"{len(rows)} steps after 4: median step {med('step_time_s') * 1e3:.1f} ms
 EOF2
   exit 0
 fi
-echo "usage: gpu_check.sh train | mfu MODELS [gpu_mfu.py args] | lib NAME [--set ...]" >&2
+if [ "$phase" = tests ]; then  # the tests that need a GPU (skipped on CI's CPU machine)
+  timeout 560 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py "$@" 2>&1 | tail -n 30
+  exit 0
+fi
+echo "usage: gpu_check.sh train | mfu MODELS [args] | lib NAME [--set ...] | tests" >&2
 exit 2
