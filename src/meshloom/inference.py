@@ -238,11 +238,14 @@ def init_mesh(tp: int, device: str) -> Mesh:
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=TIMEOUT_S)
         backend = resolve_backend(RunConfig(device=device))
+        # NCCL bound to the rank's GPU (rank_device has selected it), as in training.
+        bind = {"device_id": torch.device("cuda", torch.cuda.current_device())} \
+            if device == "cuda" else {}
         if tp > 1:
-            dist.init_process_group(backend, timeout=timeout)
+            dist.init_process_group(backend, timeout=timeout, **bind)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                    timeout=timeout)
+                                    timeout=timeout, **bind)
     if dist.get_world_size() != tp:
         raise GenerateError(f"--tp={tp}, but {dist.get_world_size()} ranks were launched")
     return Mesh(ParallelDims(tp=tp), dist.get_rank(), device, CommCounter())
@@ -374,8 +377,9 @@ def run(req: Request, as_json: bool = False) -> dict[str, Any]:
     owned = not dist.is_initialized()
     prep = prepare(req)
     try:
+        device = rank_device(prep.device)  # before the group: NCCL binds to this GPU
         mesh = init_mesh(req.tp, prep.device)
-        result = generate_on_rank(req, prep, mesh, rank_device(prep.device))
+        result = generate_on_rank(req, prep, mesh, device)
         if dist.get_rank() == 0:
             report(result, as_json)
         return result
