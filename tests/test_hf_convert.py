@@ -1,9 +1,11 @@
 """Hugging Face import/export: a converted model computes the same logits as transformers'
-LlamaForCausalLM (fp32, within 1e-5) in both directions, from any file layout; training starts
-from HF weights in any parallel layout; bad input is one line and exit status 2."""
+LlamaForCausalLM (fp32, within 1e-5) in both directions, from any file layout, with plain or
+llama3/linear-scaled RoPE; training starts from HF weights in any parallel layout; bad input
+is one line and exit status 2."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -18,10 +20,10 @@ from meshloom.cli import main as cli_main
 from meshloom.config import ConfigError, model_config, validate
 from meshloom.data import BatchLoader, TokenDataset
 from meshloom.models import hf_checkpoint
-from meshloom.models.llama import build_model
+from meshloom.models.llama import LlamaConfig, build_model, rope_frequencies
 from meshloom.placement import tp_split
 from meshloom.train import prepare_data, train
-from meshloom.weights import load_init_weights, open_source
+from meshloom.weights import load_init_weights, open_source, write_weights_folder
 
 transformers = pytest.importorskip("transformers")
 
@@ -43,9 +45,9 @@ def _single_threaded():
     torch.set_num_threads(threads)
 
 
-def _hf_model(tied: bool):
+def _hf_model(tied: bool, **changes):
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(**HF_SHAPE, tie_word_embeddings=tied)
+    cfg = transformers.LlamaConfig(**{**HF_SHAPE, **changes}, tie_word_embeddings=tied)
     model = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # norm gains of ones would hide a mixed-up norm
         for name, p in model.named_parameters():
@@ -85,9 +87,10 @@ def _hf_logits(model, tokens=TOKENS) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _meshloom_logits(path, tokens=TOKENS) -> torch.Tensor:
-    """Logits of a meshloom model built from a weights, checkpoint or run folder."""
-    model = build_model(open_source(path).cfg, seed=123).eval()
+def _meshloom_logits(path, tokens=TOKENS, **changes) -> torch.Tensor:
+    """Logits of a meshloom model built from a weights, checkpoint or run folder (with
+    ``changes`` to its config)."""
+    model = build_model(dataclasses.replace(open_source(path).cfg, **changes), seed=123).eval()
     load_init_weights(model, f"meshloom:{path}")
     return model(tokens)
 
@@ -147,6 +150,120 @@ def test_round_trip_back_to_transformers(hf, tmp_path, tied):
         for name, w in want.items():  # permuting there and back is exact
             assert torch.equal(got[name], w), name
         assert _diff(_hf_logits(back), _hf_logits(model)) < TOL
+
+
+# ------------------------------------------------------------------------------ RoPE scaling
+
+# theta 1000 and head_dim 16 give wavelengths 6.3, 14.9, 35.3, 83.8, 198.7, ...: with these
+# llama3 values (16 < w < 128 blends) two pairs keep their frequency, two blend and four are
+# divided (checked in test_llama3_scaling_covers_all_three_regimes). The sequence runs past
+# original_max_position_embeddings, as in long-context use.
+LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 8.0,
+          "original_max_position_embeddings": 128}
+LINEAR = {"rope_type": "linear", "factor": 4.0}
+SCALED_SHAPE = dict(rope_theta=1000.0, max_position_embeddings=256)
+LONG = torch.randint(0, 300, (1, 200), generator=torch.Generator().manual_seed(2))
+
+
+@pytest.fixture(scope="module")
+def scaled(tmp_path_factory):
+    """{rope_type: (model, folder)}: transformers models with RoPE scaling, saved by it."""
+    out = {}
+    for scaling in (LLAMA3, LINEAR):
+        model = _hf_model(False, **SCALED_SHAPE, rope_scaling=dict(scaling))
+        folder = tmp_path_factory.mktemp(f"hf-{scaling['rope_type']}")
+        model.save_pretrained(folder)
+        out[scaling["rope_type"]] = (model, folder)
+    return out
+
+
+def test_llama3_scaling_covers_all_three_regimes():
+    cfg = LlamaConfig(dim=64, n_heads=4, rope_theta=1000.0, rope_scaling=LLAMA3)
+    plain = rope_frequencies(dataclasses.replace(cfg, rope_scaling=None))
+    freqs = rope_frequencies(cfg)
+    kept = freqs == plain
+    divided = torch.isclose(freqs, plain / LLAMA3["factor"], rtol=1e-12, atol=0)
+    blended = (freqs < plain) & (freqs > plain / LLAMA3["factor"])
+    assert kept.tolist() == [True] * 2 + [False] * 6
+    assert blended.tolist() == [False] * 2 + [True] * 2 + [False] * 4
+    assert divided.tolist() == [False] * 4 + [True] * 4
+
+
+@pytest.mark.parametrize("kind", ["llama3", "linear"])
+def test_rope_scaling_logits_match(scaled, tmp_path, kind):
+    model, folder = scaled[kind]
+    dst = tmp_path / "weights"
+    assert cli_main(["convert", "hf-to-meshloom", str(folder), str(dst)]) == 0
+    assert open_source(dst).cfg.rope_scaling == (LLAMA3 if kind == "llama3" else LINEAR)
+    want = _hf_logits(model, LONG)
+    assert _diff(_meshloom_logits(dst, LONG), want) < TOL
+    # The control: the same weights with plain RoPE are far off, so the match has teeth.
+    assert _diff(_meshloom_logits(dst, LONG, rope_scaling=None), want) > 1e-3
+
+
+def test_rope_scaling_in_the_transformers_4_config_style(scaled, tmp_path):
+    """Top-level rope_theta and rope_scaling, the type spelt "type" (older configs), and a key
+    transformers ignores for llama3 (ignored here too)."""
+    model, folder = scaled["llama3"]
+    legacy = {k: v for k, v in LLAMA3.items() if k != "rope_type"}
+    old = _edited_copy(folder, tmp_path / "old", rope_parameters=None, rope_theta=1000.0,
+                       rope_scaling={"type": "llama3", **legacy, "attention_factor": 1.0})
+    assert cli_main(["convert", "hf-to-meshloom", str(old), str(tmp_path / "weights")]) == 0
+    assert open_source(tmp_path / "weights").cfg.rope_scaling == LLAMA3
+    assert _diff(_meshloom_logits(tmp_path / "weights", LONG), _hf_logits(model, LONG)) < TOL
+
+
+@pytest.mark.parametrize("kind", ["llama3", "linear"])
+def test_rope_scaling_round_trip_back_to_transformers(scaled, tmp_path, kind):
+    model, folder = scaled[kind]
+    ml, back_dir = tmp_path / "ml", tmp_path / "back"
+    assert cli_main(["convert", "hf-to-meshloom", str(folder), str(ml)]) == 0
+    assert cli_main(["convert", "meshloom-to-hf", str(ml), str(back_dir)]) == 0
+    written = json.loads((back_dir / "config.json").read_text())
+    want = LLAMA3 if kind == "llama3" else LINEAR
+    assert written["rope_scaling"] == want  # what transformers 4.x reads
+    assert written["rope_parameters"] == {**want, "rope_theta": 1000.0}  # and 5.x
+    back = transformers.LlamaForCausalLM.from_pretrained(back_dir).eval()
+    assert back.config.rope_parameters["rope_type"] == kind
+    assert _diff(_hf_logits(back, LONG), _hf_logits(model, LONG)) < TOL
+    # And the exported folder reads back into the same meshloom config.
+    assert hf_checkpoint.read_hf_config(back_dir) == open_source(ml).cfg
+
+
+def test_init_from_scaled_hf_keeps_the_scaling_in_checkpoints(scaled, tmp_path, token_cache):
+    """A run started from a llama3-scaled model records the scaling in its checkpoint: the
+    checkpoint (read without the HF folder), its export and `meshloom generate`'s model config
+    all keep it."""
+    from meshloom.inference import Request, prepare
+
+    model, folder = scaled["llama3"]
+    src = tmp_path / "hf"
+    shutil.copytree(folder, src)
+    run_ranks(_train_job, 1, tmp_path / "run", token_cache,
+              [f"model.init_from=hf:{src}", "train.steps=1"])
+    assert prepare(Request(path=str(tmp_path / "run"), prompt="x")).model_cfg.rope_scaling \
+        == LLAMA3
+    shutil.rmtree(src)  # from here on nothing may read the HF folder
+    assert open_source(tmp_path / "run").cfg.rope_scaling == LLAMA3
+    assert cli_main(["convert", "meshloom-to-hf", str(tmp_path / "run"), str(tmp_path / "back")]) \
+        == 0
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["rope_scaling"] == LLAMA3
+    # A checkpoint written before rope_scaling existed has no such key: plain RoPE.
+    ckpt = checkpoint.latest_checkpoint(tmp_path / "run")
+    meta = json.loads((ckpt / "meta.json").read_text())
+    del meta["model"]["rope_scaling"]
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    assert open_source(tmp_path / "run").cfg.rope_scaling is None
+
+
+def test_weights_folder_without_rope_scaling_still_loads(tmp_path):
+    """A meshloom.json written before rope_scaling existed: plain RoPE."""
+    cfg = LlamaConfig(dim=32, n_layers=1, n_heads=2)
+    write_weights_folder(tmp_path, cfg, build_model(cfg, seed=0).named_parameters())
+    meta = json.loads((tmp_path / "meshloom.json").read_text())
+    assert meta["model"].pop("rope_scaling") is None
+    (tmp_path / "meshloom.json").write_text(json.dumps(meta))
+    assert open_source(tmp_path).cfg == cfg
 
 
 def _train_job(run_dir, cache, overrides):
@@ -258,9 +375,16 @@ def test_bad_input_is_one_line_and_exit_2(hf, tmp_path, capsys):
     assert "no such folder" in _cli_error(capsys, "meshloom-to-hf", str(tmp_path / "nope"), out)
     gpt2 = _edited_copy(single, tmp_path / "gpt2", model_type="gpt2")
     assert "model_type='gpt2'" in _cli_error(capsys, "hf-to-meshloom", str(gpt2), out)
-    scaled = _edited_copy(single, tmp_path / "scaled", rope_parameters={
-        "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0})
-    assert "rope_type='llama3'" in _cli_error(capsys, "hf-to-meshloom", str(scaled), out)
+    for i, kind in enumerate(("dynamic", "yarn", "longrope")):
+        scaled = _edited_copy(single, tmp_path / f"scaled{i}", rope_parameters={
+            "rope_type": kind, "rope_theta": 5e5, "factor": 8.0})
+        assert f"rope_type='{kind}'" in _cli_error(capsys, "hf-to-meshloom", str(scaled), out)
+    legacy = _edited_copy(single, tmp_path / "legacy", rope_scaling={"type": "yarn", "factor": 8})
+    assert "rope_scaling.rope_type='yarn'" in _cli_error(capsys, "hf-to-meshloom", str(legacy),
+                                                         out)
+    incomplete = _edited_copy(single, tmp_path / "incomplete", rope_scaling={
+        "rope_type": "llama3", "factor": 8.0})
+    assert "low_freq_factor" in _cli_error(capsys, "hf-to-meshloom", str(incomplete), out)
     bias = _edited_copy(single, tmp_path / "bias", attention_bias=True)
     assert "attention_bias" in _cli_error(capsys, "hf-to-meshloom", str(bias), out)
     wrong = _edited_copy(single, tmp_path / "wrong", intermediate_size=96)

@@ -1,3 +1,5 @@
+import dataclasses
+import json
 import math
 import re
 
@@ -16,7 +18,9 @@ from meshloom.models.llama import (
     config_from_preset,
     init_tensor,
     init_weights,
+    llama3_frequencies,
     param_seed,
+    rope_frequencies,
 )
 
 
@@ -190,6 +194,75 @@ def test_build_model_dtype_keeps_rope_precise():
     assert model.freqs_cis.dtype == torch.complex64
     assert "freqs_cis" not in model.state_dict()
     assert model(torch.randint(0, 257, (1, 8))).dtype == torch.bfloat16
+
+
+# ---------------------------------------------------------------- RoPE scaling
+
+LLAMA31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 8192}  # Llama 3.1's values
+
+
+def test_llama3_frequencies_hand_checked():
+    """Llama 3.1's values: wavelengths below 8192/4 = 2048 keep f, above 8192/1 get f/8, and
+    between them s = (8192/w - 1) / 3 blends: w = 4096 gives s = 1/3, f' = (2/3)f/8 + (1/3)f
+    = (5/12)f. At both edges the blend meets its neighbour (s = 1 at 2048, s = 0 at 8192)."""
+    wavelengths = torch.tensor([6.0, 1000.0, 2048.0, 4096.0, 8192.0, 10000.0, 1e6],
+                               dtype=torch.float64)
+    f = 2 * math.pi / wavelengths
+    got = llama3_frequencies(f, 8.0, 1.0, 4.0, 8192)
+    want = f * torch.tensor([1, 1, 1, 5 / 12, 1 / 8, 1 / 8, 1 / 8], dtype=torch.float64)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+
+
+def test_rope_frequencies_follow_the_config():
+    cfg = tiny(rope_theta=500000.0)  # head_dim 16
+    plain = 500000.0 ** -(torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    assert torch.equal(rope_frequencies(cfg), plain)
+    linear = tiny(rope_theta=500000.0, rope_scaling={"rope_type": "linear", "factor": 4.0})
+    torch.testing.assert_close(rope_frequencies(linear), plain / 4, rtol=1e-15, atol=0)
+    scaled = tiny(rope_theta=500000.0, rope_scaling=LLAMA31)
+    torch.testing.assert_close(rope_frequencies(scaled),
+                               llama3_frequencies(plain, 8.0, 1.0, 4.0, 8192), rtol=0, atol=0)
+
+
+def test_rope_table_without_scaling_is_unchanged():
+    """rope_scaling=None is the plain table e^{i pos theta^(-2j/d)}, bit for bit; a scaled one
+    turns position p by p * f'_j."""
+    model = build_model(tiny(), seed=0)
+    inv_freq = 10000.0 ** -(torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    angles = torch.outer(torch.arange(256, dtype=torch.float64), inv_freq)
+    assert torch.equal(model.freqs_cis, torch.polar(torch.ones_like(angles), angles).to(
+        torch.complex64))
+    scaled = build_model(tiny(rope_scaling=LLAMA31), seed=0)
+    angles = torch.outer(torch.arange(256, dtype=torch.float64),
+                         llama3_frequencies(inv_freq, 8.0, 1.0, 4.0, 8192))
+    assert torch.equal(scaled.freqs_cis, torch.polar(torch.ones_like(angles), angles).to(
+        torch.complex64))
+    assert not torch.equal(scaled.freqs_cis, model.freqs_cis)
+
+
+@pytest.mark.parametrize(
+    "scaling, message",
+    [
+        ({"rope_type": "yarn", "factor": 4.0}, "rope_type='yarn' is not supported"),
+        ({"rope_type": "linear"}, "linear needs factor > 0"),
+        ({"rope_type": "linear", "factor": 0}, "linear needs factor > 0"),
+        ({**LLAMA31, "high_freq_factor": 1.0}, "high_freq_factor > low_freq_factor"),
+        ({**LLAMA31, "beta_fast": 32}, "unknown key 'beta_fast'"),
+        ("llama3", "is not a table"),
+    ],
+)
+def test_validate_rope_scaling(scaling, message):
+    with pytest.raises(ValueError, match=re.escape(message)) as e:
+        LlamaConfig(rope_scaling=scaling).validate()
+    assert str(e.value).startswith("model.rope_scaling: ")
+
+
+def test_rope_scaling_survives_json():
+    """Checkpoints and weights folders store the config as JSON; the field must round-trip."""
+    cfg = tiny(rope_scaling=LLAMA31)
+    assert LlamaConfig(**json.loads(json.dumps(dataclasses.asdict(cfg)))) == cfg
+    assert LlamaConfig(**json.loads(json.dumps(dict(vars(cfg))))) == cfg
 
 
 # ---------------------------------------------------------------- forward

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from meshloom.models.llama import LlamaConfig
+from meshloom.models.llama import ROPE_SCALING_KEYS, LlamaConfig, rope_scaling_problem
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -37,23 +37,42 @@ class HFCheckpointError(ValueError):
 # -------------------------------------------------------------------------------- config
 
 
-def _rope_theta(raw: dict) -> float:
-    """rope_theta from either config style, refusing any RoPE scaling (we implement none).
-
-    transformers < 5 writes ``rope_theta`` and ``rope_scaling``; 5.x writes ``rope_parameters``.
-    """
-    params = raw.get("rope_parameters") or {}
-    scaling = raw.get("rope_scaling") or {}
-    for key, table in (("rope_parameters", params), ("rope_scaling", scaling)):
+def _rope_tables(raw: dict) -> tuple[dict, dict]:
+    """(rope_parameters, rope_scaling) of a config, each {} when absent or null."""
+    tables = []
+    for key in ("rope_parameters", "rope_scaling"):
+        table = raw.get(key) or {}
         if not isinstance(table, dict):
             raise HFCheckpointError(f"{key}={table!r} is not a table")
-        kind = table.get("rope_type", table.get("type", "default"))
-        if kind != "default":
-            raise HFCheckpointError(f"{key}.rope_type={kind!r} is not supported (meshloom "
-                                    "implements plain RoPE only)")
         if table.get("partial_rotary_factor", 1.0) != 1.0:
             raise HFCheckpointError(f"{key}.partial_rotary_factor is not supported")
-    return float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+        tables.append(table)
+    return tables[0], tables[1]
+
+
+def _rope(raw: dict) -> tuple[float, dict | None]:
+    """(rope_theta, meshloom's ``rope_scaling``) from either config style.
+
+    transformers < 5 writes ``rope_theta`` and ``rope_scaling``; 5.x writes ``rope_parameters``
+    (theta and scaling in one table). When both tables are there, ``rope_scaling`` decides the
+    scaling, as it does in transformers 4.x (which knows no other) and 5.x (which prefers it).
+    """
+    params, scaling = _rope_tables(raw)
+    table, key = (scaling, "rope_scaling") if scaling else (params, "rope_parameters")
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    # Older configs spell the type "type".
+    kind = table.get("rope_type", table.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind not in ROPE_SCALING_KEYS:
+        raise HFCheckpointError(f"{key}.rope_type={kind!r} is not supported (meshloom "
+                                f"implements default, {', '.join(ROPE_SCALING_KEYS)})")
+    # Only the keys the type uses: transformers ignores any others too (with a warning).
+    ours = {"rope_type": kind, **{k: table.get(k) for k in ROPE_SCALING_KEYS[kind]}}
+    problem = rope_scaling_problem(ours)
+    if problem:
+        raise HFCheckpointError(f"{key}: {problem}")
+    return theta, ours
 
 
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -96,7 +115,7 @@ def read_hf_config(folder: str | Path) -> LlamaConfig:
         raise refuse(f"head_dim={head_dim} x num_attention_heads={heads} != hidden_size="
                      f"{raw['hidden_size']} is not supported")
     try:
-        theta = _rope_theta(raw)
+        theta, scaling = _rope(raw)
     except HFCheckpointError as e:
         raise refuse(str(e)) from None
     cfg = LlamaConfig(
@@ -104,6 +123,7 @@ def read_hf_config(folder: str | Path) -> LlamaConfig:
         n_kv_heads=raw.get("num_key_value_heads") or heads, vocab_size=raw["vocab_size"],
         ffn_hidden=raw["intermediate_size"],
         max_seq_len=raw.get("max_position_embeddings", 2048), rope_theta=theta,
+        rope_scaling=scaling,
         # transformers' LlamaConfig defaults, not meshloom's, for keys a config leaves out.
         norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)))
@@ -116,7 +136,10 @@ def read_hf_config(folder: str | Path) -> LlamaConfig:
 
 def hf_config_dict(cfg: LlamaConfig, dtype: torch.dtype, eos_token_id: int | None = None) -> dict:
     """``config.json`` for ``cfg``, readable by transformers 4.x and 5.x."""
-    return {
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling is not None:
+        rope = {**cfg.rope_scaling, "rope_theta": cfg.rope_theta}
+    config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": cfg.dim, "intermediate_size": cfg.hidden,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
@@ -126,10 +149,13 @@ def hf_config_dict(cfg: LlamaConfig, dtype: torch.dtype, eos_token_id: int | Non
         "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
         # Both RoPE spellings: 4.x reads rope_theta, 5.x rope_parameters.
         "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_parameters": rope,
         "bos_token_id": None, "eos_token_id": eos_token_id,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+    if cfg.rope_scaling is not None:  # 4.x reads the scaling from here (and 5.x prefers it)
+        config["rope_scaling"] = dict(cfg.rope_scaling)
+    return config
 
 
 # -------------------------------------------------------------------------------- names

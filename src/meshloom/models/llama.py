@@ -34,6 +34,11 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
+    # Long-context RoPE frequency scaling, as in a Hugging Face config's ``rope_scaling``
+    # (plain JSON, so checkpoints and weights folders store it as is): None for plain RoPE,
+    # {"rope_type": "linear", "factor": F}, or {"rope_type": "llama3", "factor": F,
+    # "low_freq_factor": L, "high_freq_factor": H, "original_max_position_embeddings": N}.
+    rope_scaling: dict | None = None
 
     @property
     def head_dim(self) -> int:
@@ -108,6 +113,40 @@ class LlamaConfig:
                 f"model.dim={self.dim} / model.n_heads={self.n_heads} gives head_dim="
                 f"{self.head_dim}, which must be even for RoPE"
             )
+        problem = rope_scaling_problem(self.rope_scaling)
+        if problem:
+            raise ValueError(f"model.rope_scaling: {problem}")
+
+
+# The keys each supported RoPE scaling type needs besides "rope_type"; all are positive numbers.
+ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+               "original_max_position_embeddings"),
+}
+
+
+def rope_scaling_problem(scaling: dict | None) -> str | None:
+    """Why ``scaling`` is not a RoPE scaling meshloom implements (None if it is, or is None)."""
+    if scaling is None:
+        return None
+    if not isinstance(scaling, dict):
+        return f"{scaling!r} is not a table"
+    kind = scaling.get("rope_type")
+    if kind not in ROPE_SCALING_KEYS:
+        return (f"rope_type={kind!r} is not supported (supported: "
+                f"{', '.join(ROPE_SCALING_KEYS)})")
+    keys = ROPE_SCALING_KEYS[kind]
+    for key in keys:
+        value = scaling.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            return f"{kind} needs {key} > 0, got {value!r}"
+    extra = sorted(set(scaling) - {"rope_type", *keys})
+    if extra:
+        return f"unknown key {extra[0]!r} for rope_type={kind!r}"
+    if kind == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
+        return "llama3 needs high_freq_factor > low_freq_factor"
+    return None
 
 
 _LLAMA3 = dict(n_kv_heads=8, vocab_size=128256, rope_theta=500000.0, max_seq_len=8192)
@@ -136,15 +175,48 @@ def config_from_preset(name: str, **overrides) -> LlamaConfig:
     return cfg
 
 
+def llama3_frequencies(freqs: Tensor, factor: float, low_freq_factor: float,
+                       high_freq_factor: float, original_max_position_embeddings: int) -> Tensor:
+    """Llama 3.1's long-context adjustment of RoPE inverse frequencies ``freqs``.
+
+    With wavelength w = 2*pi/f and N = original_max_position_embeddings: a pair whose
+    wavelength is shorter than N / high_freq_factor turns many times within the original
+    context and keeps f; one longer than N / low_freq_factor gets f / factor (it is stretched,
+    as by linear scaling); in between, f blends from one to the other as N / w falls from
+    high_freq_factor to low_freq_factor: s = (N / w - low) / (high - low),
+    f' = (1 - s) * f / factor + s * f.
+    """
+    old = original_max_position_embeddings
+    wavelength = 2 * math.pi / freqs
+    s = (old / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - s) * freqs / factor + s * freqs
+    out = torch.where(wavelength > old / low_freq_factor, freqs / factor, blended)
+    return torch.where(wavelength < old / high_freq_factor, freqs, out)
+
+
+def rope_frequencies(cfg: LlamaConfig) -> Tensor:
+    """float64 [head_dim // 2]: the inverse frequency of each rotating pair,
+    theta^(-2j/head_dim), adjusted by ``cfg.rope_scaling`` when set."""
+    exponents = torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim
+    freqs = cfg.rope_theta ** -exponents
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return freqs
+    if scaling["rope_type"] == "linear":  # positions divided by factor: so is every frequency
+        return freqs / scaling["factor"]
+    # The llama3 keys are llama3_frequencies' parameter names.
+    return llama3_frequencies(freqs, **{k: scaling[k] for k in ROPE_SCALING_KEYS["llama3"]})
+
+
 def _rope_table(cfg: LlamaConfig, device: torch.device) -> Tensor:
-    """complex64 [max_seq_len, head_dim // 2]: e^{i * pos * theta^(-2j/head_dim)}."""
+    """complex64 [max_seq_len, head_dim // 2]: e^{i * pos * f_j}, f_j from ``rope_frequencies``
+    (theta^(-2j/head_dim) without scaling)."""
     shape = (cfg.max_seq_len, cfg.head_dim // 2)
     if device.type == "meta":
         return torch.empty(shape, dtype=torch.complex64, device=device)
     # float64 on CPU: angles reach max_seq_len radians, where fp32 phase error is visible.
-    exponents = torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim
     angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64),
-                         cfg.rope_theta ** -exponents)
+                         rope_frequencies(cfg))
     return torch.polar(torch.ones_like(angles), angles).to(torch.complex64).to(device)
 
 
