@@ -129,6 +129,24 @@ def step_bubbles(files: list[dict]) -> list[float]:
     return out
 
 
+def step_cpu_shares(files: list[dict]) -> list[float | None]:
+    """Per recorded step (as `step_bubbles`), the smallest over the ranks of CPU seconds / busy
+    wall seconds of their compute: about 1 on a CPU run whose ranks had their cores to
+    themselves, lower when another process took a core in the middle of an action (that step's
+    timeline then measures the machine's load, not the pipeline). None where a timeline does
+    not record CPU time."""
+    per_rank = [f.get("steps") or [] for f in files]
+    n = min(len(st) for st in per_rank)
+    out: list[float | None] = []
+    for i in range(n):
+        rows = [st[len(st) - n + i] for st in per_rank]
+        if any(len(r) < 4 or r[2] <= 0 for r in rows):
+            out.append(None)
+        else:
+            out.append(min(r[3] / r[2] for r in rows))
+    return out
+
+
 def _busy(timeline: Timeline) -> list[float]:
     return [sum(e - s for s, e, _ in rank) for rank in timeline.spans]
 
@@ -173,6 +191,7 @@ def report(run_dir: str | os.PathLike, draw: bool = True) -> dict:
         "predicted_unit_cost": _summary(unit, 1.0, "units"),
         "mean_cost_ms": {f"{k}{s}": c * 1e3 for (k, s), c in sorted(costs.items())},
         "bubble_per_step": step_bubbles(files),
+        "cpu_share_per_step": step_cpu_shares(files),
         "json": str(pipe / "report.json"),
         "png": str(pipe / "timeline.png") if draw else None,
     }

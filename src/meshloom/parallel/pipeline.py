@@ -10,8 +10,10 @@ action W computes it. Only the last micro-batch's backward of each chunk (W for 
 runs with the data-parallel gradient sync on; the others run in `no_sync()`, so a step
 communicates its gradients once, as with accumulation.
 
-Each step records when every compute action ran (the measured timeline) and how many
-micro-batches' activations were alive at most.
+Each step records when every compute action ran (the measured timeline), how many
+micro-batches' activations were alive at most, and the CPU time this thread spent in compute:
+on a CPU run that equals the busy wall time unless another process took the core, which is how
+the report tells an undisturbed step from one stretched by an outside load.
 """
 
 from __future__ import annotations
@@ -130,8 +132,9 @@ class PipelineRunner:
         self.timeline: list[tuple[float, float, str, int, int]] = []
         self.t0_wall = 0.0
         self.peak_alive = 0
-        # Per step (the last STEP_HISTORY): wall-clock first start, last end and busy seconds of
-        # this rank's compute, so the report can give the bubble of every step, not one sample.
+        # Per step (the last STEP_HISTORY): wall-clock first start, last end, busy seconds and
+        # CPU seconds of this rank's compute, so the report can give the bubble of every step,
+        # not one sample, and say which steps ran undisturbed.
         self.step_stats: collections.deque = collections.deque(maxlen=STEP_HISTORY)
 
     # -- helpers
@@ -186,7 +189,7 @@ class PipelineRunner:
         held: dict[tuple, object] = {}
         posted: dict[int, tuple] = {}  # action index -> receive in flight
         recvs = [i for i, a in enumerate(self.actions) if a.kind.startswith("RECV")]
-        sends, total = [], 0.0
+        sends, total, cpu = [], 0.0, 0.0
         self.timeline, alive, t0 = [], 0, time.perf_counter()
         self.t0_wall = time.time()  # puts the ranks' timelines on one clock (same host clocks)
         for i, a in enumerate(self.actions):
@@ -210,7 +213,7 @@ class PipelineRunner:
                 nxt = recvs[j] if j < len(recvs) else None
                 if nxt is not None and nxt not in posted:
                     posted[nxt] = self._post(self.actions[nxt], shape, dtype, device)
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.thread_time()
                 if a.kind == "F":
                     total += self._forward(a, held, x_tokens, y, seq, device, autocast,
                                            positions)
@@ -225,13 +228,14 @@ class PipelineRunner:
                             self._backward(a, held, loss_scale)
                     if a.kind != "I":
                         alive -= 1
+                cpu += time.thread_time() - cpu_start
                 self.timeline.append((start - t0, time.perf_counter() - t0, a.kind, s, k))
         for w in sends:
             w.wait()
         if self.timeline:
             self.step_stats.append((self.t0_wall + self.timeline[0][0],
                                     self.t0_wall + self.timeline[-1][1],
-                                    sum(e - b for b, e, *_ in self.timeline)))
+                                    sum(e - b for b, e, *_ in self.timeline), cpu))
         return total
 
     def _forward(self, a: Action, held: dict, x_tokens, y, seq: int, device, autocast,

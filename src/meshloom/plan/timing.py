@@ -176,6 +176,13 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
         span = span_nolat + 2 * (p - 1) * hop_pp
     bubble = max(0.0, span_nolat - m * busy_mb)
     pp_comm = max(0.0, span - span_nolat)
+    # The bubble fraction as a measured timeline counts it (Timeline.bubble, meshloom report):
+    # idle time averaged over the pipeline ranks, over the schedule's span. (`bubble` above is
+    # the busiest rank's idle seconds, the part of the step time the breakdown charges to the
+    # schedule.) Point-to-point transfers stay out of it, in pp_comm: a measured timeline
+    # counts their wait as idle, see docs/plan.md.
+    kinds = ("F", "I", "W") if lay.schedule == "zb_h1" else ("F", "B")
+    mean_busy = m * sum(cost(Action(k, st, 0)) for st in range(n_stages) for k in kinds) / p
 
     dp_exposed = _dp_time(shape, lay, cluster, dtype, m, v * f_chunk, v * b_chunk)
     opt_params = rank_params(shape, lay, p - 1) / (lay.dp_shard if lay.zero else 1)
@@ -186,7 +193,7 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     hw = mf + recompute_flops(shape, seq, global_batch, lay.recompute)
     compute = m * busy_mb - m * comm_mb
     return Timing(total, compute, tp_total, cp_total, pp_comm, dp_exposed, bubble, optimizer,
-                  bubble / span_nolat if span_nolat else 0.0, mf, hw)
+                  max(0.0, 1.0 - mean_busy / span_nolat) if span_nolat else 0.0, mf, hw)
 
 
 def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: int,
