@@ -237,6 +237,7 @@ def _variant(run_dir: Path, dest: Path, change) -> Path:
 def _set_model(folder: Path, **fields) -> None:
     meta = json.loads((folder / "meta.json").read_text())
     meta["config"]["model"].update(fields)
+    meta["model"].update(fields)  # the model record generate builds from
     (folder / "meta.json").write_text(json.dumps(meta))
 
 

@@ -245,6 +245,9 @@ def test_init_from_scaled_hf_keeps_the_scaling_in_checkpoints(scaled, tmp_path, 
         == LLAMA3
     shutil.rmtree(src)  # from here on nothing may read the HF folder
     assert open_source(tmp_path / "run").cfg.rope_scaling == LLAMA3
+    # generate builds the model from the checkpoint's record, not from model.init_from.
+    assert prepare(Request(path=str(tmp_path / "run"), prompt="x")).model_cfg.rope_scaling \
+        == LLAMA3
     assert cli_main(["convert", "meshloom-to-hf", str(tmp_path / "run"), str(tmp_path / "back")]) \
         == 0
     assert json.loads((tmp_path / "back" / "config.json").read_text())["rope_scaling"] == LLAMA3

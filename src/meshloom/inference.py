@@ -201,9 +201,16 @@ def prepare(req: Request) -> Prepared:
     cfg = _run_config(meta["config"])
     try:
         tokenizer = load_tokenizer(cfg.data.tokenizer)
-        mcfg = model_config(cfg, tokenizer.vocab_size)
-    except (ConfigError, DataError, TypeError) as e:
+        # The model the checkpoint holds, as training recorded it; rebuilding it from the run's
+        # config would read model.init_from's source again (gone, perhaps, or changed since).
+        stored = meta.get("model")
+        mcfg = LlamaConfig(**stored) if stored else model_config(cfg, tokenizer.vocab_size)
+        mcfg.validate()
+    except (ConfigError, DataError, TypeError, ValueError) as e:
         raise GenerateError(f"checkpoint {ckpt}: its config does not build a model: {e}") from None
+    if tokenizer.vocab_size > mcfg.vocab_size:
+        raise GenerateError(f"checkpoint {ckpt}: the tokenizer has {tokenizer.vocab_size} ids, "
+                            f"the model's vocabulary only {mcfg.vocab_size}")
     _check_model_entries(ckpt, mcfg)
     problem = check_tp_dims(req.tp, n_heads=mcfg.n_heads, kv_heads=mcfg.kv_heads,
                             ffn_hidden=mcfg.hidden)
