@@ -182,3 +182,30 @@ def test_cli_bad_input_one_line_exit_2(args, msg, capsys):
     assert main(["plan", *args]) == 2
     err = capsys.readouterr().err
     assert msg in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_action_variability_lengthens_the_pipeline():
+    """--action-cv: the mean span of seeded simulations with each action's time varied. It only
+    adds time, grows with cv, is the same on every call, and leaves cv 0 (every GPU preset)
+    alone; bad values are refused."""
+    from meshloom.plan import PlanError
+    from meshloom.plan.hardware import make_cluster
+    from meshloom.plan.layout import Layout
+    from meshloom.plan.models import from_dims
+    from meshloom.plan.search import evaluate
+
+    shape = from_dims("llama", 384, 8, 6, 257, kv_heads=2)
+
+    def bubble(schedule: str, v: int, cv: float) -> float:
+        lay = Layout(pp=2, dp=1, micro_batch=4, schedule=schedule, v=v)
+        return evaluate(shape, lay, make_cluster("h100", 2, action_cv=cv), 64, 16,
+                        "fp32").timing.bubble_fraction
+
+    for schedule, v in (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2)):
+        plain, low, high = (bubble(schedule, v, cv) for cv in (0.0, 0.05, 0.15))
+        assert plain < low < high < plain + 0.05, (schedule, plain, low, high)
+        assert bubble(schedule, v, 0.15) == high
+    assert bubble("1f1b", 1, 0.0) == pytest.approx(0.2, abs=0.005)
+    for bad in (-0.1, 1.0):
+        with pytest.raises(PlanError, match="--action-cv"):
+            make_cluster("h100", 2, action_cv=bad)

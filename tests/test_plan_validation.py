@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 
 import pytest
+import torch
 from conftest import tiny_config
 from dist_harness import run_ranks
 
@@ -147,48 +148,81 @@ PIPELINE_STEPS = 12
 UNDISTURBED = 0.9  # a step counts if every rank's compute got >= 90% of a core (CPU / wall time)
 
 
-# What each schedule's prediction is held to. The issue asks for 10%; on this CPU only 1F1B gets
-# there (observed 0 to +9.4%; 12% leaves room for its spread). GPipe and interleaved stay above
-# the prediction for the reasons in the docstring (observed +9 to +18% and +9 to +39%).
-BUBBLE_TOLERANCE = {"1f1b": 0.12, "gpipe": 0.25, "interleaved_1f1b": 0.45}
+def _action_cv(repeats: int = 24) -> float:
+    """This machine's variability of single pipeline actions, measured apart from the pipeline
+    run: one process, one thread, a 4-layer stage of the test's model (one micro-batch of 4 x 64
+    tokens), forward and backward timed `repeats` times after 2 warm-ups; the mean of the two
+    coefficients of variation."""
+    import time
+
+    from meshloom.models.llama import Llama, config_from_preset
+
+    torch.manual_seed(0)
+    model = Llama(config_from_preset("tiny", dim=384, n_heads=6, n_kv_heads=2, n_layers=4))
+    x = torch.randint(0, 257, (4, 64))
+    fwd, bwd = [], []
+    for i in range(repeats + 2):
+        t0 = time.perf_counter()
+        loss = model(x).float().logsumexp(-1).mean()
+        t1 = time.perf_counter()
+        loss.backward()
+        if i >= 2:
+            fwd.append(t1 - t0)
+            bwd.append(time.perf_counter() - t1)
+    return statistics.mean(statistics.stdev(t) / statistics.mean(t) for t in (fwd, bwd))
+
+
+@pytest.fixture(scope="module")
+def action_cv() -> float:
+    return run_ranks(_action_cv, 1)[0]  # forked: the test process itself stays idle
 
 
 @pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2)])
-def test_predicted_bubble_matches_measured_timeline(tmp_path, token_cache, schedule, v):
+def test_predicted_bubble_matches_measured_timeline(tmp_path, token_cache, action_cv, schedule,
+                                                    v):
     """A pp=2 CPU run's measured bubble (median over its undisturbed steps after the first)
-    against the planner's prediction for the same layout (BUBBLE_TOLERANCE: 10% is met by 1F1B
-    only). Both count the bubble the same way: idle time averaged over the ranks, over the
-    step's span (Timeline.bubble).
+    against the planner's prediction for the same layout, within 10%, for three schedules.
+
+    Prediction and measurement are the same quantity:
+    - the planner is told one property of this machine, measured apart from the pipeline run:
+      how much single actions vary (`_action_cv`, 0.08-0.11 here; `--action-cv`). A pipeline
+      action starts at the later of its inputs, so variation lengthens the step; the planner
+      takes the mean span of seeded simulations with each action's time drawn around its
+      nominal one. Without it the prediction is 0.202 / 0.202 / 0.113;
+    - the planner's bubble_fraction prices transfers apart (pp_comm), so the measured bubble
+      leaves them out too: each step is replayed through the simulator with its actions'
+      measured durations and no latency (report.step_bubbles_without_transfers). Gloo takes
+      0.7-0.9 ms from a sender's compute to the receiver's start; counted as idle, that adds
+      ~0.005 to the 1F1B and GPipe bubbles and 0.01-0.025 to interleaved's.
+    Three runs, predicted / measured: 1F1B 0.210/0.215, 0.209/0.201, 0.212/0.217; GPipe
+    0.220/0.223, 0.217/0.219, 0.224/0.216; interleaved 0.122/0.122, 0.120/0.131, 0.123/0.120.
 
     The model is big enough for compute to dominate (dim 384, 8 layers: ~65 ms per stage forward,
     ~125 ms backward). What the measurement has to leave out is another process's load: on this
     2-core machine a third busy process takes the core of whichever rank computes, so while both
     ranks compute each gets ~half a core (F 65 -> 140 ms), while one waits the other has a core
-    to itself, and the steady state stretches against the ramps: the measured bubble falls to
-    0.13-0.16 (1F1B, GPipe) and 0.08-0.10 (interleaved), and steps scatter by +-30%. Each rank
-    records the CPU time of its compute; a step is undisturbed when that is >= 90% of its busy
-    wall time on every rank (about 0.93-0.98 on an idle machine, 0.35-0.65 under such a load).
-    Three runs' undisturbed medians: 0.201 / 0.213 / 0.221 (1F1B), 0.220 / 0.237 / 0.236
-    (GPipe), 0.124 / 0.158 / 0.126 (interleaved) against 0.202 / 0.202 / 0.114 predicted, so
-    GPipe and interleaved still miss 10% on this machine. What remains above the prediction:
-    the Gloo transfers (~0.7-0.9 ms from a sender's compute to the receiver's start, ~0.3-0.5 ms
-    between a rank's actions), which the measured timeline counts as idle and the planner
-    prices in pp_comm; the +-10% jitter of single actions (present even in one process), which
-    lengthens a step because each action starts at the latest of its inputs; and, in the GPipe
-    runs, a last-stage forward 10-20% slower than the first stage's, not yet explained. The
-    simulator fed a run's own measured costs is tested in test_report.py. With fewer than 3
-    undisturbed steps the machine is too loaded to measure the pipeline, and the test skips
-    (saying so) rather than compare the load."""
-    from meshloom.report import load_pipeline, step_bubbles, step_cpu_shares
+    to itself, and the measured bubble falls to 0.13-0.16 (1F1B, GPipe) and 0.08-0.10
+    (interleaved). Each rank records the CPU time of its compute; a step is undisturbed when
+    that is >= 90% of its busy wall time on every rank (about 0.93-0.98 on an idle machine,
+    0.35-0.65 under such a load). With fewer than 3 undisturbed steps the machine is too loaded
+    to measure the pipeline, and the test skips (saying so) rather than compare the load."""
+    from meshloom.report import (
+        load_pipeline,
+        step_bubbles,
+        step_bubbles_without_transfers,
+        step_cpu_shares,
+    )
     ov = ["model.dim=384", "model.n_heads=6", "model.n_layers=8", "parallel.pp=2",
           f"parallel.pp_schedule={schedule}", f"parallel.pp_virtual_stages={v}",
           "parallel.pp_microbatches=4", "train.global_batch=16",
           f"train.steps={PIPELINE_STEPS}"]
     run_dir = run_ranks(_pipeline_run, 2, tmp_path, token_cache, ov)[0]
     files = load_pipeline(run_dir)
-    bubbles, shares = step_bubbles(files), step_cpu_shares(files)
+    bubbles, shares = step_bubbles_without_transfers(files), step_cpu_shares(files)
     assert len(bubbles) == len(shares) == PIPELINE_STEPS
-    steps = ", ".join(f"{b:.3f} (cpu {c:.2f})" for b, c in zip(bubbles, shares, strict=True))
+    raw = step_bubbles(files)  # with the transfers' waits counted as idle, for the message
+    steps = ", ".join(f"{b:.3f}/{r:.3f} (cpu {c:.2f})"
+                      for b, r, c in zip(bubbles, raw, shares, strict=True))
     clean = [b for b, c in zip(bubbles[1:], shares[1:], strict=True) if c >= UNDISTURBED]
     if len(clean) < 3:
         pytest.skip(f"machine too loaded to measure the pipeline: {len(clean)} of "
@@ -196,8 +230,11 @@ def test_predicted_bubble_matches_measured_timeline(tmp_path, token_cache, sched
     measured = statistics.median(clean)
     shape = from_dims("llama", 384, 8, 6, 257, kv_heads=2)
     lay = Layout(pp=2, dp=1, micro_batch=4, schedule=schedule, v=v)
-    predicted = evaluate(shape, lay, make_cluster("h100", 2), 64, 16, "fp32").timing
-    assert predicted.bubble_fraction == pytest.approx(measured,
-                                                      rel=BUBBLE_TOLERANCE[schedule]), (
-        f"predicted {predicted.bubble_fraction:.3f} vs measured {measured:.3f} "
-        f"(steps: {steps})")
+    cluster = make_cluster("h100", 2, action_cv=action_cv)
+    predicted = evaluate(shape, lay, cluster, 64, 16, "fp32").timing
+    print(f"{schedule}: predicted {predicted.bubble_fraction:.3f} (action cv {action_cv:.3f}), "
+          f"measured {measured:.3f} over {len(clean)} steps (with transfers "
+          f"{statistics.median(raw[1:]):.3f})")
+    assert predicted.bubble_fraction == pytest.approx(measured, rel=0.10), (
+        f"predicted {predicted.bubble_fraction:.3f} (action cv {action_cv:.3f}) vs measured "
+        f"{measured:.3f} (steps: {steps})")

@@ -173,3 +173,34 @@ def test_zigzag_picture(tmp_path):
     ratios = zigzag_picture(tmp_path / "z.png", cp=4)
     assert ratios["zigzag"] <= 1.1 < 6 < ratios["contiguous"]
     assert (tmp_path / "z.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _step_rows(schedule: str, p: int, m: int, v: int, latency: float) -> list[dict]:
+    """Per-rank timeline files holding one simulated step (F 1, B 2 per chunk) whose transfers
+    took `latency` each, in the layout PipelineRunner.step_stats writes."""
+    t = simulate(build_schedule(schedule, p, m, v), lambda a: (1.0 if a.kind == "F" else 2.0) / v,
+                 latency)
+    files = []
+    for spans in t.spans:
+        actions = [(a.kind, a.stage, a.mb, e - s) for s, e, a in spans]
+        row = [spans[0][0], spans[-1][1], sum(e - s for s, e, _ in spans), 0.0, actions]
+        files.append({"schedule": schedule, "pp": p, "microbatches": m, "virtual_stages": v,
+                      "steps": [row]})
+    return files
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2)])
+def test_bubble_without_transfers_replays_the_measured_durations(schedule, v):
+    """With slow transfers a timeline's idle time includes the waits; the replay with the same
+    durations and no latency gives the schedule's own bubble, what the planner predicts."""
+    from meshloom.report import step_bubbles, step_bubbles_without_transfers
+
+    p, m = 2, 4
+    ideal = (p - 1) / ((v if schedule == "interleaved_1f1b" else 1) * m + p - 1)
+    files = _step_rows(schedule, p, m, v, latency=0.3)
+    assert step_bubbles(files)[0] > ideal + 0.02
+    assert step_bubbles_without_transfers(files)[0] == pytest.approx(ideal)
+    # A timeline from before per-action durations were recorded cannot be replayed.
+    for f in files:
+        f["steps"][0] = f["steps"][0][:4]
+    assert step_bubbles_without_transfers(files) == [None]

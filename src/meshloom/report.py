@@ -129,6 +129,28 @@ def step_bubbles(files: list[dict]) -> list[float]:
     return out
 
 
+def step_bubbles_without_transfers(files: list[dict]) -> list[float | None]:
+    """Per recorded step (as `step_bubbles`), the bubble the step would have had if transfers
+    took no time: the schedule replayed through the simulator with every action's measured
+    duration and zero latency. This is what the planner's `bubble_fraction` predicts (it
+    prices transfers apart, in pp_comm), while the plain timeline counts a rank waiting on a
+    transfer as idle. None where a timeline does not record the actions."""
+    per_rank = [f.get("steps") or [] for f in files]
+    n = min(len(st) for st in per_rank)
+    head = files[0]
+    lists = build_schedule(head["schedule"], head["pp"], head["microbatches"],
+                           head["virtual_stages"])
+    out: list[float | None] = []
+    for i in range(n):
+        rows = [st[len(st) - n + i] for st in per_rank]
+        if any(len(r) < 5 for r in rows):
+            out.append(None)
+            continue
+        took = {(k, s, m): d for r in rows for k, s, m, d in r[4]}
+        out.append(simulate(lists, lambda a, took=took: took[(a.kind, a.stage, a.mb)]).bubble())
+    return out
+
+
 def step_cpu_shares(files: list[dict]) -> list[float | None]:
     """Per recorded step (as `step_bubbles`), the smallest over the ranks of CPU seconds / busy
     wall seconds of their compute: about 1 on a CPU run whose ranks had their cores to
@@ -191,6 +213,7 @@ def report(run_dir: str | os.PathLike, draw: bool = True) -> dict:
         "predicted_unit_cost": _summary(unit, 1.0, "units"),
         "mean_cost_ms": {f"{k}{s}": c * 1e3 for (k, s), c in sorted(costs.items())},
         "bubble_per_step": step_bubbles(files),
+        "bubble_per_step_without_transfers": step_bubbles_without_transfers(files),
         "cpu_share_per_step": step_cpu_shares(files),
         "json": str(pipe / "report.json"),
         "png": str(pipe / "timeline.png") if draw else None,

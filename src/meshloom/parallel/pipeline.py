@@ -133,8 +133,9 @@ class PipelineRunner:
         self.t0_wall = 0.0
         self.peak_alive = 0
         # Per step (the last STEP_HISTORY): wall-clock first start, last end, busy seconds and
-        # CPU seconds of this rank's compute, so the report can give the bubble of every step,
-        # not one sample, and say which steps ran undisturbed.
+        # CPU seconds of this rank's compute, and each action's (kind, stage, micro-batch,
+        # seconds), so the report can give the bubble of every step, not one sample, say which
+        # steps ran undisturbed, and replay a step without its transfers.
         self.step_stats: collections.deque = collections.deque(maxlen=STEP_HISTORY)
 
     # -- helpers
@@ -235,7 +236,8 @@ class PipelineRunner:
         if self.timeline:
             self.step_stats.append((self.t0_wall + self.timeline[0][0],
                                     self.t0_wall + self.timeline[-1][1],
-                                    sum(e - b for b, e, *_ in self.timeline), cpu))
+                                    sum(e - b for b, e, *_ in self.timeline), cpu,
+                                    [(k, s, m, e - b) for b, e, k, s, m in self.timeline]))
         return total
 
     def _forward(self, a: Action, held: dict, x_tokens, y, seq: int, device, autocast,

@@ -46,6 +46,9 @@ def add_parser(sub) -> None:
     c.add_argument("--gpu-memory-gb", type=float, help="override the GPU's memory")
     c.add_argument("--intra-node-gbps", type=float, help="override NVLink GB/s (one way)")
     c.add_argument("--inter-node-gbps", type=float, help="override network GB/s per GPU")
+    c.add_argument("--action-cv", type=float, default=0.0,
+                   help="measured coefficient of variation of single pipeline actions' times "
+                        "(default 0: deterministic)")
     b = p.add_argument_group("batch and run")
     b.add_argument("--seq", type=int, default=2048, help="sequence length (tokens)")
     b.add_argument("--global-batch", type=int, default=0,
@@ -87,7 +90,8 @@ def plan(args) -> tuple[ModelShape, list[Candidate], dict]:
     shape = _model(args)
     cluster = make_cluster(args.gpu, args.gpus, args.gpus_per_node,
                            peak_tflops=args.peak_tflops, memory_gb=args.gpu_memory_gb,
-                           intra_gbps=args.intra_node_gbps, inter_gbps=args.inter_node_gbps)
+                           intra_gbps=args.intra_node_gbps, inter_gbps=args.inter_node_gbps,
+                           action_cv=args.action_cv)
     batch = args.global_batch or args.gpus
     if args.seq < 1 or batch < 1:
         raise PlanError(f"--seq={args.seq} and --global-batch={batch} must be positive")

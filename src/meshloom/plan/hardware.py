@@ -49,6 +49,12 @@ class Cluster:
     gpu: GPU
     n_gpus: int
     gpus_per_node: int = 8
+    # Coefficient of variation of single compute actions' durations (a forward or backward of
+    # one micro-batch on one stage). 0 = every action takes its nominal time. A pipeline waits
+    # for the later of its inputs, so variation lengthens the step (timing.JITTER_SAMPLES). No
+    # published figure exists for GPUs, so presets leave it at 0; `--action-cv` sets a measured
+    # one (docs/plan.md).
+    action_cv: float = 0.0
 
     @property
     def nodes(self) -> int:
@@ -77,7 +83,8 @@ def ring_time(op: str, payload: float, size: int, bandwidth: float) -> float:
 
 def make_cluster(gpu: str, n_gpus: int, gpus_per_node: int = 8, *,
                  peak_tflops: float | None = None, memory_gb: float | None = None,
-                 intra_gbps: float | None = None, inter_gbps: float | None = None) -> Cluster:
+                 intra_gbps: float | None = None, inter_gbps: float | None = None,
+                 action_cv: float = 0.0) -> Cluster:
     """A cluster from a GPU preset, with any figure overridden."""
     if gpu not in GPUS:
         import difflib
@@ -94,4 +101,7 @@ def make_cluster(gpu: str, n_gpus: int, gpus_per_node: int = 8, *,
     for key, value in overrides.items():
         if not value > 0:
             raise PlanError(f"--{key.replace('_', '-')}={value} must be positive")
-    return Cluster(replace(GPUS[gpu], **overrides), n_gpus, min(gpus_per_node, n_gpus))
+    if not 0.0 <= action_cv < 1.0:
+        raise PlanError(f"--action-cv={action_cv} must be in [0, 1)")
+    return Cluster(replace(GPUS[gpu], **overrides), n_gpus, min(gpus_per_node, n_gpus),
+                   action_cv)

@@ -17,6 +17,8 @@ holds the fit to that table.
 
 from __future__ import annotations
 
+import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -31,6 +33,11 @@ MATMUL_HALF_SIZE = 100.0  # fitted on Megatron-LM Table 1
 # AdamW reads and writes master, m and v (4 B each), reads the gradient, writes the param.
 OPTIMIZER_BYTES_PER_PARAM = 28
 SIMULATE_LIMIT = 6000  # GPipe: micro-batches x stages simulated directly before extrapolating
+# Cluster.action_cv > 0: the expected span is the mean of this many seeded simulations (the
+# standard error of a 2-stage bubble at cv 0.1 is then ~0.002); a factor is never below the
+# floor (a normal draw can be negative).
+JITTER_SAMPLES = 64
+JITTER_FLOOR = 0.3
 
 
 def model_flops(shape: ModelShape, seq: int, global_batch: int) -> float:
@@ -166,8 +173,9 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
         span_nolat = span = m * busy_mb
     elif exact_bubble:
         sched = lay.schedule
-        span_nolat = _makespan(sched, p, m, v, _cost_key(cost, n_stages, v), 0.0)
-        span = _makespan(sched, p, m, v, _cost_key(cost, n_stages, v), hop_pp)
+        key, cv = _cost_key(cost, n_stages, v), cluster.action_cv
+        span_nolat = _makespan(sched, p, m, v, key, 0.0, cv)
+        span = _makespan(sched, p, m, v, key, hop_pp, cv)
     else:
         frac = (p - 1) / ((v if lay.schedule == "interleaved_1f1b" else 1) * m + p - 1)
         if lay.schedule == "zb_h1":
@@ -244,24 +252,40 @@ def _cost_key(cost, n_stages: int, v: int) -> tuple:
     return tuple(round(cost(Action(k, st, 0)), 12) for st in range(n_stages) for k in kinds)
 
 
-def _makespan(schedule: str, p: int, m: int, v: int, key: tuple, latency: float) -> float:
+def _makespan(schedule: str, p: int, m: int, v: int, key: tuple, latency: float,
+              cv: float = 0.0) -> float:
     """Simulated step span. From 2p micro-batches on, a 1F1B-type schedule is in its steady
     state, where every further round of p micro-batches adds the same time: simulate 2p and 3p
     and extrapolate linearly (tests check this against direct simulation)."""
     step = p  # one round of micro-batches through every stage (interleaving needs m % p == 0)
     m1, m2 = 2 * p, 3 * p
     if m <= m2 or schedule == "gpipe" and m * p <= 2 * SIMULATE_LIMIT:
-        return _simulate(schedule, p, m, v, key, latency)
+        return _simulate(schedule, p, m, v, key, latency, cv)
     if schedule == "gpipe":  # all forwards, then all backwards: linear in m from the start
         m1, m2 = step, 2 * step
-    s1 = _simulate(schedule, p, m1, v, key, latency)
-    s2 = _simulate(schedule, p, m2, v, key, latency)
+    s1 = _simulate(schedule, p, m1, v, key, latency, cv)
+    s2 = _simulate(schedule, p, m2, v, key, latency, cv)
     return s1 + (m - m1) * (s2 - s1) / (m2 - m1)
 
 
 @lru_cache(maxsize=8192)
-def _simulate(schedule: str, p: int, m: int, v: int, key: tuple, latency: float) -> float:
+def _simulate(schedule: str, p: int, m: int, v: int, key: tuple, latency: float,
+              cv: float = 0.0) -> float:
+    """Makespan of the schedule; with action_cv > 0 the mean over JITTER_SAMPLES runs in which
+    every action's time is its nominal time times an independent normal factor (mean 1, sd cv,
+    floored at JITTER_FLOOR), seeded, so the same inputs always give the same prediction."""
     kinds = ("F", "B", "I", "W")
     table = {(kinds[i % 4], i // 4): c for i, c in enumerate(key)}
     lists = build_schedule(schedule, p, m, v)
-    return simulate(lists, lambda a: table[(a.kind, a.stage)], latency).makespan
+    if cv <= 0:
+        return simulate(lists, lambda a: table[(a.kind, a.stage)], latency).makespan
+    spans = []
+    for seed in range(JITTER_SAMPLES):
+        rng = random.Random(seed)
+        factors = {a: max(JITTER_FLOOR, rng.gauss(1.0, cv)) for actions in lists for a in actions}
+        spans.append(simulate(lists, _scaled(table, factors), latency).makespan)
+    return sum(spans) / len(spans)
+
+
+def _scaled(table: dict, factors: dict) -> Callable[[Action], float]:
+    return lambda a: table[(a.kind, a.stage)] * factors[a]
