@@ -20,7 +20,6 @@ import datetime
 import json
 import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -163,13 +162,20 @@ class Watchdog:
     def _fire(self, idle: float, me: dict[str, Any]) -> None:
         message = stall_message(self.rank, me, idle, self.timeout_s, self._others(),
                                 self.groups, stale_after=3 * self.interval + 2)
-        print(f"meshloom: {message}", file=sys.stderr, flush=True)
+        say(f"meshloom: {message}")
         if self.run_dir is not None:
             try:
                 (self.run_dir / f"error_rank{self.rank}.txt").write_text(message + "\n")
             except OSError:
                 pass
         os._exit(EXIT_STALLED)
+
+
+def say(line: str) -> None:
+    """One line to stderr in a single write. Every rank shares the launcher's stderr, and
+    print() writes the text and its newline separately (stderr is write-through), so lines that
+    ranks print at the same moment came out spliced into one."""
+    os.write(2, (line + "\n").encode())
 
 
 def axis_groups(dims: Any) -> dict[str, list[list[int]]]:

@@ -40,7 +40,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from meshloom import checkpoint, checkpoint_files, comm
+from meshloom import checkpoint, checkpoint_files, comm, faults
 from meshloom.comm import CommCounter
 from meshloom.config import (
     Config,
@@ -410,11 +410,10 @@ def main(argv: list[str] | None = None) -> int:
     except (GenerateError, checkpoint.CheckpointError) as e:
         # Every rank says it (the launcher may stop the others before they can): name which.
         where = f" (rank {rank})" if req.tp > 1 else ""
-        print(f"meshloom: error: {e}{where}", file=sys.stderr)
+        faults.say(f"meshloom: error: {e}{where}")
         return EXIT_BAD_INPUT
     except Exception as e:  # noqa: BLE001 - one line naming the rank, then the details
-        print(f"meshloom: generate failed on rank {rank}: {type(e).__name__}: {e}",
-              file=sys.stderr)
+        faults.say(f"meshloom: generate failed on rank {rank}: {type(e).__name__}: {e}")
         traceback.print_exc()
         return 1
     return 0

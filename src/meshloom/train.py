@@ -455,8 +455,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / f"error_rank{rank}.txt").write_text(traceback.format_exc())
-        print(f"meshloom: rank {rank} failed: {type(e).__name__}: {e} "
-              f"(traceback in {run_dir / f'error_rank{rank}.txt'})", file=sys.stderr)
+        faults.say(f"meshloom: rank {rank} failed: {type(e).__name__}: {e} "
+                   f"(traceback in {run_dir / f'error_rank{rank}.txt'})")
         return 1
     finally:
         if dist.is_initialized():
