@@ -87,7 +87,7 @@ def _process(role: str, index: int, cfg: PSConfig, pieces: list[Piece], ports: t
     where = "at startup"  # for the failure message
     try:
         if role == "server":
-            server.setup(cfg, [p for p in pieces if p.server == index])
+            server.setup(cfg, [p for p in pieces if p.server == index], record=collect)
         # TCP (libuv) only: the shared-memory transport's reactor thread polls, costing an idle
         # process much of a core, while on this path steps are no slower.
         options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{rpc_port}",

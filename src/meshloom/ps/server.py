@@ -62,13 +62,20 @@ class TableOptimizer:
     step of an ordinary sparse-capable optimizer.
     """
 
-    def __init__(self, shard: TableShard, kind: str, lr: float, trainers: int):
+    def __init__(self, shard: TableShard, kind: str, lr: float, trainers: int,
+                 record: bool = False):
         self.params = list(shard.parameters())
         self.inner = make_optimizer(kind, self.params, lr)
         self.trainers = trainers
         self.pending: dict[int, dict[nn.Parameter, torch.Tensor]] = {}
         self.steps = 0
         self._lock = threading.Lock()
+        # With `record`, every step's (weights before, applied gradient) per piece, so that a
+        # test can check the step's gradient and its update separately (see recorded_steps).
+        self.record = record
+        self.history: list[list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]] = []
+        self._where = {id(e.weight): (int(t), shard.first_row[int(t)])
+                       for t, e in shard.tables.items()}
 
     def contribute(self, trainer: int, grads: dict[nn.Parameter, torch.Tensor]) -> None:
         with self._lock:
@@ -82,10 +89,24 @@ class TableOptimizer:
             for p in self.params:
                 parts = [c[p] for c in contributions if p in c]
                 p.grad = _mean(parts, self.trainers) if parts else None
+            if self.record:
+                self.history.append(self._snapshot())
             self.inner.step()
             for p in self.params:
                 p.grad = None
             self.steps += 1
+
+
+    def _snapshot(self) -> list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(table, first row, weights, gradient row ids, gradient rows) of every piece, taken
+        just before the step; the gradient as the sparse optimizer receives it (coalesced)."""
+        out = []
+        for p in self.params:
+            table, lo = self._where[id(p)]
+            g = p.grad if p.grad is not None else torch.zeros(0, p.shape[1]).to_sparse(1)
+            out.append((table, lo, p.detach().clone(), g._indices()[0].clone(),
+                        g._values().clone()))
+        return out
 
 
 def _mean(parts: list[torch.Tensor], n: int) -> torch.Tensor:
@@ -122,11 +143,20 @@ class TableStep:
         _OPTIMIZER.contribute(self.trainer, grads)
 
 
-def setup(cfg: PSConfig, pieces: list[Piece]) -> None:
-    """Build this process's shard and optimizer (before rpc.init_rpc)."""
+def setup(cfg: PSConfig, pieces: list[Piece], record: bool = False) -> None:
+    """Build this process's shard and optimizer (before rpc.init_rpc); `record` keeps every
+    step's weights and gradients for `recorded_steps`."""
     global _SHARD, _OPTIMIZER
     _SHARD = TableShard(cfg, pieces)
-    _OPTIMIZER = TableOptimizer(_SHARD, cfg.train.optimizer, cfg.table_lr, cfg.ps.trainers)
+    _OPTIMIZER = TableOptimizer(_SHARD, cfg.train.optimizer, cfg.table_lr, cfg.ps.trainers,
+                                record=record)
+
+
+def recorded_steps() -> list:
+    """Run on the server through RPC: its optimizer's history (empty unless recording)."""
+    if _OPTIMIZER is None:
+        raise RuntimeError("this process is not a parameter server")
+    return _OPTIMIZER.history
 
 
 def local_shard() -> TableShard:

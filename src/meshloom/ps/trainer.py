@@ -38,7 +38,7 @@ from meshloom.ps.config import PSConfig
 from meshloom.ps.data import ClickData
 from meshloom.ps.model import click_loss, make_dense, make_optimizer
 from meshloom.ps.placement import Piece, pieces_of_table, server_name
-from meshloom.ps.server import TableStep, local_shard, ping
+from meshloom.ps.server import TableStep, local_shard, ping, recorded_steps
 
 
 class StepFailed(RuntimeError):
@@ -112,6 +112,28 @@ def unreachable_servers(cfg: PSConfig, timeout_s: float = 2.0) -> list[str]:
     return down
 
 
+def _recorded_steps(cfg: PSConfig, tables: RemoteTables,
+                    dense_steps: list[tuple[dict, dict]]) -> list[dict[str, Any]]:
+    """Per step: the whole tables before it and their applied (mean) gradient as dense tensors,
+    from every server's history, and the MLP's weights before it and its averaged gradient."""
+    shape = (cfg.model.rows, cfg.model.dim)
+    histories = [rpc.rpc_sync(n, recorded_steps, timeout=tables.timeout) for n in tables.names]
+    out = []
+    for step, (dense_before, dense_grads) in enumerate(dense_steps):
+        before = [torch.empty(shape) for _ in range(cfg.model.tables)]
+        grads = [torch.zeros(shape) for _ in range(cfg.model.tables)]
+        for history in histories:
+            for t, lo, w, ids, rows in history[step]:
+                before[t][lo:lo + w.shape[0]] = w
+                grads[t][lo + ids] = rows
+        out.append({"tables_before": before, "table_grads": grads,
+                    "table_grad_rows": [torch.cat([ids + lo for h in histories
+                                                   for t2, lo, _, ids, _ in h[step] if t2 == t])
+                                        for t in range(cfg.model.tables)],
+                    "dense_before": dense_before, "dense_grads": dense_grads})
+    return out
+
+
 def run_trainer(cfg: PSConfig, index: int, pieces: list[Piece], group_url: str, run_dir: Path,
                 collect: bool = False) -> dict[str, Any]:
     """Train; returns losses and a summary (trainer 0 also writes metrics.jsonl), and with
@@ -139,6 +161,7 @@ def _train(cfg: PSConfig, index: int, main: bool, pieces: list[Piece], run_dir: 
     metrics = open(run_dir / "metrics.jsonl", "w") if main else None  # noqa: SIM115
     bar = ProgressBar(steps) if main else None
     losses: list[float] = []
+    dense_steps: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = []
     t_start = time.perf_counter()
     rpc_total = 0.0
     for step in range(1, steps + 1):
@@ -157,6 +180,10 @@ def _train(cfg: PSConfig, index: int, main: bool, pieces: list[Piece], run_dir: 
                 loss.backward()
                 dist_autograd.backward(ctx, [(rows * x.grad).sum()])
                 ddp.finish()
+                if collect and main:  # the weights this step started from, its gradient
+                    dense_steps.append(
+                        ({k: v.detach().clone() for k, v in dense.state_dict().items()},
+                         {k: v.grad.clone() for k, v in dense.named_parameters()}))
                 dense_opt.step()
                 ddp.zero_grad()
                 table_opt.step(ctx)
@@ -188,5 +215,6 @@ def _train(cfg: PSConfig, index: int, main: bool, pieces: list[Piece], run_dir: 
     if collect and main:
         out["tables"] = tables.fetch()
         out["dense"] = {k: v.detach().clone() for k, v in dense.state_dict().items()}
+        out["steps"] = _recorded_steps(cfg, tables, dense_steps)
     ddp.remove()
     return out
