@@ -238,15 +238,14 @@ def test_ps_config_detection(tmp_path):
     assert not is_ps_config(tmp_path / "missing.toml") and not is_ps_config(None)
 
 
-def _kill_when_running(run_dir, victim: str, box: dict) -> None:
-    """Once trainer 0 has logged 3 steps, SIGKILL `victim`; note when."""
+def _kill_when_running(run_dir, victim: str, box: dict, ended: threading.Event) -> None:
+    """Once trainer 0 has logged 3 steps, SIGKILL `victim` (however long that takes on a
+    loaded machine; the run has no end of its own before then)."""
     metrics, pids = run_dir / "metrics.jsonl", run_dir / "processes.json"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
+    while not ended.is_set():
         if pids.exists() and metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
             box["pids"] = json.loads(pids.read_text())
             os.kill(box["pids"][victim], signal.SIGKILL)
-            box["killed_at"] = time.monotonic()
             return
         time.sleep(0.05)
 
@@ -256,18 +255,22 @@ def _kill_when_running(run_dir, victim: str, box: dict) -> None:
     ("trainer1", ()),
 ])
 def test_a_dead_process_fails_the_run_fast(tmp_path, capfd, victim, overrides):
-    """A process killed mid-run: the trainers fail within seconds (not an RPC or collective
-    time-out) with one line each naming the dead server, and nothing is left running."""
-    cfg = _cfg(*overrides, "train.steps=100000")
+    """A process killed mid-run: the trainers fail by noticing the dead peer, not by an RPC or
+    collective time-out, with one line each naming the dead server, and nothing is left running.
+    The time-out is set far beyond the test's own (pytest's 300 s), so a run that only failed
+    by timing out would fail this test; no wall-clock bound is needed."""
+    cfg = _cfg(*overrides, "train.steps=100000", "ps.rpc_timeout_s=3600")
     box: dict = {}
-    killer = threading.Thread(target=_kill_when_running, args=(tmp_path, victim, box))
+    ended = threading.Event()
+    killer = threading.Thread(target=_kill_when_running, args=(tmp_path, victim, box, ended))
     killer.start()
-    with pytest.raises(LaunchError) as failure:
-        launch(cfg, tmp_path)
-    elapsed = time.monotonic() - box["killed_at"]
-    killer.join()
+    try:
+        with pytest.raises(LaunchError) as failure:
+            launch(cfg, tmp_path)
+    finally:
+        ended.set()
+        killer.join()
     assert f"{victim} was killed by SIGKILL" in str(failure.value)
-    assert elapsed < 20, f"the run took {elapsed:.1f}s to fail"
     err = capfd.readouterr().err
     trainers = [n for n in box["pids"] if n.startswith("trainer") and n != victim]
     for name in trainers:
