@@ -1,7 +1,7 @@
 """Pre-launch validation: every rule a run config must meet, run in one fixed order.
 
 The rules themselves live beside the code they protect, each as `check_*_config(cfg, dims,
-model) -> one-line message or None` (see LAYOUT_RULES); this module only resolves what they
+model) -> one-line message or None` (see layout_rules()); this module only resolves what they
 need (the mesh degrees, the model's shape, the tokenizer) and runs them. `meshloom train` calls
 `validate()` in the parent process, before any rank starts; the planner's search calls
 `layout_problem()` on every candidate, so the two cannot disagree.
