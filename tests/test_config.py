@@ -9,7 +9,8 @@ import pytest
 from conftest import ROOT
 
 from meshloom.cli import default_nproc, main
-from meshloom.config import ConfigError, dump_toml, load_config, validate
+from meshloom.config import ConfigError, dump_toml, load_config
+from meshloom.validation import validate
 
 TINY = str(ROOT / "configs" / "tiny.toml")
 

@@ -17,12 +17,13 @@ from dist_harness import run_ranks
 
 from meshloom import checkpoint
 from meshloom.cli import main as cli_main
-from meshloom.config import ConfigError, model_config, validate
+from meshloom.config import ConfigError
 from meshloom.data import BatchLoader, TokenDataset
 from meshloom.models import hf_checkpoint
 from meshloom.models.llama import LlamaConfig, build_model, rope_frequencies
 from meshloom.placement import tp_split
 from meshloom.train import prepare_data, train
+from meshloom.validation import model_config, validate
 from meshloom.weights import load_init_weights, open_source, write_weights_folder
 
 transformers = pytest.importorskip("transformers")

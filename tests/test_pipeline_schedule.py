@@ -89,9 +89,9 @@ def test_simulator_reports_a_deadlock():
 def test_unknown_schedule_and_bad_virtual_stages():
     with pytest.raises(ValueError, match="unknown pipeline schedule"):
         compute_lists("zigzag", 2, 4)
-    with pytest.raises(ValueError, match="virtual stages need interleaved_1f1b"):
+    with pytest.raises(ValueError, match="pp_virtual_stages=2 needs parallel.pp_schedule=inter"):
         compute_lists("1f1b", 2, 4, 2)
-    with pytest.raises(ValueError, match="multiple of pp"):
+    with pytest.raises(ValueError, match=r"count \(6\) to be a multiple of parallel.pp=4"):
         compute_lists("interleaved_1f1b", 4, 6, 2)
 
 

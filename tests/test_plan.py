@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from meshloom.config import load_config, validate
+from meshloom.config import load_config
 from meshloom.parallel.pipeline_schedule import build_schedule, simulate
 from meshloom.plan import PlanError
 from meshloom.plan.hardware import make_cluster, ring_time
@@ -18,6 +18,7 @@ from meshloom.plan.memory import in_flight, layer_activation_bytes
 from meshloom.plan.models import PRESETS
 from meshloom.plan.search import evaluate, layouts, search
 from meshloom.plan.timing import _makespan, model_flops
+from meshloom.validation import validate
 
 
 @pytest.mark.parametrize("t,sp,rec,coef", [

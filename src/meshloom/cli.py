@@ -12,10 +12,11 @@ from importlib import resources
 from pathlib import Path
 
 from meshloom.checkpoint_command import add_parser as add_checkpoint_parser
-from meshloom.config import Config, ConfigError, dump_toml, load_config, validate
+from meshloom.config import Config, ConfigError, dump_toml, load_config
 from meshloom.convert import add_parser as add_convert_parser
 from meshloom.generate_command import add_parser as add_generate_parser
 from meshloom.plan.command import add_parser as add_plan_parser
+from meshloom.validation import validate
 
 EXIT_BAD_INPUT = 2
 

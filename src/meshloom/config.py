@@ -1,7 +1,9 @@
-"""Run configuration: dataclasses, TOML loading, `--set` overrides and validation.
+"""Run configuration: dataclasses, TOML loading, `--set` overrides and the range of each key.
 
-Everything a rank needs is decided here, in the parent process, before any rank is launched: a bad
-config is one line naming the key (`ConfigError`), never a traceback from inside a rank.
+A leaf: it imports nothing from meshloom, so every strategy can read these dataclasses. The rules
+that tie keys to the layout, the model and the data live beside the code they protect and are run,
+in order, by `meshloom.validation.validate()`. A bad config is one line naming the key
+(`ConfigError`), never a traceback from inside a rank.
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, published as tomli
+    import tomli as tomllib
 
-AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 BACKENDS = ("auto", "nccl", "gloo", "mpi")
 DTYPES = ("fp32", "bf16", "fp16")
 AC_MODES = ("none", "full", "selective")
@@ -28,6 +31,22 @@ PARALLEL_MODES = ("", "auto", "dp")
 
 class ConfigError(ValueError):
     """A bad config value; the message is one line that names the key."""
+
+
+class ModelDims(Protocol):
+    """What the layout rules read of the model (models.llama.LlamaConfig is one; the planner
+    builds one from its ModelShape)."""
+
+    @property
+    def n_layers(self) -> int: ...
+    @property
+    def n_heads(self) -> int: ...
+    @property
+    def kv_heads(self) -> int: ...
+    @property
+    def hidden(self) -> int: ...  # the MLP width
+    @property
+    def tie_embeddings(self) -> bool: ...
 
 
 @dataclass
@@ -276,7 +295,7 @@ def _toml_value(v: Any) -> str:
     return f'"{escaped}"'
 
 
-# ---------------------------------------------------------------- validation
+# ---------------------------------------------------------------- range checks
 
 
 def _require(ok: bool, message: str) -> None:
@@ -284,70 +303,22 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def model_config(cfg: Config, vocab_size: int | None = None):
-    """The LlamaConfig the run will build: the preset with the config's overrides applied."""
-    from meshloom.models.llama import PRESETS, config_from_preset
-
-    if cfg.model.init_from:
-        from meshloom.weights import WeightsError, init_from_config
-
-        try:
-            return init_from_config(cfg.model, vocab_size)
-        except WeightsError as e:
-            raise ConfigError(f"model.init_from: {e}") from None
-    _require(cfg.model.preset in PRESETS,
-             f"model.preset: unknown preset '{cfg.model.preset}'"
-             f"{closest(cfg.model.preset, list(PRESETS))}; presets: {', '.join(PRESETS)}")
-    overrides = {k: v for k, v in dataclasses.asdict(cfg.model).items()
-                 if k not in ("preset", "init_from") and v is not None}
-    if "vocab_size" not in overrides and vocab_size is not None:
-        overrides["vocab_size"] = vocab_size
-    try:
-        return config_from_preset(cfg.model.preset, **overrides)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-
-def validate(cfg: Config, world_size: int, *, check_data: bool = True):
-    """Check every rule that can be checked before launch; returns the resolved ParallelDims.
-
-    Raises ConfigError with a one-line message naming the key.
-    """
-    from meshloom.mesh import ParallelDims
-
+def check_ranges(cfg: Config) -> None:
+    """Each key on its own: a known name, a value in range (and the few checks between keys of
+    one section). Raises ConfigError naming the key."""
     p, t, d, r = cfg.parallel, cfg.train, cfg.data, cfg.run
-    _require(world_size >= 1, f"--nproc={world_size} must be >= 1")
     _require(p.mode in PARALLEL_MODES, f"parallel.mode: unknown mode '{p.mode}'"
              f"{closest(p.mode, ['auto', 'dp'])}; one of auto (the mesh axes) or dp (one "
              "process, several devices)")
     _require(p.mode == "dp" or p.dp_devices == 0,
              f"parallel.dp_devices={p.dp_devices!r} is only used with parallel.mode=dp")
-    if p.mode == "dp":  # before the axes are resolved: its own messages are the clearer ones
-        from meshloom.parallel.data_parallel import check_dp_config
-
-        problem = check_dp_config(cfg, world_size)
-        _require(problem is None, problem or "")
-    try:
-        dims = ParallelDims.resolve(world_size, pp=p.pp, dp_replicate=p.dp_replicate,
-                                    dp_shard=p.dp_shard, cp=p.cp, tp=p.tp)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-    # -- layout
     _require(p.zero_stage in (0, 1, 2, 3),
              f"parallel.zero_stage={p.zero_stage} must be 0, 1, 2 or 3")
-    _require(p.zero_stage == 0 or dims.dp_shard > 1,
-             f"parallel.zero_stage={p.zero_stage} shards over parallel.dp_shard, which is 1")
-    _require(p.pp_schedule in PP_SCHEDULES,
-             f"parallel.pp_schedule: unknown schedule '{p.pp_schedule}'"
-             f"{closest(p.pp_schedule, list(PP_SCHEDULES))}; one of {', '.join(PP_SCHEDULES)}")
     _require(p.pp_microbatches >= 0, f"parallel.pp_microbatches={p.pp_microbatches} must be >= 0")
     _require(p.pp_virtual_stages >= 1,
              f"parallel.pp_virtual_stages={p.pp_virtual_stages} must be >= 1")
-    _require(not p.sequence_parallel or dims.tp > 1,
-             "parallel.sequence_parallel needs parallel.tp > 1 (it splits the tensor-parallel "
-             "group's activations)")
     _require(p.ddp_bucket_mb > 0, f"parallel.ddp_bucket_mb={p.ddp_bucket_mb} must be > 0")
+
     _require(t.on_nonfinite in NONFINITE_POLICIES,
              f"train.on_nonfinite: unknown policy '{t.on_nonfinite}'; one of "
              f"{', '.join(NONFINITE_POLICIES)}")
@@ -365,22 +336,10 @@ def validate(cfg: Config, world_size: int, *, check_data: bool = True):
              f"{closest(t.dtype, list(DTYPES))}; one of {', '.join(DTYPES)}")
     _require(p.reduce_dtype in DTYPES, f"parallel.reduce_dtype: unknown dtype '{p.reduce_dtype}'"
              f"; one of {', '.join(DTYPES)}")
-    _require(not p.cpu_offload or p.zero_stage >= 1,
-             "parallel.cpu_offload needs parallel.zero_stage >= 1 (it offloads the sharded "
-             "optimizer state)")
-
-    # -- training
     _require(t.steps >= 1, f"train.steps={t.steps} must be >= 1")
     _require(t.global_batch >= 1, f"train.global_batch={t.global_batch} must be >= 1")
-    _require(t.global_batch % dims.dp == 0,
-             f"train.global_batch={t.global_batch} must be divisible by the data-parallel degree "
-             f"{dims.dp} (parallel.dp_replicate x parallel.dp_shard)")
-    local = t.global_batch // dims.dp
     _require(t.micro_batch >= 0, f"train.micro_batch={t.micro_batch} must be >= 0 (0 = whole "
              "local batch)")
-    _require(t.micro_batch == 0 or local % t.micro_batch == 0,
-             f"train.micro_batch={t.micro_batch} must divide the per-rank batch {local} "
-             f"(train.global_batch {t.global_batch} / data-parallel degree {dims.dp})")
     _require(t.lr > 0, f"train.lr={t.lr} must be > 0")
     _require(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
     _require(t.warmup_steps >= 0, f"train.warmup_steps={t.warmup_steps} must be >= 0")
@@ -399,125 +358,27 @@ def validate(cfg: Config, world_size: int, *, check_data: bool = True):
              f"train.sample_temperature={t.sample_temperature} must be >= 0")
     _require(t.sample_top_k >= 0, f"train.sample_top_k={t.sample_top_k} must be >= 0")
 
-    # -- run
-    _check_backend(r)
-    _require(r.checkpoint_every >= 0, f"run.checkpoint_every={r.checkpoint_every} must be >= 0")
-    _require(r.keep_checkpoints >= 1, f"run.keep_checkpoints={r.keep_checkpoints} must be >= 1")
-    _require(r.peak_tflops >= 0, f"run.peak_tflops={r.peak_tflops} must be >= 0")
-    _require(r.threads >= 0, f"run.threads={r.threads} must be >= 0")
-    _require(r.timeout_s > 0, f"run.timeout_s={r.timeout_s} must be > 0")
-    if r.tensorboard:
-        import importlib.util
-
-        _require(importlib.util.find_spec("tensorboard") is not None,
-                 "run.tensorboard=true needs the tensorboard package: pip install tensorboard")
-
-    # -- data and model (the model's vocabulary comes from the tokenizer unless set)
-    _require(d.seq_len >= 1, f"data.seq_len={d.seq_len} must be >= 1")
-    _require(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must be in (0, 1)")
-    _require(d.max_bytes >= 0, f"data.max_bytes={d.max_bytes} must be >= 0 (0 = no cap)")
-    vocab = None
-    if check_data:
-        from meshloom.data import DataError, load_tokenizer, resolve_sources
-
-        try:
-            vocab = load_tokenizer(d.tokenizer).vocab_size
-            resolve_sources(d.source)
-        except DataError as e:
-            raise ConfigError(str(e)) from None
-    mcfg = model_config(cfg, vocab)
-    _require(vocab is None or mcfg.vocab_size >= vocab,
-             f"model.vocab_size={mcfg.vocab_size} is smaller than the tokenizer's vocabulary "
-             f"({vocab}, data.tokenizer={d.tokenizer!r})")
-    _require(d.seq_len <= mcfg.max_seq_len,
-             f"data.seq_len={d.seq_len} exceeds model.max_seq_len={mcfg.max_seq_len}")
-    if dims.tp > 1:
-        from meshloom.parallel.tensor_plan import check_tp_dims
-
-        problem = check_tp_dims(dims.tp, n_heads=mcfg.n_heads, kv_heads=mcfg.kv_heads,
-                                ffn_hidden=mcfg.hidden)
-        _require(problem is None, problem or "")
-        _require(not p.sequence_parallel or d.seq_len % dims.tp == 0,
-                 f"data.seq_len={d.seq_len} must be divisible by parallel.tp={dims.tp} with "
-                 "parallel.sequence_parallel (the sequence is split over tp)")
-    _require(dims.cp == 1 or d.seq_len % (2 * dims.cp) == 0,
-             f"data.seq_len={d.seq_len} must be divisible by 2 x parallel.cp = {2 * dims.cp}")
-    if dims.pp > 1:
-        _validate_pipeline(cfg, dims, mcfg)
-    return dims
-
-
-def pipeline_microbatches(cfg: Config, dims) -> int:
-    """Micro-batches per step and pipeline: parallel.pp_microbatches, or what train.micro_batch
-    implies, or pp x virtual stages."""
-    p, local = cfg.parallel, cfg.train.global_batch // dims.dp
-    if p.pp_microbatches:
-        return p.pp_microbatches
-    if cfg.train.micro_batch:
-        return local // cfg.train.micro_batch
-    return dims.pp * p.pp_virtual_stages
-
-
-def _validate_pipeline(cfg: Config, dims, mcfg) -> None:
-    p, t = cfg.parallel, cfg.train
-    v, stages = p.pp_virtual_stages, dims.pp * p.pp_virtual_stages
-    _require(v == 1 or p.pp_schedule == "interleaved_1f1b",
-             f"parallel.pp_virtual_stages={v} needs parallel.pp_schedule=interleaved_1f1b "
-             f"(not {p.pp_schedule})")
-    if p.pp_layers:
-        _require(len(p.pp_layers) == stages and sum(p.pp_layers) == mcfg.n_layers
-                 and min(p.pp_layers) >= 1,
-                 f"parallel.pp_layers={p.pp_layers} must list {stages} stage sizes (pp x "
-                 f"pp_virtual_stages) of at least 1 layer each, adding up to model.n_layers="
-                 f"{mcfg.n_layers}")
-    else:
-        _require(stages <= mcfg.n_layers,
-                 f"parallel.pp={dims.pp} x parallel.pp_virtual_stages={v} = {stages} stages "
-                 f"exceeds model.n_layers={mcfg.n_layers} (a stage needs at least one layer)")
-    local = t.global_batch // dims.dp
-    m = pipeline_microbatches(cfg, dims)
-    _require(local % m == 0,
-             f"parallel.pp_microbatches={m} must divide the per-pipeline batch {local} "
-             f"(train.global_batch {t.global_batch} / data-parallel degree {dims.dp}); set "
-             "parallel.pp_microbatches")
-    _require(not (p.pp_microbatches and t.micro_batch and local // p.pp_microbatches
-                  != t.micro_batch),
-             f"train.micro_batch={t.micro_batch} and parallel.pp_microbatches="
-             f"{p.pp_microbatches} disagree (per-pipeline batch {local}); set one of them")
-    _require(p.pp_schedule != "interleaved_1f1b" or m % dims.pp == 0,
-             f"parallel.pp_schedule=interleaved_1f1b needs the micro-batch count ({m}) to be a "
-             f"multiple of parallel.pp={dims.pp}")
-    _require(not (mcfg.tie_embeddings and p.zero_stage >= 2),
-             f"tied embeddings across pipeline stages need parallel.zero_stage <= 1 (got "
-             f"{p.zero_stage}): the two copies' whole gradients are summed between the first "
-             "and the last stage")
-    _require(p.pp_timeout_s > 0, f"parallel.pp_timeout_s={p.pp_timeout_s} must be > 0")
-
-
-def _check_backend(r: RunConfig) -> None:
-    import torch
-    import torch.distributed as dist
-
     _require(r.backend in BACKENDS,
              f"run.backend: unknown backend '{r.backend}'{closest(r.backend, list(BACKENDS))}; "
              f"one of {', '.join(BACKENDS)}")
     _require(r.device in ("auto", "cpu", "cuda"),
              f"run.device: '{r.device}' is not auto, cpu or cuda")
-    _require(r.device != "cuda" or torch.cuda.is_available(),
-             "run.device=cuda but no CUDA device is available to this PyTorch build")
-    _require(dist.is_available(), "this PyTorch build has no torch.distributed support")
-    available = {"nccl": dist.is_nccl_available(), "gloo": dist.is_gloo_available(),
-                 "mpi": dist.is_mpi_available()}
-    if r.backend != "auto":
-        _require(available[r.backend],
-                 f"run.backend={r.backend} is not available in this PyTorch build "
-                 f"(available: {', '.join(k for k, v in available.items() if v) or 'none'})")
-    _require(not (r.backend == "nccl" and resolve_device(r) == "cpu"),
-             "run.backend=nccl needs GPUs, but run.device resolves to cpu; use gloo or auto")
+    _require(r.checkpoint_every >= 0, f"run.checkpoint_every={r.checkpoint_every} must be >= 0")
+    _require(r.keep_checkpoints >= 1, f"run.keep_checkpoints={r.keep_checkpoints} must be >= 1")
+    _require(r.peak_tflops >= 0, f"run.peak_tflops={r.peak_tflops} must be >= 0")
+    _require(r.threads >= 0, f"run.threads={r.threads} must be >= 0")
+    _require(r.timeout_s > 0, f"run.timeout_s={r.timeout_s} must be > 0")
+
+    _require(d.seq_len >= 1, f"data.seq_len={d.seq_len} must be >= 1")
+    _require(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must be in (0, 1)")
+    _require(d.max_bytes >= 0, f"data.max_bytes={d.max_bytes} must be >= 0 (0 = no cap)")
+
+
+# ---------------------------------------------------------------- what "auto" means here
 
 
 def resolve_device(r: RunConfig) -> str:
-    import torch
+    import torch  # here, not at the top: loading a config must not need torch
 
     if r.device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"

@@ -19,6 +19,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from meshloom.config import Config, ModelDims
+from meshloom.mesh import ParallelDims
+
 CACHE_VERSION = 1
 # Text suffixes taken from a folder source. Name a file directly to use anything else.
 TEXT_SUFFIXES = frozenset({".txt", ".md", ".rst", ".py", ".json", ".jsonl"})
@@ -313,6 +316,21 @@ def _split_micro(data: np.ndarray, micro_batch: int) -> list[tuple[torch.Tensor,
     t = torch.from_numpy(data)
     return [(t[k:k + micro_batch, :-1].contiguous(), t[k:k + micro_batch, 1:].contiguous())
             for k in range(0, len(t), micro_batch)]
+
+
+def check_batch_config(cfg: Config, dims: ParallelDims,
+                       model: ModelDims | None = None) -> str | None:
+    """Why the global batch cannot be split as BatchLoader splits it (one line), or None: the
+    same number of whole micro-batches on every data-parallel rank."""
+    t = cfg.train
+    if t.global_batch % dims.dp:
+        return (f"train.global_batch={t.global_batch} must be divisible by the data-parallel "
+                f"degree {dims.dp} (parallel.dp_replicate x parallel.dp_shard)")
+    local = t.global_batch // dims.dp
+    if t.micro_batch and local % t.micro_batch:
+        return (f"train.micro_batch={t.micro_batch} must divide the per-rank batch {local} "
+                f"(train.global_batch {t.global_batch} / data-parallel degree {dims.dp})")
+    return None
 
 
 class BatchLoader:

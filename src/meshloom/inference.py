@@ -47,7 +47,6 @@ from meshloom.config import (
     ConfigError,
     ModelConfig,
     RunConfig,
-    model_config,
     resolve_backend,
     resolve_device,
 )
@@ -58,6 +57,7 @@ from meshloom.models.llama import LlamaConfig, build_model
 from meshloom.optim import named_trainable
 from meshloom.parallel.tensor import AXIS
 from meshloom.parallel.tensor_plan import TensorParallel, check_tp_dims
+from meshloom.validation import model_config
 
 FIRST_GLOBAL_SHAPE_FORMAT = 3  # checkpoints before it stored flat shards, not global tensors
 TIMEOUT_S = 300.0  # a collective that waits longer fails instead of hanging

@@ -28,11 +28,8 @@ from meshloom.config import (
     Config,
     ConfigError,
     load_config,
-    model_config,
-    pipeline_microbatches,
     resolve_backend,
     resolve_device,
-    validate,
 )
 from meshloom.data import BatchLoader, TokenDataset, build_token_cache, eval_batches, load_tokenizer
 from meshloom.mesh import Mesh, draw_layout
@@ -47,7 +44,9 @@ from meshloom.models.generate import generate
 from meshloom.models.llama import build_model
 from meshloom.optim import LossScaler, build_optimizer, clip_grads, grad_norm, lr_at, set_lr
 from meshloom.parallel import TORCH_DTYPES, Parallelized, PipelineSpec, parallelize
+from meshloom.parallel.pipeline_schedule import pipeline_microbatches
 from meshloom.plan.memory import predict_run_memory
+from meshloom.validation import model_config, validate
 
 
 @dataclass

@@ -23,9 +23,19 @@ import torch.distributed as dist
 from torch import nn
 
 from meshloom import comm
-from meshloom.mesh import Mesh
+from meshloom.config import Config, ModelDims
+from meshloom.mesh import Mesh, ParallelDims
 
 AXIS = "cp"
+
+
+def check_cp_config(cfg: Config, dims: ParallelDims,
+                    model: ModelDims | None = None) -> str | None:
+    """Why the sequence cannot take the zigzag split over cp (one line), or None."""
+    seq_len = cfg.data.seq_len
+    if dims.cp > 1 and seq_len % (2 * dims.cp):
+        return f"data.seq_len={seq_len} must be divisible by 2 x parallel.cp = {2 * dims.cp}"
+    return None
 
 
 def zigzag_indices(seq_len: int, cp: int, rank: int) -> torch.Tensor:

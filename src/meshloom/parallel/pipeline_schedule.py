@@ -23,6 +23,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from meshloom.config import Config, ModelDims, closest
+from meshloom.mesh import ParallelDims
+
 COMPUTE = ("F", "B", "I", "W")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 
@@ -47,18 +50,15 @@ def compute_lists(schedule: str, pp: int, m: int, v: int = 1,
     ranks = range(pp) if ranks is None else ranks
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; one of {', '.join(SCHEDULES)}")
-    if schedule != "interleaved_1f1b" and v != 1:
-        raise ValueError(f"{schedule} runs one stage per rank; virtual stages need "
-                         "interleaved_1f1b")
+    problem = virtual_stages_problem(schedule, v) or microbatch_count_problem(schedule, pp, m)
+    if problem:
+        raise ValueError(problem)
     if schedule == "gpipe":
         return [[Action("F", r, k) for k in range(m)] + [Action("B", r, k) for k in range(m)]
                 for r in ranks]
     if schedule == "1f1b":
         return [_one_f_one_b(r, pp, m) for r in ranks]
     if schedule == "interleaved_1f1b":
-        if m % pp:
-            raise ValueError(f"interleaved_1f1b needs the micro-batch count ({m}) to be a "
-                             f"multiple of pp ({pp})")
         return [_interleaved(r, pp, m, v) for r in ranks]
     return zero_bubble_lists(pp, m, ranks)
 
@@ -141,6 +141,79 @@ def with_communication(lists: list[list[Action]], pp: int, n_stages: int) -> lis
 def build_schedule(schedule: str, pp: int, m: int, v: int = 1) -> list[list[Action]]:
     """Every rank's full action list (compute and communication)."""
     return with_communication(compute_lists(schedule, pp, m, v), pp, pp * v)
+
+
+# ---------------------------------------------------------------- rules a config must meet
+# The one copy of each pipeline rule: meshloom.validation runs check_pp_config() before launch,
+# the planner's search runs it on every candidate, and compute_lists() asks the first two.
+
+
+def virtual_stages_problem(schedule: str, v: int) -> str | None:
+    if v != 1 and schedule != "interleaved_1f1b":
+        return (f"parallel.pp_virtual_stages={v} needs parallel.pp_schedule=interleaved_1f1b "
+                f"(not {schedule})")
+    return None
+
+
+def microbatch_count_problem(schedule: str, pp: int, m: int) -> str | None:
+    # Interleaving sends micro-batches through the chunks in groups of pp.
+    if schedule == "interleaved_1f1b" and m % pp:
+        return (f"parallel.pp_schedule=interleaved_1f1b needs the micro-batch count ({m}) to be "
+                f"a multiple of parallel.pp={pp}")
+    return None
+
+
+def pipeline_microbatches(cfg: Config, dims: ParallelDims) -> int:
+    """Micro-batches per step and pipeline: parallel.pp_microbatches, or what train.micro_batch
+    implies, or pp x virtual stages."""
+    p, local = cfg.parallel, cfg.train.global_batch // dims.dp
+    if p.pp_microbatches:
+        return p.pp_microbatches
+    if cfg.train.micro_batch:
+        return local // cfg.train.micro_batch
+    return dims.pp * p.pp_virtual_stages
+
+
+def check_pp_config(cfg: Config, dims: ParallelDims, model: ModelDims) -> str | None:
+    """The first reason the pipeline settings cannot run this model, as one line; or None."""
+    p, t = cfg.parallel, cfg.train
+    if p.pp_schedule not in SCHEDULES:
+        return (f"parallel.pp_schedule: unknown schedule '{p.pp_schedule}'"
+                f"{closest(p.pp_schedule, list(SCHEDULES))}; one of {', '.join(SCHEDULES)}")
+    if dims.pp == 1:
+        return None
+    v, stages = p.pp_virtual_stages, dims.pp * p.pp_virtual_stages
+    problem = virtual_stages_problem(p.pp_schedule, v)
+    if problem:
+        return problem
+    if p.pp_layers:
+        if not (len(p.pp_layers) == stages and sum(p.pp_layers) == model.n_layers
+                and min(p.pp_layers) >= 1):
+            return (f"parallel.pp_layers={p.pp_layers} must list {stages} stage sizes (pp x "
+                    f"pp_virtual_stages) of at least 1 layer each, adding up to model.n_layers="
+                    f"{model.n_layers}")
+    elif stages > model.n_layers:
+        return (f"parallel.pp={dims.pp} x parallel.pp_virtual_stages={v} = {stages} stages "
+                f"exceeds model.n_layers={model.n_layers} (a stage needs at least one layer)")
+    local = t.global_batch // dims.dp
+    m = pipeline_microbatches(cfg, dims)
+    if local % m:
+        return (f"parallel.pp_microbatches={m} must divide the per-pipeline batch {local} "
+                f"(train.global_batch {t.global_batch} / data-parallel degree {dims.dp}); set "
+                "parallel.pp_microbatches")
+    if p.pp_microbatches and t.micro_batch and local // p.pp_microbatches != t.micro_batch:
+        return (f"train.micro_batch={t.micro_batch} and parallel.pp_microbatches="
+                f"{p.pp_microbatches} disagree (per-pipeline batch {local}); set one of them")
+    problem = microbatch_count_problem(p.pp_schedule, dims.pp, m)
+    if problem:
+        return problem
+    if model.tie_embeddings and p.zero_stage >= 2:
+        return (f"tied embeddings across pipeline stages need parallel.zero_stage <= 1 (got "
+                f"{p.zero_stage}): the two copies' whole gradients are summed between the first "
+                "and the last stage")
+    if not p.pp_timeout_s > 0:  # "not >": NaN from TOML fails too
+        return f"parallel.pp_timeout_s={p.pp_timeout_s} must be > 0"
+    return None
 
 
 # ---------------------------------------------------------------- simulator

@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from meshloom import comm
-from meshloom.mesh import Mesh
+from meshloom.config import Config, ModelDims
+from meshloom.mesh import Mesh, ParallelDims
 from meshloom.parallel.delegate import DelegatingGrads
 from meshloom.parallel.tensor import (
     AXIS,
@@ -52,6 +53,26 @@ def check_tp_dims(tp: int, *, n_heads: int, kv_heads: int, ffn_hidden: int,
             extra = (" (fewer KV heads than tp ranks is not supported: lower parallel.tp or "
                      "raise model.n_kv_heads)" if key == "n_kv_heads" and value < tp else "")
             return f"{prefix}{key}={value} must be divisible by parallel.tp={tp}{extra}"
+    return None
+
+
+def check_tp_config(cfg: Config, dims: ParallelDims, model: ModelDims) -> str | None:
+    """The first reason the tensor-parallel settings cannot run this model, as one line; or
+    None. Sequence parallel splits the tp group's activations along the sequence, so it needs
+    tp > 1 and a sequence length that divides by tp."""
+    p, seq_len = cfg.parallel, cfg.data.seq_len
+    if p.sequence_parallel and dims.tp == 1:
+        return ("parallel.sequence_parallel needs parallel.tp > 1 (it splits the tensor-parallel "
+                "group's activations)")
+    if dims.tp == 1:
+        return None
+    problem = check_tp_dims(dims.tp, n_heads=model.n_heads, kv_heads=model.kv_heads,
+                            ffn_hidden=model.hidden)
+    if problem:
+        return problem
+    if p.sequence_parallel and seq_len % dims.tp:
+        return (f"data.seq_len={seq_len} must be divisible by parallel.tp={dims.tp} with "
+                "parallel.sequence_parallel (the sequence is split over tp)")
     return None
 
 

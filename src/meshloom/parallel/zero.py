@@ -24,10 +24,24 @@ from torch import nn
 
 from meshloom import comm
 from meshloom.checkpoint import ADAM_STATS
-from meshloom.mesh import Mesh
+from meshloom.config import Config, ModelDims
+from meshloom.mesh import Mesh, ParallelDims
 from meshloom.parallel.ddp import FIRST_BUCKET_BYTES
 from meshloom.parallel.flat import FlatGroup, group_parameters
 from meshloom.placement import checkpoint_entry, checkpoint_name, set_source
+
+
+def check_zero_config(cfg: Config, dims: ParallelDims,
+                      model: ModelDims | None = None) -> str | None:
+    """Why the ZeRO settings cannot run on this layout (one line), or None. Every stage (the
+    ZeRO-3 of fsdp.py too) shards over dp_shard; offloading moves the sharded optimizer state."""
+    p = cfg.parallel
+    if p.zero_stage and dims.dp_shard == 1:
+        return f"parallel.zero_stage={p.zero_stage} shards over parallel.dp_shard, which is 1"
+    if p.cpu_offload and not p.zero_stage:
+        return ("parallel.cpu_offload needs parallel.zero_stage >= 1 (it offloads the sharded "
+                "optimizer state)")
+    return None
 
 
 @dataclass(frozen=True)

@@ -3,16 +3,28 @@
 The search enumerates every layout the training code accepts for this model and cluster (TP
 that divides the heads and stays inside a node, CP with the zigzag split, PP up to one layer per
 stage, DDP and ZeRO-1/2/3 (HSDP when `dp_replicate` is pinned), micro-batch size, recompute
-mode and pipeline schedule),
-keeps what `--fix` pins, and ranks in two passes: all candidates with the closed-form bubble,
-then the fastest few again with the pipeline simulator, whose numbers are the ones reported.
+mode and pipeline schedule; "accepts" is asked of the training code's own rules, the ones
+`meshloom train` checks before launch), keeps what `--fix` pins, and ranks in two passes: all
+candidates with the closed-form bubble, then the fastest few again with the pipeline simulator,
+whose numbers are the ones reported.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
+from meshloom.config import (
+    Config,
+    DataConfig,
+    ModelConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainConfig,
+)
+from meshloom.mesh import ParallelDims
+from meshloom.models.llama import LlamaConfig
 from meshloom.parallel.pipeline_schedule import SCHEDULES
 from meshloom.plan import PlanError
 from meshloom.plan.hardware import Cluster
@@ -20,6 +32,7 @@ from meshloom.plan.layout import RECOMPUTE, Layout
 from meshloom.plan.memory import Memory, memory_per_gpu
 from meshloom.plan.models import ModelShape
 from meshloom.plan.timing import Timing, step_time
+from meshloom.validation import layout_problem
 
 MAX_MICRO_BATCH = 16
 MAX_CP = 16
@@ -70,39 +83,65 @@ class Candidate:
 
 def check_layout(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int,
                  global_batch: int) -> str | None:
-    """Why this layout cannot run (one line), or None."""
+    """Why this layout cannot run (one line), or None: first what only the planner asks (every
+    GPU used, the batch a whole number of micro-batches), then the training code's own rules
+    (meshloom.validation.layout_problem), on the config --write-config would write."""
     if lay.gpus != cluster.n_gpus:
         return (f"tp x pp x dp x cp = {lay.tp} x {lay.pp} x {lay.dp} x {lay.cp} = {lay.gpus}, "
                 f"not --gpus {cluster.n_gpus}")
-    for name, n in (("heads", shape.heads), ("kv_heads", shape.kv_heads),
-                    ("ffn_hidden", shape.ffn_hidden)):
-        if n % lay.tp:
-            return f"tp={lay.tp} does not divide the model's {name}={n}"
-    if lay.cp > 1 and seq % (2 * lay.cp):
-        return f"cp={lay.cp} needs --seq divisible by 2 x cp (zigzag split); seq={seq}"
-    if lay.pp > shape.layers:
-        return f"pp={lay.pp} is more stages than the model's {shape.layers} layers"
     if lay.dp % lay.dp_replicate:
         return f"dp_replicate={lay.dp_replicate} does not divide dp={lay.dp}"
     if global_batch % (lay.dp * lay.micro_batch):
         return (f"--global-batch {global_batch} is not a multiple of dp x micro_batch = "
                 f"{lay.dp} x {lay.micro_batch}")
-    if lay.zero and lay.dp_shard == 1:
-        return f"zero={lay.zero} needs more than one data-parallel shard (dp / dp_replicate)"
-    if lay.sp and lay.tp == 1:
-        return "sp (sequence parallel) needs tp > 1"
-    if lay.pp > 1:
-        m = lay.microbatches(global_batch)
-        if lay.schedule == "interleaved_1f1b":
-            if m % lay.pp:
-                return f"interleaved_1f1b needs the micro-batch count ({m}) to be a multiple of pp"
-            if lay.v * lay.pp > shape.layers:
-                return f"pp x v = {lay.pp * lay.v} stages exceed the model's {shape.layers} layers"
-        elif lay.v != 1:
-            return f"v={lay.v} (virtual stages) needs schedule=interleaved_1f1b"
-    elif lay.v != 1:
+    if lay.pp == 1 and lay.v != 1:
         return "v (virtual stages) needs pp > 1"
-    return None
+    dims = _dims(lay.pp, lay.dp_replicate, lay.dp_shard, lay.cp, lay.tp)
+    return layout_problem(_as_config(lay, seq, global_batch), dims, _model(shape))
+
+
+def _as_config(lay: Layout, seq: int, global_batch: int) -> Config:
+    """The keys of a training config that the layout rules read (as layout.config_toml writes
+    them). The sections are cached and shared between candidates (the rules only read them):
+    a search asks about tens of thousands of layouts."""
+    parallel = _parallel_config(lay.dp_replicate, lay.dp_shard, lay.zero, lay.tp, lay.sp, lay.pp,
+                                lay.schedule, lay.v, lay.cp)
+    return Config(model=_SHARED_MODEL, data=_data_config(seq), run=_SHARED_RUN,
+                  train=_train_config(global_batch, lay.micro_batch), parallel=parallel)
+
+
+_SHARED_MODEL, _SHARED_RUN = ModelConfig(), RunConfig()
+
+
+@functools.lru_cache(maxsize=4096)
+def _parallel_config(dp_replicate: int, dp_shard: int, zero: int, tp: int, sp: bool, pp: int,
+                     schedule: str, v: int, cp: int) -> ParallelConfig:
+    return ParallelConfig(dp_replicate=dp_replicate, dp_shard=dp_shard, zero_stage=zero, tp=tp,
+                          sequence_parallel=sp, pp=pp, pp_schedule=schedule,
+                          pp_virtual_stages=v, cp=cp)
+
+
+@functools.lru_cache(maxsize=64)
+def _data_config(seq: int) -> DataConfig:
+    return DataConfig(seq_len=seq)
+
+
+@functools.lru_cache(maxsize=256)
+def _train_config(global_batch: int, micro_batch: int) -> TrainConfig:
+    return TrainConfig(global_batch=global_batch, micro_batch=micro_batch)
+
+
+@functools.lru_cache(maxsize=1024)
+def _dims(pp: int, dp_replicate: int, dp_shard: int, cp: int, tp: int) -> ParallelDims:
+    return ParallelDims(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp)
+
+
+@functools.lru_cache(maxsize=16)
+def _model(shape: ModelShape) -> LlamaConfig:
+    """The shape as the rules read it (a GPT shape too: they only look at its sizes)."""
+    return LlamaConfig(dim=shape.hidden, n_layers=shape.layers, n_heads=shape.heads,
+                       n_kv_heads=shape.kv_heads, ffn_hidden=shape.ffn_hidden,
+                       vocab_size=shape.vocab, tie_embeddings=shape.tied)
 
 
 def evaluate(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global_batch: int,

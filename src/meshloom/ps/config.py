@@ -10,7 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, published as tomli
+    import tomli as tomllib
 
 # The value checking and TOML writing are the transformer config's, shared rather than copied.
 from meshloom.config import ConfigError, closest, dump_toml, fill_config
