@@ -75,7 +75,7 @@ def check_run_pictures(run_dir, r):
                                                  [rec["eval_loss"] for rec in evals])
     assert drawn(pics["throughput"], "tokens/s") == (steps,
                                                       [rec["tokens_per_s"] for rec in records])
-    assert "MFU" not in pics["throughput"]["series"]  # a CPU run without run.peak_tflops
+    assert pics["throughput"]["mfu_per_token_per_s"] is None  # CPU, no run.peak_tflops
     axes = sorted({a for rec in records for a in rec["comm_bytes"]})
     assert sorted(pics["comm"]["series"]) == axes
     for a in axes:
@@ -326,3 +326,16 @@ def test_bubble_without_transfers_replays_the_measured_durations(schedule, v):
     for f in files:
         f["steps"][0] = f["steps"][0][:4]
     assert step_bubbles_without_transfers(files) == [None]
+
+
+def test_mfu_reads_off_the_tokens_per_s_line(tmp_path):
+    """A run that knew its peak FLOP/s: MFU is a fixed multiple of tokens/s, and the picture's
+    right-hand axis is that multiple (the first record, without MFU, does not count)."""
+    lines = [{"step": 1, "loss": 3.0, "tokens_per_s": 500.0, "mfu": None, "comm_bytes": {}}]
+    lines += [{"step": s, "loss": 3.0, "tokens_per_s": 1000.0 * s, "mfu": 0.0004 * s,
+               "comm_bytes": {}} for s in (2, 3, 4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    r = report(tmp_path)["run"]
+    assert r["pictures"]["throughput"]["mfu_per_token_per_s"] == pytest.approx(4e-7)
+    assert png_size(tmp_path / "report" / "throughput.png") == (800, 450)
+    assert sorted(r["pictures"]) == ["loss", "throughput"]  # no memory, no comm: no picture

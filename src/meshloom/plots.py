@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -84,39 +85,39 @@ def loss_picture(path: str | os.PathLike, loss: Series, eval_loss: Series) -> di
     return {"unit": "nats", "scale": 1.0, "series": _drawn(ax)}
 
 
+def _count_label(n: float, _pos=None, digits: int = 6) -> str:
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.{digits}g}{unit}"
+    return f"{n:.{digits}g}"
+
+
 def throughput_picture(path: str | os.PathLike, tokens_per_s: Series,
-                       mfu: Series | None = None) -> dict:
-    """Tokens per second per logged step with its median; MFU on a second axis when known."""
+                       mfu_per_token_per_s: float | None = None) -> dict:
+    """Tokens per second per logged step with its median; where MFU is known (a fixed multiple
+    of tokens/s in a run), the right-hand axis reads the same line as MFU."""
     fig = _figure(8, 4.5)
     ax = fig.add_subplot()
     (label, (x, y)), = tokens_per_s.items()
     ax.plot(x, y, color="#34a853", linewidth=1.6, marker="." if len(x) < 40 else None,
             label=label)
+    drawn = _drawn(ax)
     finite = sorted(v for v in y if math.isfinite(v))
     if finite:
-        median = finite[len(finite) // 2]
+        median = statistics.median(finite)
         ax.axhline(median, color="#555555", linestyle="--", linewidth=1,
-                   label=f"_median {median:,.0f}")
-        ax.annotate(f"median {median:,.0f}", (1.0, median), xycoords=("axes fraction", "data"),
-                    xytext=(-4, 4), textcoords="offset points", ha="right", fontsize=9,
-                    color="#555555")
-    ax.set_ylim(bottom=0)
+                   label=f"median {_count_label(median, digits=3)} tokens/s")
+        ax.set_ylim(0, finite[-1] * 1.15 or 1)
     _style(ax, "Throughput (global batch)", "tokens / s")
-    handles, labels = ax.get_legend_handles_labels()
-    drawn = _drawn(ax)
-    if mfu:
-        twin = ax.twinx()
-        (mlabel, (mx, my)), = mfu.items()
-        twin.plot(mx, [100 * v for v in my], color="#9b59b6", linewidth=1, linestyle=":",
-                  label=mlabel)
-        twin.set_ylabel("MFU (%)")
-        twin.set_ylim(bottom=0)
-        h2, l2 = twin.get_legend_handles_labels()
-        handles, labels = handles + h2, labels + l2
-        drawn.update({k: (x, [v / 100 for v in y]) for k, (x, y) in _drawn(twin).items()})
-    ax.legend(handles, labels, loc="lower right")
+    ax.yaxis.set_major_formatter(FuncFormatter(_count_label))
+    if mfu_per_token_per_s:
+        k = 100 * mfu_per_token_per_s
+        right = ax.secondary_yaxis("right", functions=(lambda t: t * k, lambda m: m / k))
+        right.set_ylabel("MFU (%)")
+    ax.legend(loc="lower right")
     _save(fig, path)
-    return {"unit": "tokens/s", "scale": 1.0, "series": drawn}
+    return {"unit": "tokens/s", "scale": 1.0, "series": drawn,
+            "mfu_per_token_per_s": mfu_per_token_per_s}
 
 
 def _rank_colors(n: int) -> list:

@@ -240,6 +240,14 @@ def comm_series(records: list[dict], path: Path) -> dict[str, tuple[list[int], l
     return {a: (steps, [c.get(a, 0.0) for c in per_step]) for a in axes}
 
 
+def mfu_per_token_per_s(records: list[dict]) -> float | None:
+    """MFU / tokens_per_s, the same in every step of a run (fixed FLOPs per token and peak);
+    None where the run did not know its peak FLOP/s."""
+    ratios = [r["mfu"] / r["tokens_per_s"] for r in records
+              if r.get("mfu") and r.get("tokens_per_s")]
+    return statistics.median(ratios) if ratios else None
+
+
 def memory_series(run_dir: Path) -> dict[int, dict[str, tuple[list[int], list[float]]]]:
     """Each rank's peak memory (and CUDA reserved peak) per logged step, from the per-rank
     files `memory/rank{R}.jsonl`; {} for a run from before they were written."""
@@ -279,7 +287,8 @@ def run_report(run_dir: Path, plots: ModuleType | None) -> dict | None:
     records = _read_jsonl(path)
     summary = _read_summary(run_dir)
     loss, evals = series(records, "loss", path), series(records, "eval_loss", path)
-    tps, mfu = series(records, "tokens_per_s", path), series(records, "mfu", path)
+    tps = series(records, "tokens_per_s", path)
+    series(records, "mfu", path)  # checked: numbers or null
     comm = comm_series(records, path)
     memory = memory_series(run_dir)
     # CUDA runs log the allocator's reserved peak; on a CPU the peak is the process's RSS.
@@ -307,7 +316,7 @@ def run_report(run_dir: Path, plots: ModuleType | None) -> dict | None:
         pictures["loss"] = plots.loss_picture(folder / "loss.png", {"loss": loss},
                                               {"eval loss": evals} if evals[0] else {})
         pictures["throughput"] = plots.throughput_picture(
-            folder / "throughput.png", {"tokens/s": tps}, {"MFU": mfu} if mfu[0] else None)
+            folder / "throughput.png", {"tokens/s": tps}, mfu_per_token_per_s(records))
         if memory:
             pictures["memory"] = plots.memory_picture(folder / "memory.png", memory, what)
         elif result["memory_source"] == "summary.json":
