@@ -1,65 +1,180 @@
-"""`meshloom report`: the PNG writer, the measured-vs-predicted numbers, the command's errors."""
+"""`meshloom report`: a real run's pictures against its metrics, the measured-vs-predicted
+pipeline numbers, the docs' pictures, the command's errors and the missing-matplotlib hint."""
 
 import json
+import shutil
 import struct
-import zlib
+import sys
 
 import pytest
+from conftest import tiny_config
+from dist_harness import run_ranks
 
 from meshloom.cli import main
 from meshloom.parallel.pipeline_schedule import build_schedule, simulate
-from meshloom.png import _FONT, Canvas, text_width
-from meshloom.report import ReportError, report, schedule_pictures
+from meshloom.report import PLOT_HINT, ReportError, pipeline_report, report
 
 
-def read_png(path):
-    """(width, height, rows of raw RGB bytes), checking the signature, CRCs and filter bytes."""
+def png_size(path):
+    """(width, height) from a PNG's header, checking the signature; the file must be a picture
+    of some substance, not an empty canvas."""
     data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, chunks = 8, []
-    while pos < len(data):
-        (n,) = struct.unpack(">I", data[pos:pos + 4])
-        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + n]
-        (crc,) = struct.unpack(">I", data[pos + 8 + n:pos + 12 + n])
-        assert crc == zlib.crc32(kind + body) & 0xFFFFFFFF
-        chunks.append((kind, body))
-        pos += 12 + n
-    assert [k for k, _ in chunks][0] == b"IHDR" and chunks[-1] == (b"IEND", b"")
-    w, h, depth, color, _, _, interlace = struct.unpack(">IIBBBBB", chunks[0][1])
-    assert (depth, color, interlace) == (8, 2, 0)
-    raw = zlib.decompress(b"".join(b for k, b in chunks if k == b"IDAT"))
-    assert len(raw) == h * (1 + 3 * w)
-    rows = [raw[y * (1 + 3 * w):(y + 1) * (1 + 3 * w)] for y in range(h)]
-    assert all(r[0] == 0 for r in rows)
-    return w, h, [r[1:] for r in rows]
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    assert len(data) > 5_000, f"{path} is suspiciously small ({len(data)} bytes)"
+    return struct.unpack(">II", data[16:24])
 
 
-def test_png_is_decodable(tmp_path):
-    c = Canvas(7, 5)
-    c.rect(2, 1, 4, 3, (255, 0, 0))
-    c.rect(-5, 4, 100, 9, (0, 0, 255))  # clipped
-    c.save(tmp_path / "a.png")
-    w, h, rows = read_png(tmp_path / "a.png")
-    assert (w, h) == (7, 5)
-    assert rows[1][6:9] == bytes((255, 0, 0)) and rows[1][12:15] == bytes((255, 255, 255))
-    assert rows[4] == bytes((0, 0, 255)) * 7
-    assert [p.name for p in tmp_path.iterdir()] == ["a.png"]  # no temporary left behind
+def records_of(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_text_draws_pixels():
-    wanted = ("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
-              " .,:;-+=/()%#_[]<>x")
-    assert set(wanted) <= set(_FONT)
-    for scale in (1, 3):
-        c = Canvas(200, 40)
-        end = c.text(2, 2, "Bubble 20.0%", (0, 0, 0), scale)
-        assert end == 2 + 12 * 6 * scale
-        assert text_width("Bubble 20.0%", scale) == 12 * 6 * scale - scale
-        inked = sum(c.pixels[i] == 0 for i in range(0, len(c.pixels), 3))
-        assert inked > 30 * scale * scale
-    blank = Canvas(20, 10)
-    blank.text(0, 0, " ")
-    assert set(blank.pixels) == {255}
+def _train(run_dir, cache, overrides):
+    from meshloom.train import train
+
+    train(tiny_config(run_dir, cache, "train.sample_tokens=0", *overrides))
+    return str(run_dir)
+
+
+@pytest.fixture(scope="module")
+def dp_run(tmp_path_factory, token_cache):
+    """2 ranks, data parallel, 6 steps with eval every 3."""
+    run_dir = tmp_path_factory.mktemp("dp") / "run"
+    run_ranks(_train, 2, run_dir, token_cache,
+              ["train.steps=6", "train.eval_every=3", "train.eval_sequences=16"], timeout=240)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def pp_run(tmp_path_factory, token_cache):
+    """2 ranks, pipeline (1F1B, 4 micro-batches), 3 steps with eval at the end."""
+    run_dir = tmp_path_factory.mktemp("pp") / "run"
+    run_ranks(_train, 2, run_dir, token_cache,
+              ["train.steps=3", "train.eval_every=0", "train.eval_sequences=16",
+               "parallel.pp=2", "parallel.pp_microbatches=4"], timeout=240)
+    return run_dir
+
+
+def drawn(picture, label):
+    """(steps, values in the data's own unit) of one line of a picture."""
+    x, y = picture["series"][label]
+    return x, [v * picture["scale"] for v in y]
+
+
+def check_run_pictures(run_dir, r):
+    """Every picture exists at its size and shows exactly what the run's files hold."""
+    records = records_of(run_dir / "metrics.jsonl")
+    steps = [rec["step"] for rec in records]
+    pics = r["pictures"]
+    for name in ("loss", "throughput", "memory", "comm"):
+        assert png_size(run_dir / "report" / f"{name}.png") == (800, 450)
+        assert pics[name]["png"] == str(run_dir / "report" / f"{name}.png")
+    assert drawn(pics["loss"], "loss") == (steps, [rec["loss"] for rec in records])
+    evals = [rec for rec in records if "eval_loss" in rec]
+    assert evals, "the run evaluated"
+    assert drawn(pics["loss"], "eval loss") == ([rec["step"] for rec in evals],
+                                                 [rec["eval_loss"] for rec in evals])
+    assert drawn(pics["throughput"], "tokens/s") == (steps,
+                                                      [rec["tokens_per_s"] for rec in records])
+    assert pics["throughput"]["mfu_per_token_per_s"] is None  # CPU, no run.peak_tflops
+    axes = sorted({a for rec in records for a in rec["comm_bytes"]})
+    assert sorted(pics["comm"]["series"]) == axes
+    for a in axes:
+        x, y = drawn(pics["comm"], a)
+        assert x == steps
+        assert y == pytest.approx([rec["comm_bytes"].get(a, 0) for rec in records], rel=1e-12)
+    # Memory: each rank's own file, one line per rank; rank 0's is metrics.jsonl's.
+    assert sorted(pics["memory"]["series"]) == ["rank 0", "rank 1"]
+    for rank in (0, 1):
+        mine = records_of(run_dir / "memory" / f"rank{rank}.jsonl")
+        x, y = drawn(pics["memory"], f"rank {rank}")
+        assert x == steps == [m["step"] for m in mine]
+        assert y == pytest.approx([m["peak_mem_bytes"] for m in mine], rel=1e-12)
+    assert drawn(pics["memory"], "rank 0")[1] == pytest.approx(
+        [rec["peak_mem_bytes"] for rec in records], rel=1e-12)
+
+
+def test_report_of_a_data_parallel_run(dp_run, capsys):
+    r = report(dp_run)
+    assert r["pipeline"] is None and r["hint"] is None
+    assert r["run"]["steps"] == [1, 2, 3, 4, 5, 6]
+    assert r["run"]["eval_loss"][0] == [3, 6]
+    assert r["run"]["memory_source"] == "per-rank files"
+    assert "dp" in r["run"]["comm_bytes"]
+    check_run_pictures(dp_run, r["run"])
+
+    assert main(["report", str(dp_run)]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    assert "run: 6 logged steps (1 to 6)" in out and "eval loss" in out
+    assert "tokens/s: median" in out and "(rank " in out and "dp " in out
+    for name in ("loss", "throughput", "memory", "comm"):
+        assert str(dp_run / "report" / f"{name}.png") in out
+    assert "pipeline" not in out
+
+
+def test_report_of_a_pipeline_run(pp_run, capsys):
+    r = report(pp_run)
+    check_run_pictures(pp_run, r["run"])
+    assert "pp" in r["run"]["comm_bytes"]
+    pipe = r["pipeline"]
+    assert pipe["schedule"] == "1f1b" and pipe["ranks"] == [0, 1]
+    assert pipe["png"] == str(pp_run / "pipeline" / "timeline.png")
+    w, h = png_size(pp_run / "pipeline" / "timeline.png")
+    assert w == 1000 and h > 300
+    assert main(["report", str(pp_run)]) == 0
+    out = capsys.readouterr().out
+    assert "run: 3 logged steps" in out and "bubble" in out and "timeline.png" in out
+
+
+def test_without_matplotlib_the_text_and_one_hint_line(dp_run, pp_run, tmp_path, monkeypatch,
+                                                       capsys):
+    for name, run in (("dp", dp_run), ("pp", pp_run)):
+        copy = tmp_path / name
+        shutil.copytree(run, copy, ignore=shutil.ignore_patterns("report", "timeline.png"))
+    # Importing matplotlib now fails as it does where it is not installed.
+    for mod in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, mod)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.delitem(sys.modules, "meshloom.plots", raising=False)
+    for name in ("dp", "pp"):
+        assert main(["report", str(tmp_path / name)]) == 0
+        out, err = capsys.readouterr()
+        assert err == PLOT_HINT + "\n"
+        assert "Traceback" not in out + err and "tokens/s: median" in out
+        assert not (tmp_path / name / "report").exists()
+        assert not (tmp_path / name / "pipeline" / "timeline.png").exists()
+    assert "bubble" in out and "timeline:" not in out  # the pipeline's numbers, no picture
+    assert report(tmp_path / "dp")["run"]["pictures"] == {}
+
+
+def test_a_run_without_per_rank_memory_files_shows_the_summary_peaks(dp_run, tmp_path):
+    run = tmp_path / "old"
+    shutil.copytree(dp_run, run, ignore=shutil.ignore_patterns("report", "memory"))
+    r = report(run)["run"]
+    peaks = json.loads((run / "summary.json").read_text())["peak_mem_bytes_per_rank"]
+    assert r["memory_source"] == "summary.json" and len(peaks) == 2
+    assert drawn(r["pictures"]["memory"], "peak") == ([0, 1], pytest.approx(peaks, rel=1e-12))
+    assert png_size(run / "report" / "memory.png") == (800, 450)
+
+
+def test_metrics_of_a_live_or_resumed_run(tmp_path):
+    """A resumed run logs steps again (the later record wins); a live run's last line may be
+    half written (left out); a broken line is refused naming it."""
+    lines = [{"step": s, "loss": 5.0 - s, "tokens_per_s": 100.0, "comm_bytes": {}}
+             for s in (1, 2, 3)]
+    lines += [{"step": 3, "loss": 9.0, "tokens_per_s": 100.0, "comm_bytes": {"dp": 8}},
+              {"step": 4, "loss": 1.0, "tokens_per_s": 100.0, "comm_bytes": {"dp": 8}}]
+    text = "".join(json.dumps(x) + "\n" for x in lines) + '{"step": 5, "lo'
+    (tmp_path / "metrics.jsonl").write_text(text)
+    r = report(tmp_path, draw=False)["run"]
+    assert r["loss"] == ([1, 2, 3, 4], [4.0, 3.0, 9.0, 1.0])
+    assert r["comm_bytes"] == {"dp": ([1, 2, 3, 4], [0.0, 0.0, 8.0, 8.0])}
+    (tmp_path / "metrics.jsonl").write_text(text + "\n")
+    with pytest.raises(ReportError, match="metrics.jsonl line 6 is not JSON"):
+        report(tmp_path, draw=False)
+    (tmp_path / "metrics.jsonl").write_text(text.replace('"loss": 3.0', '"loss": "x"'))
+    with pytest.raises(ReportError, match="step 2: loss is 'x', not a number"):
+        report(tmp_path, draw=False)
 
 
 def write_timelines(folder, timeline, *, schedule, pp, m, v=1, dp=0, shift=0.0):
@@ -84,7 +199,7 @@ def test_report_on_unit_times_matches_the_simulator(tmp_path, capsys):
     slow = simulate(build_schedule("1f1b", pp, m), lambda a: 1.0 + 2 * a.stage)
     write_timelines(tmp_path, slow, schedule="1f1b", pp=pp, m=m, dp=1, shift=7.0)
 
-    r = report(tmp_path)
+    r = pipeline_report(tmp_path)
     expected = (pp - 1) / (m + pp - 1)  # 0.2
     assert r["ranks"] == [0, 2]
     assert r["measured"]["bubble"] == pytest.approx(expected)
@@ -93,7 +208,7 @@ def test_report_on_unit_times_matches_the_simulator(tmp_path, capsys):
     assert r["measured"]["makespan_ms"] == pytest.approx(1e3 * 2 * (m + pp - 1))
     assert r["predicted"]["makespan_ms"] == pytest.approx(r["measured"]["makespan_ms"])
     assert r["measured"]["busy_fraction"] == pytest.approx([1 - expected] * pp)
-    w, h, _ = read_png(tmp_path / "pipeline" / "timeline.png")
+    w, h = png_size(tmp_path / "pipeline" / "timeline.png")
     assert w == 1000 and h > 200
     saved = json.loads((tmp_path / "pipeline" / "report.json").read_text())
     assert saved["measured"]["bubble"] == pytest.approx(expected)
@@ -110,7 +225,7 @@ def test_report_picks_one_pipeline_and_uses_measured_costs(tmp_path):
     with pytest.raises(ReportError, match="first pipeline"):
         report(tmp_path)
     write_timelines(tmp_path, t, schedule="1f1b", pp=pp, m=m, shift=5.0)
-    r = report(tmp_path, draw=False)
+    r = pipeline_report(tmp_path, draw=False)
     assert r["ranks"] == [0, 2] and r["png"] is None
     assert r["predicted"]["bubble"] == pytest.approx(r["measured"]["bubble"])
     assert r["measured"]["bubble"] != pytest.approx(r["predicted_unit_cost"]["bubble"])
@@ -129,9 +244,12 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("meshloom: error:") and "does not exist" in err
     assert err.count("\n") == 1
+    (tmp_path / "file").write_text("")
+    assert main(["report", str(tmp_path / "file")]) == 2
+    assert "is not a folder" in capsys.readouterr().err
     assert main(["report", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "not trained with parallel.pp > 1" in err and err.count("\n") == 1
+    assert "holds no metrics.jsonl and no pipeline timelines" in err and err.count("\n") == 1
     (tmp_path / "pipeline").mkdir()
     (tmp_path / "pipeline" / "timeline_rank0.json").write_text("{not json")
     assert main(["report", str(tmp_path)]) == 2
@@ -140,6 +258,8 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
 
 
 def test_schedule_pictures(tmp_path):
+    from meshloom.plots import schedule_pictures
+
     p, m, v = 4, 8, 2
     bubbles = schedule_pictures(tmp_path, p, m, v)
     assert bubbles["gpipe"] == pytest.approx((p - 1) / (m + p - 1))
@@ -148,8 +268,9 @@ def test_schedule_pictures(tmp_path):
     assert bubbles["zb_h1"] < bubbles["1f1b"]
     for name in bubbles:
         path = tmp_path / f"pp_{name}.png"
-        read_png(path)
-        assert path.stat().st_size < 60_000
+        w, h = png_size(path)
+        assert w == 1000 and 200 < h < 400
+        assert path.stat().st_size < 80_000  # small enough to commit under docs/img
 
 
 def test_report_refuses_incomplete_or_malformed_pipelines(tmp_path):
@@ -157,7 +278,7 @@ def test_report_refuses_incomplete_or_malformed_pipelines(tmp_path):
     write_timelines(tmp_path, t, schedule="1f1b", pp=2, m=4)
     (tmp_path / "pipeline" / "timeline_rank2.json").unlink()
     with pytest.raises(ReportError, match="found pp ranks 0"):
-        report(tmp_path)
+        pipeline_report(tmp_path)
     write_timelines(tmp_path, t, schedule="1f1b", pp=2, m=4)
     path = tmp_path / "pipeline" / "timeline_rank2.json"
     data = json.loads(path.read_text())
@@ -168,11 +289,12 @@ def test_report_refuses_incomplete_or_malformed_pipelines(tmp_path):
 
 
 def test_zigzag_picture(tmp_path):
-    from meshloom.report import zigzag_picture
+    from meshloom.plots import zigzag_picture
 
     ratios = zigzag_picture(tmp_path / "z.png", cp=4)
     assert ratios["zigzag"] <= 1.1 < 6 < ratios["contiguous"]
-    assert (tmp_path / "z.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png_size(tmp_path / "z.png") == (750, 460)
+    assert [p.name for p in tmp_path.iterdir()] == ["z.png"]  # no temporary left behind
 
 
 def _step_rows(schedule: str, p: int, m: int, v: int, latency: float) -> list[dict]:
@@ -204,3 +326,16 @@ def test_bubble_without_transfers_replays_the_measured_durations(schedule, v):
     for f in files:
         f["steps"][0] = f["steps"][0][:4]
     assert step_bubbles_without_transfers(files) == [None]
+
+
+def test_mfu_reads_off_the_tokens_per_s_line(tmp_path):
+    """A run that knew its peak FLOP/s: MFU is a fixed multiple of tokens/s, and the picture's
+    right-hand axis is that multiple (the first record, without MFU, does not count)."""
+    lines = [{"step": 1, "loss": 3.0, "tokens_per_s": 500.0, "mfu": None, "comm_bytes": {}}]
+    lines += [{"step": s, "loss": 3.0, "tokens_per_s": 1000.0 * s, "mfu": 0.0004 * s,
+               "comm_bytes": {}} for s in (2, 3, 4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    r = report(tmp_path)["run"]
+    assert r["pictures"]["throughput"]["mfu_per_token_per_s"] == pytest.approx(4e-7)
+    assert png_size(tmp_path / "report" / "throughput.png") == (800, 450)
+    assert sorted(r["pictures"]) == ["loss", "throughput"]  # no memory, no comm: no picture

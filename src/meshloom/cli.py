@@ -1,5 +1,5 @@
-"""`meshloom` command line: train (launching ranks through torchrun), layout, and report (the
-measured pipeline timeline against the simulator's)."""
+"""`meshloom` command line: train (launching ranks through torchrun), layout, and report (a
+run's pictures; a pipelined run's measured timeline against the simulator's)."""
 
 from __future__ import annotations
 
@@ -165,6 +165,8 @@ def _report(args: argparse.Namespace) -> int:
         print(f"meshloom: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(format_report(result))
+    if result["hint"]:
+        print(result["hint"], file=sys.stderr)
     return 0
 
 
@@ -200,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(lay)
     lay.add_argument("--ranks-per-node", type=int, default=0)
     lay.set_defaults(func=_layout)
-    rep = sub.add_parser("report", help="measured vs predicted pipeline timeline of a run (PNG)")
+    rep = sub.add_parser("report", help="pictures of a run: loss, tokens/s, memory per rank, "
+                         "comm per axis; a pipelined run's timeline vs the simulator's")
     rep.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (run.dir)")
     rep.set_defaults(func=_report)
     add_plan_parser(sub)

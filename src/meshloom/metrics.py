@@ -92,12 +92,19 @@ class ProgressBar:
 
 
 class MetricsLogger:
-    """Writes metrics.jsonl and TensorBoard events and drives the console on the main rank."""
+    """Writes metrics.jsonl and TensorBoard events and drives the console on the main rank;
+    on every rank, that rank's memory at the logged steps (`memory/rank{R}.jsonl`)."""
 
     def __init__(self, run_dir: Path, *, main: bool, total_steps: int, start_step: int,
-                 tensorboard: bool = False):
+                 tensorboard: bool = False, rank: int | None = None):
         self.main = main
         self.file = open(run_dir / "metrics.jsonl", "a") if main else None  # noqa: SIM115
+        # Each rank writes its own memory file: the per-rank picture of `meshloom report`
+        # without gathering anything over the network.
+        self.memory = None
+        if rank is not None:
+            (run_dir / "memory").mkdir(parents=True, exist_ok=True)
+            self.memory = open(run_dir / "memory" / f"rank{rank}.jsonl", "a")  # noqa: SIM115
         self.bar = ProgressBar(total_steps, start_step) if main else None
         self.tb = None
         if main and tensorboard:
@@ -106,6 +113,12 @@ class MetricsLogger:
             self.tb = SummaryWriter(str(run_dir / "tensorboard"))
 
     def log(self, record: dict[str, Any]) -> None:
+        """Called on every rank with that rank's record of a logged step."""
+        if self.memory is not None:
+            mine = {k: record.get(k) for k in ("step", "peak_mem_bytes", "peak_mem_reserved_bytes")
+                    if record.get(k) is not None}
+            self.memory.write(json.dumps(mine) + "\n")
+            self.memory.flush()
         if not self.main:
             return
         self.file.write(json.dumps(record) + "\n")
@@ -129,6 +142,8 @@ class MetricsLogger:
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
+        if self.memory is not None:
+            self.memory.close()
         if self.tb is not None:
             self.tb.close()
 

@@ -1,98 +1,62 @@
-"""`meshloom report RUN_DIR`: the measured pipeline timeline next to the simulator's prediction.
+"""`meshloom report RUN_DIR`: pictures of any run, and a pipelined run's measured timeline next
+to the simulator's prediction.
 
-A pipelined run leaves, for every rank, `RUN_DIR/pipeline/timeline_rank{R}.json` (written by
-`train._write_timeline`): when each compute action of the last step ran on that rank. The report
-takes the ranks of one pipeline (those whose other mesh coordinates are all 0, one per pp rank),
-puts their spans on one clock (each rank's times count from its own start of the step, shifted
-by the wall-clock time at which that rank started it; the earliest start becomes 0) and
+Every run: from `metrics.jsonl` (rank 0, one object per logged step) and each rank's
+`memory/rank{R}.jsonl` (written by `metrics.MetricsLogger`), `RUN_DIR/report/` gets loss.png
+(loss and eval loss), throughput.png (tokens/s, MFU when known), memory.png (peak memory per
+rank over the steps; runs from before the per-rank files: summary.json's per-rank peaks) and
+comm.png (bytes per mesh axis per step, when the run communicated). The pictures need
+matplotlib (`pip install 'meshloom[plot]'`); without it the report prints its text and a
+one-line hint.
+
+A pipelined run also leaves, for every rank, `RUN_DIR/pipeline/timeline_rank{R}.json` (written
+by `train._write_timeline`): when each compute action of the last step ran on that rank. The
+report takes the ranks of one pipeline (those whose other mesh coordinates are all 0, one per pp
+rank), puts their spans on one clock (each rank's times count from its own start of the step,
+shifted by the wall-clock time at which that rank started it; the earliest start becomes 0) and
 compares them with `simulate()` run on the same schedule, with each action costing what it cost
-on average in the run (per kind and stage), and with unit costs.
+on average in the run (per kind and stage), and with unit costs. Bubble fraction everywhere is
+`Timeline.bubble()`: 1 - busy / (ranks x makespan). That part writes
+`RUN_DIR/pipeline/timeline.png` (measured on top, predicted below) and
+`RUN_DIR/pipeline/report.json`.
 
-Bubble fraction everywhere is `Timeline.bubble()`: 1 - busy / (ranks x makespan).
-
-Writes `RUN_DIR/pipeline/timeline.png` (measured on top, predicted below) and
-`RUN_DIR/pipeline/report.json`; `format_report()` gives the table the command prints.
+`format_report()` gives the text the command prints. Reading and checking the run's files is
+`report_files.py`; drawing is `plots.py`.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
-import math
 import os
 import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
+from types import ModuleType
 
 from meshloom.parallel.pipeline_schedule import (
-    Action,
     Timeline,
     build_schedule,
     compute_lists,
     simulate,
 )
-from meshloom.png import Canvas, text_height, text_width
+from meshloom.report_files import (
+    ReportError,
+    comm_series,
+    load_pipeline,
+    memory_series,
+    mfu_per_token_per_s,
+    read_jsonl,
+    read_summary,
+    series,
+)
 
-KIND_COLORS = {"F": (66, 133, 244), "B": (52, 168, 83), "I": (242, 133, 0), "W": (142, 68, 173)}
-KIND_NAMES = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}
-INK, GRID, MUTED = (20, 20, 20), (225, 225, 225), (110, 110, 110)
+__all__ = ["ReportError", "load_pipeline", "report", "format_report", "pipeline_report",
+           "step_bubbles", "step_bubbles_without_transfers", "step_cpu_shares"]
+PLOT_HINT = "meshloom: install matplotlib for pictures: pip install 'meshloom[plot]'"
 
 
-KEYS = ("rank", "pp_rank", "pp", "schedule", "virtual_stages", "microbatches", "coords", "spans")
-
-
-class ReportError(ValueError):
-    """Bad input for the report (one line, for the command's error message)."""
-
-
-# ---------------------------------------------------------------- reading a run
-
-
-def load_pipeline(run_dir: str | os.PathLike) -> list[dict]:
-    """The timeline files of one pipeline (other mesh coordinates all 0), in pp-rank order."""
-    run_dir = Path(run_dir)
-    if not run_dir.exists():
-        raise ReportError(f"{run_dir} does not exist")
-    if not run_dir.is_dir():
-        raise ReportError(f"{run_dir} is not a folder (pass a run folder, RUN_DIR)")
-    files = sorted((run_dir / "pipeline").glob("timeline_rank*.json"))
-    if not files:
-        raise ReportError(f"{run_dir} holds no pipeline timelines (pipeline/timeline_rank*.json):"
-                          " it was not trained with parallel.pp > 1, or has not finished")
-    ours = []
-    for f in files:
-        try:
-            data = json.loads(f.read_text())
-            missing = [k for k in KEYS if k not in data]
-            if missing:
-                raise KeyError(missing[0])
-            coords, pp_rank = data["coords"], int(data["pp_rank"])
-            for key in ("pp", "virtual_stages", "microbatches"):
-                data[key] = int(data[key])
-            others = [int(c) for axis, c in coords.items() if axis != "pp"]
-            data["spans"] = sorted(((float(s), float(e), Action(str(k), int(st), int(mb)))
-                                    for s, e, k, st, mb in data["spans"]),
-                                   key=lambda span: span[:2])
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            what = f"no key {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
-            raise ReportError(f"{f} is not a pipeline timeline ({what})") from None
-        if not any(others):
-            ours.append((pp_rank, f, data))
-    if not ours:
-        raise ReportError(f"{run_dir / 'pipeline'} holds no timeline of the first pipeline "
-                          "(the ranks whose coordinates other than pp are all 0)")
-    ours.sort(key=lambda t: t[0])
-    first = ours[0][2]
-    pp = first["pp"]
-    for _, f, data in ours:
-        for key in ("pp", "schedule", "virtual_stages", "microbatches"):
-            if data[key] != first[key]:
-                raise ReportError(f"{f} says {key}={data[key]!r}, {ours[0][1].name} says "
-                                  f"{first[key]!r}: timelines of different runs?")
-    have = [r for r, _, _ in ours]
-    if have != list(range(pp)):
-        raise ReportError(f"{run_dir / 'pipeline'}: the first pipeline needs one timeline per pp "
-                          f"rank 0..{pp - 1}, found pp ranks {', '.join(map(str, have))}")
-    return [data for _, _, data in ours]
+# ---------------------------------------------------------------- a pipeline's numbers
 
 
 def measured_timeline(files: list[dict]) -> Timeline:
@@ -180,12 +144,73 @@ def _summary(timeline: Timeline, scale: float, unit: str) -> dict:
             "busy_fraction": [b / span if span else 0.0 for b in busy]}
 
 
-# ---------------------------------------------------------------- the report
+# ---------------------------------------------------------------- a run's curves
 
 
-def report(run_dir: str | os.PathLike, draw: bool = True) -> dict:
+def run_report(run_dir: Path, plots: ModuleType | None) -> dict | None:
+    """The run's curves: what metrics.jsonl and the per-rank memory files hold, summarised,
+    and (given the plots module) drawn into RUN_DIR/report/. None without metrics.jsonl."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return None
+    records = read_jsonl(path)
+    summary = read_summary(run_dir)
+    loss, evals = series(records, "loss", path), series(records, "eval_loss", path)
+    tps = series(records, "tokens_per_s", path)
+    series(records, "mfu", path)  # checked: numbers or null
+    comm = comm_series(records, path)
+    memory = memory_series(run_dir)
+    # CUDA runs log the allocator's reserved peak; on a CPU the peak is the process's RSS.
+    cuda = any("reserved" in m for m in memory.values()) or any(
+        r.get("peak_mem_reserved_bytes") is not None for r in records)
+    what = "CUDA allocated; dashed: reserved" if cuda else "resident set size"
+    result: dict = {"steps": [r["step"] for r in records], "loss": loss, "eval_loss": evals,
+                    "tokens_per_s": tps, "comm_bytes": comm, "memory_per_rank": memory,
+                    "memory_source": "per-rank files" if memory else None, "pictures": {}}
+    if not memory:  # a run from before the per-rank files: its whole-run peaks, else rank 0's
+        peaks = summary.get("peak_mem_bytes_per_rank")
+        if isinstance(peaks, list) and peaks and all(isinstance(p, int) for p in peaks):
+            result["memory_source"] = "summary.json"
+            result["memory_whole_run"] = peaks
+        elif series(records, "peak_mem_bytes", path)[0]:
+            result["memory_source"] = "metrics.jsonl (rank 0 only)"
+            memory = {0: {"peak": series(records, "peak_mem_bytes", path)}}
+            result["memory_per_rank"] = memory
+    if plots is None or not records:
+        return result
+    folder = run_dir / "report"
+    pictures = result["pictures"]
+    try:
+        folder.mkdir(exist_ok=True)
+        pictures["loss"] = plots.loss_picture(folder / "loss.png", {"loss": loss},
+                                              {"eval loss": evals} if evals[0] else {})
+        pictures["throughput"] = plots.throughput_picture(
+            folder / "throughput.png", {"tokens/s": tps}, mfu_per_token_per_s(records))
+        if memory:
+            pictures["memory"] = plots.memory_picture(folder / "memory.png", memory, what)
+        elif result["memory_source"] == "summary.json":
+            reserved = summary.get("peak_mem_reserved_bytes_per_rank")
+            pictures["memory"] = plots.memory_bars_picture(
+                folder / "memory.png", result["memory_whole_run"],
+                reserved if isinstance(reserved, list) else None,
+                "CUDA allocator" if cuda else "resident set size")
+        if comm:  # a one-process run moves nothing: no empty picture
+            pictures["comm"] = plots.comm_picture(folder / "comm.png", comm)
+    except OSError as e:
+        raise ReportError(f"cannot write the pictures into {folder}: {e.strerror or e}") from None
+    for name, drawn in pictures.items():
+        drawn["png"] = str(folder / f"{name}.png")
+    return result
+
+
+# ---------------------------------------------------------------- a pipeline's timeline
+
+
+def pipeline_report(run_dir: str | os.PathLike, draw: bool = True,
+                    plots: ModuleType | None = None) -> dict:
     """Measured vs predicted pipeline timeline of a run: the numbers (also written to
-    RUN_DIR/pipeline/report.json) and, with `draw`, RUN_DIR/pipeline/timeline.png."""
+    RUN_DIR/pipeline/report.json) and, with `draw` and matplotlib installed,
+    RUN_DIR/pipeline/timeline.png."""
     run_dir = Path(run_dir)
     files = load_pipeline(run_dir)
     schedule, pp = files[0]["schedule"], files[0]["pp"]
@@ -204,6 +229,9 @@ def report(run_dir: str | os.PathLike, draw: bool = True) -> dict:
     predicted = simulate(lists, lambda a: costs[(a.kind, a.stage)])
     unit = simulate(lists)
     pipe = run_dir / "pipeline"
+    if draw and plots is None:
+        plots = load_plots()
+    draw = draw and plots is not None
     result = {
         "run_dir": str(run_dir), "schedule": schedule, "pp": pp, "virtual_stages": v,
         "microbatches": m, "ranks": [int(f["rank"]) for f in files],
@@ -220,13 +248,13 @@ def report(run_dir: str | os.PathLike, draw: bool = True) -> dict:
     }
     try:
         if draw:
-            title = f"{schedule}  pp={pp} v={v} m={m}"
-            draw_timelines(pipe / "timeline.png", [
-                (f"measured: {title}  bubble {measured.bubble():.1%}  "
+            title = f"{schedule}, pp={pp}, v={v}, m={m}"
+            plots.draw_timelines(pipe / "timeline.png", [
+                (f"measured ({title}, last step): bubble {measured.bubble():.1%}, "
                  f"makespan {measured.makespan * 1e3:.4g} ms", measured),
-                (f"predicted: bubble {predicted.bubble():.1%}  makespan "
-                 f"{predicted.makespan * 1e3:.4g} ms  (unit costs: {unit.bubble():.1%})",
-                 predicted),
+                (f"predicted from the measured mean costs: bubble {predicted.bubble():.1%}, "
+                 f"makespan {predicted.makespan * 1e3:.4g} ms (unit costs: bubble "
+                 f"{unit.bubble():.1%})", predicted),
             ], scale=1e3, unit="ms", row_label="pp")
         tmp = pipe / ".report.json.tmp"
         tmp.write_text(json.dumps(result, indent=2) + "\n")
@@ -236,8 +264,81 @@ def report(run_dir: str | os.PathLike, draw: bool = True) -> dict:
     return result
 
 
-def format_report(r: dict) -> str:
-    """The table `meshloom report` prints."""
+# ---------------------------------------------------------------- the command
+
+
+def load_plots() -> ModuleType | None:
+    """meshloom.plots, or None where matplotlib is not installed (an optional extra)."""
+    try:
+        return importlib.import_module("meshloom.plots")
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] != "matplotlib":
+            raise  # a broken install of something else is not "matplotlib is missing"
+        return None
+
+
+def report(run_dir: str | os.PathLike, draw: bool = True) -> dict:
+    """Everything `meshloom report` shows of a run: its curves (`run`, from metrics.jsonl)
+    and, for a pipelined run, its timeline (`pipeline`); `hint` is the one line to print
+    when pictures were wanted and matplotlib is missing."""
+    run_dir = Path(run_dir)
+    if not run_dir.exists():
+        raise ReportError(f"{run_dir} does not exist")
+    if not run_dir.is_dir():
+        raise ReportError(f"{run_dir} is not a folder (pass a run folder, RUN_DIR)")
+    plots = load_plots() if draw else None
+    run = run_report(run_dir, plots)
+    has_pipeline = any((run_dir / "pipeline").glob("timeline_rank*.json"))
+    if run is None and not has_pipeline:
+        raise ReportError(f"{run_dir} holds no metrics.jsonl and no pipeline timelines: not a "
+                          "run folder (run.dir), or the run has not logged a step yet")
+    pipe = pipeline_report(run_dir, plots is not None, plots) if has_pipeline else None
+    return {"run_dir": str(run_dir), "run": run, "pipeline": pipe,
+            "hint": PLOT_HINT if draw and plots is None else None}
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def format_run(r: dict) -> list[str]:
+    """The text lines of a run's curves."""
+    steps = r["steps"]
+    if not steps:
+        return ["run: metrics.jsonl holds no step yet"]
+    lines = [f"run: {len(steps)} logged steps ({steps[0]} to {steps[-1]})"]
+    (_, loss), (ev_steps, ev) = r["loss"], r["eval_loss"]
+    if loss:
+        lines.append(f"loss: {loss[0]:.4f} -> {loss[-1]:.4f}" + (
+            f"; eval loss {ev[-1]:.4f} at step {ev_steps[-1]}" if ev else ""))
+    tps = r["tokens_per_s"][1]
+    if tps:
+        lines.append(f"tokens/s: median {statistics.median(tps):,.0f}")
+    memory = r["memory_per_rank"]
+    if memory:
+        peaks = {rank: max(s["peak"][1]) for rank, s in memory.items() if s["peak"][1]}
+        if peaks:
+            top = max(peaks, key=peaks.get)
+            lines.append(f"peak memory: {_bytes(peaks[top])} (rank {top}; {len(peaks)} ranks, "
+                         f"from {r['memory_source']})")
+    elif r.get("memory_whole_run"):
+        whole = r["memory_whole_run"]
+        lines.append(f"peak memory: {_bytes(max(whole))} (rank {whole.index(max(whole))}; "
+                     f"whole run, from summary.json)")
+    comm = r["comm_bytes"]
+    lines.append("comm per step (rank 0, median): " + (", ".join(
+        f"{a} {_bytes(statistics.median(ys))}" for a, (_, ys) in comm.items())
+        if comm else "none (one process)"))
+    for name, drawn in r["pictures"].items():
+        lines.append(f"{name + ':':11} {drawn['png']}")
+    return lines
+
+
+def format_pipeline(r: dict) -> list[str]:
+    """The measured-vs-predicted table of a pipelined run."""
     me, pr, un = r["measured"], r["predicted"], r["predicted_unit_cost"]
     ranks = ", ".join(map(str, r["ranks"]))
     lines = [f"pipeline: {r['schedule']}, pp={r['pp']}, virtual stages={r['virtual_stages']}, "
@@ -257,160 +358,14 @@ def format_report(r: dict) -> str:
         lines.append("peak micro-batches alive: " + ", ".join(
             f"pp rank {i}: {p}" for i, p in enumerate(r["peak_alive"])))
     if r["png"]:
-        lines.append(f"timeline: {r['png']}")
-    lines.append(f"numbers:  {r['json']}")
+        lines.append(f"timeline:   {r['png']}")
+    lines.append(f"numbers:    {r['json']}")
+    return lines
+
+
+def format_report(r: dict) -> str:
+    """What `meshloom report` prints (the hint apart: it goes to stderr)."""
+    lines = format_run(r["run"]) if r["run"] is not None else []
+    if r["pipeline"] is not None:
+        lines += ([""] if lines else []) + format_pipeline(r["pipeline"])
     return "\n".join(lines)
-
-
-# ---------------------------------------------------------------- drawing
-
-WIDTH, LEFT, RIGHT, ROW_H, ROW_GAP = 1000, 64, 16, 26, 6
-
-
-def draw_timelines(path: str | os.PathLike, panels: list[tuple[str, Timeline]],
-                   scale: float = 1.0, unit: str = "", row_label: str = "rank") -> None:
-    """One PNG with a panel per (title, timeline), stacked, on one time axis: a row per rank,
-    a box per compute action coloured by kind (lighter for later chunks), labelled with its
-    micro-batch when wide enough. Times are multiplied by `scale` for the axis labels."""
-    t_end = max((t.makespan + t.start for _, t in panels), default=0.0) or 1.0
-    n_stages = 1 + max((a.stage for _, t in panels for r in t.spans for _, _, a in r), default=0)
-    pp = max((len(t.spans) for _, t in panels), default=1)
-    v = max(1, math.ceil(n_stages / pp))
-    kinds = [k for k in KIND_COLORS if any(a.kind == k for _, t in panels
-                                           for r in t.spans for _, _, a in r)]
-    panel_h = [22 + len(t.spans) * (ROW_H + ROW_GAP) + 26 for _, t in panels]
-    canvas = Canvas(WIDTH, sum(panel_h) + 34)
-    y = 8
-    for (title, timeline), h in zip(panels, panel_h, strict=True):
-        _panel(canvas, y, title, timeline, t_end, scale, unit, row_label, pp)
-        y += h
-    _legend(canvas, y, kinds, v)
-    canvas.save(path)
-
-
-def _panel(canvas: Canvas, y: int, title: str, timeline: Timeline, t_end: float,
-           scale: float, unit: str, row_label: str, pp: int) -> None:
-    canvas.text(LEFT, y, title, INK, scale=1 if text_width(title, 2) > WIDTH - LEFT else 2)
-    x_of = _axis_map(t_end)
-    top = y + 22
-    bottom = top + len(timeline.spans) * (ROW_H + ROW_GAP)
-    step = _tick_step(t_end * scale)
-    ticks = [i * step for i in range(int(t_end * scale / step + 1e-9) + 1)]
-    for t in ticks:
-        canvas.rect(x_of(t / scale), top - 2, x_of(t / scale) + 1, bottom, GRID)
-    def fits(s: float, e: float, a: Action, size: int) -> bool:
-        return text_width(str(a.mb), size) + 4 <= x_of(e) - x_of(s) - 1
-
-    # One label size for the panel (large where nearly every box has room), small as a fallback.
-    boxes = [span for spans in timeline.spans for span in spans]
-    large = sum(fits(*b, 2) for b in boxes) >= 0.9 * len(boxes)
-    for r, spans in enumerate(timeline.spans):
-        ry = top + r * (ROW_H + ROW_GAP)
-        canvas.text(6, ry + (ROW_H - text_height(1)) // 2, f"{row_label} {r}", INK)
-        for s, e, a in spans:
-            x0, x1 = x_of(s), x_of(e)
-            color = _shade(KIND_COLORS.get(a.kind, MUTED), a.stage // pp)
-            canvas.rect(x0, ry, max(x1 - 1, x0 + 1), ry + ROW_H, color)  # 1 px gap between
-            label = str(a.mb)
-            for size in (2, 1) if large else (1,):
-                if fits(s, e, a, size):
-                    ink = (255, 255, 255) if sum(color) < 450 else INK
-                    canvas.text(round((x0 + x1 - 1 - text_width(label, size)) / 2),
-                                ry + (ROW_H - text_height(size)) // 2, label, ink, size)
-                    break
-    canvas.rect(LEFT, bottom, WIDTH - RIGHT, bottom + 1, INK)
-    for t in ticks:
-        x = x_of(t / scale)
-        canvas.rect(x, bottom, x + 1, bottom + 4, INK)
-        label = f"{t:g}"
-        canvas.text(round(x - text_width(label) / 2), bottom + 7, label, MUTED)
-    if unit:
-        canvas.text(WIDTH - RIGHT - text_width(unit), bottom + 16, unit, MUTED)
-
-
-def _axis_map(t_end: float):
-    span = WIDTH - LEFT - RIGHT
-    return lambda t: round(LEFT + t / t_end * span)
-
-
-def _tick_step(extent: float) -> float:
-    """1, 2 or 5 x 10^k: about 8 to 20 ticks over the extent."""
-    raw = extent / 12 if extent > 0 else 1.0
-    base = 10 ** math.floor(math.log10(raw))
-    return next(m * base for m in (1, 2, 5, 10) if m * base >= raw)
-
-
-def _shade(color: tuple[int, int, int], chunk: int) -> tuple[int, int, int]:
-    """The kind's colour for chunk 0, mixed with more white for each later chunk."""
-    mix = min(0.6, 0.4 * chunk)
-    return tuple(round(c + (255 - c) * mix) for c in color)
-
-
-def _legend(canvas: Canvas, y: int, kinds: list[str], v: int) -> None:
-    x = LEFT
-    for k in kinds:
-        canvas.rect(x, y, x + 14, y + 14, KIND_COLORS[k])
-        x = canvas.text(x + 20, y + 4, f"{k} {KIND_NAMES[k]}", INK) + 18
-    if v > 1:
-        for c in range(v):
-            canvas.rect(x + 16 * c, y, x + 16 * c + 14, y + 14, _shade(KIND_COLORS["F"], c))
-        canvas.text(x + 16 * v + 6, y + 4, "chunk 0, 1, ... (lighter: later chunk)", INK)
-    canvas.text(WIDTH - RIGHT - text_width("numbers: micro-batch"), y + 4,
-                "numbers: micro-batch", MUTED)
-
-
-def schedule_pictures(folder: str | os.PathLike, pp: int = 4, m: int = 8, v: int = 2) -> dict:
-    """docs/img/pp_<schedule>.png: every schedule simulated on unit costs; returns the bubbles."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    bubbles = {}
-    for name in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1"):
-        vv = v if name == "interleaved_1f1b" else 1
-        t = simulate(build_schedule(name, pp, m, vv))
-        bubbles[name] = t.bubble()
-        extra = f" v={vv}" if vv > 1 else ""
-        title = (f"{name}  p={pp}{extra} m={m}  unit costs  makespan {t.makespan:g}  "
-                 f"bubble {t.bubble():.1%}")
-        draw_timelines(folder / f"pp_{name}.png", [(title, t)], unit="time (units)")
-    return bubbles
-
-
-_RANK_COLORS = [(66, 133, 244), (234, 134, 0), (52, 168, 83), (155, 89, 182),
-                (219, 68, 55), (0, 172, 193), (244, 180, 0), (121, 85, 72)]
-
-
-def zigzag_picture(path: str | os.PathLike, cp: int = 4, cell: int = 22) -> dict[str, float]:
-    """docs/img/cp_zigzag.png: the causal score matrix in 2·cp x 2·cp chunk blocks, each
-    unmasked block coloured by the cp rank whose queries it is, for the contiguous split (left)
-    and the zigzag split (right); returns each split's max/min work ratio."""
-    from meshloom.parallel.context import attention_work
-
-    n = 2 * cp
-    pad, gap, top = 14, 40, 34
-    side = n * cell
-    canvas = Canvas(2 * side + gap + 2 * pad, side + top + 44)
-    ratios = {}
-    for panel, zigzag in enumerate((False, True)):
-        x0 = pad + panel * (side + gap)
-        owner = ([i if i < cp else n - 1 - i for i in range(n)] if zigzag
-                 else [i // 2 for i in range(n)])
-        work = [attention_work(64 * n, cp, r, zigzag) for r in range(cp)]
-        ratios["zigzag" if zigzag else "contiguous"] = max(work) / min(work)
-        title = f"{'zigzag' if zigzag else 'contiguous'}: max/min work {max(work) / min(work):.2f}"
-        canvas.text(x0, 8, title, scale=1)
-        for qc in range(n):
-            for kc in range(qc + 1):
-                color = _RANK_COLORS[owner[qc] % len(_RANK_COLORS)]
-                if kc == qc:  # half of the diagonal block is masked
-                    color = tuple(int(c + (255 - c) * 0.45) for c in color)
-                canvas.rect(x0 + kc * cell + 1, top + qc * cell + 1,
-                            x0 + (kc + 1) * cell - 1, top + (qc + 1) * cell - 1, color)
-        canvas.frame(x0, top, x0 + side, top + side, (120, 120, 120))
-    y = top + side + 10
-    x = pad
-    for r in range(cp):
-        canvas.rect(x, y, x + 12, y + 10, _RANK_COLORS[r % len(_RANK_COLORS)])
-        x = canvas.text(x + 16, y + 2, f"rank {r}") + 14
-    canvas.text(pad, y + 18, "rows: query chunks, columns: key chunks (causal)")
-    canvas.save(path)
-    return ratios

@@ -248,7 +248,7 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
     flops_per_token = mcfg.flops_per_token(cfg.data.seq_len)
     peak = device_peak_flops(device, cfg.run.peak_tflops)
     logger = MetricsLogger(run_dir, main=main, total_steps=cfg.train.steps, start_step=start,
-                           tensorboard=cfg.run.tensorboard)
+                           tensorboard=cfg.run.tensorboard, rank=rank)
     if main:
         n_params = mcfg.num_params()
         name = cfg.model.init_from or cfg.model.preset
