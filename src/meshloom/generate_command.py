@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 EXAMPLE = ("examples:\n"
            "  meshloom generate --checkpoint runs/tiny --prompt 'def ' --temperature 0\n"
@@ -52,10 +52,12 @@ def run(args: argparse.Namespace) -> int:
                   temperature=args.temperature, top_k=args.top_k or None, seed=args.seed,
                   tp=args.tp, device=args.device, stop_at_eos=not args.ignore_eos)
     try:
-        prepare(req)
+        prep = prepare(req)
     except GenerateError as e:
         print(f"meshloom: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    # The ranks load the checkpoint checked here, not whichever is newest when they start.
+    req = replace(req, path=str(prep.checkpoint))
     if req.tp == 1:
         return _in_process(req, args.json)
     return _torchrun(req, args.json)
