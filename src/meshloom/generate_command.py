@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
                        "KV cache)", epilog=EXAMPLE,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, metavar="DIR",
-                   help="a run folder (its latest complete checkpoint is used) or a checkpoint "
+                   help="a run folder (its newest intact checkpoint is used) or a checkpoint "
                         "folder (step_NNNNNNN), saved under any training layout")
     p.add_argument("--prompt", required=True, help="the text to continue")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks to run on")
