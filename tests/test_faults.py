@@ -19,7 +19,7 @@ from conftest import ROOT, tiny_config
 from dist_harness import run_ranks
 
 from meshloom import checkpoint
-from meshloom.checkpoint_files import CheckpointError, read_metadata, read_tensors
+from meshloom.checkpoint import CheckpointError, read_metadata, read_tensors
 from meshloom.cli import main as cli_main
 from meshloom.faults import axis_groups, stall_message
 from meshloom.train import NonFiniteError, train

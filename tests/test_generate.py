@@ -311,7 +311,7 @@ def test_pipeline_and_context_parallel_checkpoint_generates_the_same(tmp_path, t
     """A checkpoint written by pp 2 x cp 2 (4 ranks): generation at tp 1 and tp 2 agrees token
     for token, and with a plain model holding the checkpoint's weights."""
     from meshloom import checkpoint
-    from meshloom.checkpoint_files import read_tensors
+    from meshloom.checkpoint import read_tensors
 
     run_ranks(_train_pp_cp, 4, tmp_path, token_cache)
     request = dict(path=str(tmp_path), prompt=PROMPT, max_new_tokens=NEW, temperature=0.0)

@@ -13,7 +13,7 @@ from conftest import tiny_config
 from dist_harness import run_ranks
 
 from meshloom import checkpoint
-from meshloom.checkpoint_files import read_tensors
+from meshloom.checkpoint import read_tensors
 from meshloom.cli import main as cli_main
 from meshloom.train import train
 

@@ -28,20 +28,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     info.set_defaults(func=_info)
 
 
-def _folders(path: Path) -> list[Path]:
-    from meshloom import checkpoint
-
-    if (path / "meta.json").is_file() or (path / "manifest.json").is_file():
-        return [path]
-    found = checkpoint.complete_checkpoints(path)
-    if not found and path.name == "checkpoints":
-        found = checkpoint.complete_checkpoints(path.parent)
-    return found
-
-
 def describe(folder: Path, verify: bool = True) -> dict[str, Any]:
     """The facts `info` prints, as a dict (also its --json output)."""
-    from meshloom import checkpoint_files as files
+    from meshloom.checkpoint import files
 
     out: dict[str, Any] = {"path": str(folder)}
     damage = files.problems(folder, hash_only=None if verify else [])
@@ -126,14 +115,13 @@ def format_info(d: dict[str, Any], tensors: bool = False) -> str:
 
 
 def _info(args: argparse.Namespace) -> int:
+    from meshloom.checkpoint import CheckpointError, checkpoints_in
+
     path = Path(args.dir)
-    if not path.is_dir():
-        print(f"meshloom: error: {path} is not a folder", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    folders = _folders(path)
-    if not folders:
-        print(f"meshloom: error: {path} holds no complete checkpoint (a run folder with "
-              "checkpoints/step_*/ or one checkpoint folder)", file=sys.stderr)
+    try:  # every checkpoint, damaged ones too: describing them is the point
+        folders = checkpoints_in(path)
+    except CheckpointError as e:
+        print(f"meshloom: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     newest = describe(folders[-1], verify=not args.no_verify)
     others = [describe(f, verify=not args.no_verify) for f in folders[:-1]]

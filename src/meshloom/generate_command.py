@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 EXAMPLE = ("examples:\n"
            "  meshloom generate --checkpoint runs/tiny --prompt 'def ' --temperature 0\n"
@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
                        "KV cache)", epilog=EXAMPLE,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, metavar="DIR",
-                   help="a run folder (its latest complete checkpoint is used) or a checkpoint "
+                   help="a run folder (its newest intact checkpoint is used) or a checkpoint "
                         "folder (step_NNNNNNN), saved under any training layout")
     p.add_argument("--prompt", required=True, help="the text to continue")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks to run on")
@@ -52,10 +52,12 @@ def run(args: argparse.Namespace) -> int:
                   temperature=args.temperature, top_k=args.top_k or None, seed=args.seed,
                   tp=args.tp, device=args.device, stop_at_eos=not args.ignore_eos)
     try:
-        prepare(req)
+        prep = prepare(req)
     except GenerateError as e:
         print(f"meshloom: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    # The ranks load the checkpoint checked here, not whichever is newest when they start.
+    req = replace(req, path=str(prep.checkpoint))
     if req.tp == 1:
         return _in_process(req, args.json)
     return _torchrun(req, args.json)

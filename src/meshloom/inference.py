@@ -40,7 +40,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from meshloom import checkpoint, checkpoint_files, comm, faults
+from meshloom import checkpoint, comm, faults
 from meshloom.comm import CommCounter
 from meshloom.config import (
     Config,
@@ -59,7 +59,6 @@ from meshloom.parallel.tensor import AXIS
 from meshloom.parallel.tensor_plan import TensorParallel, check_tp_dims
 from meshloom.validation import model_config
 
-FIRST_GLOBAL_SHAPE_FORMAT = 3  # checkpoints before it stored flat shards, not global tensors
 TIMEOUT_S = 300.0  # a collective that waits longer fails instead of hanging
 
 
@@ -71,7 +70,7 @@ class GenerateError(ValueError):
 class Request:
     """What `meshloom generate` asks for (JSON-able: it travels to the ranks as one argument)."""
 
-    path: str  # a run folder (its latest complete checkpoint) or a checkpoint folder
+    path: str  # a run folder (its newest intact checkpoint) or a checkpoint folder
     prompt: str
     max_new_tokens: int = 64
     temperature: float = 0.8  # 0: greedy
@@ -97,41 +96,16 @@ class Prepared:
 # ---------------------------------------------------------------- checks (parent process)
 
 
-def find_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder (holds meta.json), or the latest complete one of a run folder (or of
-    its checkpoints/ folder)."""
-    p = Path(path)
-    if not p.exists():
-        raise GenerateError(f"--checkpoint {p}: no such folder")
-    if not p.is_dir():
-        raise GenerateError(f"--checkpoint {p}: not a folder")
-    if (p / "meta.json").is_file():
-        return p
-    found = checkpoint.latest_checkpoint(p)
-    if found is None and p.name == "checkpoints":
-        found = checkpoint.latest_checkpoint(p.parent)
-    if found is None:
-        raise GenerateError(f"--checkpoint {p}: no complete checkpoint in it (neither its own "
-                            "meta.json nor checkpoints/step_*/meta.json)")
-    return found
-
-
-def _read_checkpoint_meta(ckpt: Path) -> dict[str, Any]:
+def _open_checkpoint(path: str) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint `path` names, checked (format, index, files: meshloom.checkpoint), and its
+    meta, which must hold the training config."""
     try:
-        meta = checkpoint.read_meta(ckpt)
-    except (OSError, ValueError) as e:
-        raise GenerateError(f"checkpoint {ckpt}: unreadable meta.json ({e})") from None
-    fmt = meta.get("format")
-    # Any format that stores global-shape parameters will do: the rest of it is training state.
-    if not isinstance(fmt, int) or not FIRST_GLOBAL_SHAPE_FORMAT <= fmt <= \
-            checkpoint.FORMAT_VERSION:
-        raise GenerateError(f"checkpoint {ckpt} has format {fmt}; this meshloom reads formats "
-                            f"{FIRST_GLOBAL_SHAPE_FORMAT}..{checkpoint.FORMAT_VERSION}")
-    if not (ckpt / ".metadata").is_file():
-        raise GenerateError(f"checkpoint {ckpt} is incomplete: it has no DCP .metadata file")
+        ckpt, meta = checkpoint.open_checkpoint(path)
+    except checkpoint.CheckpointError as e:
+        raise GenerateError(str(e)) from None
     if not isinstance(meta.get("config"), dict):
         raise GenerateError(f"checkpoint {ckpt}: meta.json has no training config")
-    return meta
+    return ckpt, meta
 
 
 def _run_config(raw: dict[str, Any]) -> Config:
@@ -146,14 +120,11 @@ def _run_config(raw: dict[str, Any]) -> Config:
 def _check_model_entries(ckpt: Path, mcfg: LlamaConfig) -> None:
     """Before any rank starts: the checkpoint's DCP metadata has every parameter of the model the
     config builds, in its global shape, and the files holding them are there and long enough
-    (a damaged or foreign checkpoint is one line here, not a failure inside every rank)."""
-    if (ckpt / checkpoint_files.MANIFEST).is_file():  # format 4: sizes and checksums
-        damage = checkpoint_files.problems(ckpt)
-        if damage:
-            raise GenerateError(f"checkpoint {ckpt} is damaged: {damage[0]}")
+    (a foreign checkpoint is one line here, not a failure inside every rank; a format without a
+    manifest is only checked this far)."""
     try:  # the allow-list reader: a crafted .metadata cannot run code
-        md = checkpoint_files.read_metadata(ckpt)
-    except checkpoint_files.CheckpointError as e:
+        md = checkpoint.read_metadata(ckpt)
+    except checkpoint.CheckpointError as e:
         raise GenerateError(str(e)) from None
     with torch.device("meta"):
         expected = {f"model/{n}": tuple(p.shape)
@@ -196,8 +167,7 @@ def prepare(req: Request) -> Prepared:
         raise GenerateError(f"--top-k={req.top_k} must be >= 1 (or 0: no top-k)")
     if not req.prompt:
         raise GenerateError("--prompt is empty: give at least one character to continue")
-    ckpt = find_checkpoint(req.path)
-    meta = _read_checkpoint_meta(ckpt)
+    ckpt, meta = _open_checkpoint(req.path)
     cfg = _run_config(meta["config"])
     try:
         tokenizer = load_tokenizer(cfg.data.tokenizer)
@@ -277,7 +247,7 @@ def load_model(ckpt: Path, mcfg: LlamaConfig, mesh: Mesh,
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # ShardedTensor's deprecation notices
-            dcp.load(state, storage_reader=checkpoint_files.SafeReader(str(ckpt)))
+            dcp.load(state, storage_reader=checkpoint.SafeReader(str(ckpt)))
     except CheckpointException as e:  # a BaseException: name what failed underneath it
         cause = next(iter(e.failures.values()))[0] if e.failures else e
         raise checkpoint.CheckpointError(f"checkpoint {ckpt}: cannot load the model's parameters "

@@ -6,9 +6,10 @@ A meshloom *weights folder* is what ``meshloom convert hf-to-meshloom`` writes:
                         layout meshloom's Llama computes with (a tied head is not stored)
     meshloom.json       {"format": "meshloom-weights", "version": 1, "model": {LlamaConfig}}
     tokenizer.json      copied from the source, when it had one
-A checkpoint folder (``RUN_DIR/checkpoints/step_N``) or a run folder (its latest complete
-checkpoint) serves as a source too. Checkpoints are read on one process, without a process
-group, through checkpoint_files' allow-list reader (nothing but DCP's metadata is unpickled).
+A checkpoint folder (``RUN_DIR/checkpoints/step_N``) or a run folder (its newest intact
+checkpoint) serves as a source too: meshloom.checkpoint resolves and checks it. Checkpoints are
+read on one process, without a process group, through the checkpoint package's allow-list
+reader (nothing but DCP's metadata is unpickled).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from meshloom import checkpoint, checkpoint_files
-from meshloom.checkpoint_files import CheckpointError
+from meshloom import checkpoint
+from meshloom.checkpoint import CheckpointError
 from meshloom.models.hf_checkpoint import (
     TOKENIZER_FILE,
     HFCheckpointError,
@@ -36,7 +37,6 @@ from meshloom.models.llama import Llama, LlamaConfig, config_from_preset
 WEIGHTS_META = "meshloom.json"
 WEIGHTS_FILE = "model.safetensors"
 FORMAT = "meshloom-weights"
-_FORMATS = (3, 4)  # checkpoint formats whose model entries read the same way (4 adds a manifest)
 
 
 class WeightsError(ValueError):
@@ -58,21 +58,20 @@ class Source:
 
 
 def open_source(path: str | Path) -> Source:
-    """A weights folder, a checkpoint folder, or a run folder (its latest complete checkpoint)."""
+    """A weights folder, a checkpoint folder, or a run folder (its newest intact checkpoint)."""
     path = Path(path)
     if not path.is_dir():
         raise WeightsError(f"{path}: no such folder")
     if (path / WEIGHTS_META).is_file():
         return _weights_folder(path)
-    if (path / "meta.json").is_file():
-        return _checkpoint_folder(path)
-    if checkpoint.checkpoint_root(path).is_dir():
-        latest = checkpoint.latest_checkpoint(path)
-        if latest is None:
-            raise WeightsError(f"{path}: the run has no complete checkpoint")
-        return _checkpoint_folder(latest)
-    raise WeightsError(f"{path}: neither a meshloom weights folder ({WEIGHTS_META}), a checkpoint "
-                       "(meta.json) nor a run folder (checkpoints/)")
+    is_checkpoint = checkpoint.format.is_checkpoint_folder(path)
+    if not is_checkpoint and checkpoint.find.run_folder_of(path) is None:
+        raise WeightsError(f"{path}: neither a meshloom weights folder ({WEIGHTS_META}), a "
+                           "checkpoint (meta.json) nor a run folder (checkpoints/)")
+    try:
+        return _checkpoint_source(*checkpoint.open_checkpoint(path))
+    except CheckpointError as e:
+        raise WeightsError(str(e)) from None
 
 
 def _weights_folder(path: Path) -> Source:
@@ -90,21 +89,9 @@ def _weights_folder(path: Path) -> Source:
     return Source("weights", path, cfg, str(tok) if tok.is_file() else None)
 
 
-def _checkpoint_folder(path: Path) -> Source:
-    meta = checkpoint.read_meta(path)
-    if meta.get("format") not in _FORMATS:
-        raise WeightsError(f"checkpoint {path} has format {meta.get('format')}; this meshloom "
-                           f"reads formats {_FORMATS}")
-    if not (path / ".metadata").is_file():
-        raise WeightsError(f"checkpoint {path} is incomplete: it has no DCP .metadata file")
-    if meta["format"] >= 4:  # format 4 has a manifest of sizes and checksums: check it
-        damage = checkpoint_files.problems(path)
-        if damage:
-            raise WeightsError(f"checkpoint {path} is damaged: {damage[0]}")
-    try:
-        entries = checkpoint_files.tensor_entries(path)
-    except CheckpointError as e:
-        raise WeightsError(str(e)) from None
+def _checkpoint_source(path: Path, meta: dict) -> Source:
+    """A checkpoint folder that open_checkpoint has checked (format, index, manifest)."""
+    entries = checkpoint.tensor_entries(path)
     if "model" in meta:  # the resolved model config, written since model.init_from exists
         cfg = LlamaConfig(**meta["model"])
     else:  # older checkpoints: the preset and overrides, with the vocabulary the table has
@@ -125,7 +112,7 @@ def _read_checkpoint(path: Path) -> dict[str, Tensor]:
     """The ``model/<name>`` entries of a DCP checkpoint as whole CPU tensors, assembled on this
     process alone from however many ranks' pieces were saved."""
     try:
-        return checkpoint_files.read_tensors(path, "model/")
+        return checkpoint.read_tensors(path, "model/")
     except CheckpointError as e:
         raise WeightsError(str(e)) from None
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException

@@ -25,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 MANIFEST = "manifest.json"
+META = "meta.json"  # written last: its presence is the commit marker
 _CHUNK = 8 << 20
 
 
@@ -44,9 +45,9 @@ def file_digest(path: Path) -> str:
 
 
 def data_files(folder: Path) -> list[str]:
-    """The files a manifest covers: everything but itself and the commit marker (meta.json)."""
+    """The files a manifest covers: everything but itself and the commit marker."""
     return sorted(p.name for p in folder.iterdir()
-                  if p.is_file() and p.name not in (MANIFEST, "meta.json")
+                  if p.is_file() and p.name not in (MANIFEST, META)
                   and not p.name.endswith(".partial"))
 
 
@@ -86,10 +87,10 @@ def problems(folder: Path, hash_only: list[str] | None = None) -> list[str]:
     every file; checksums only for `hash_only` (None: all), so ranks can split the hashing."""
     folder = Path(folder)
     try:
-        json.loads((folder / "meta.json").read_text())
+        json.loads((folder / META).read_text())
         files = read_manifest(folder)
     except (CheckpointError, ValueError, OSError) as e:
-        return [str(e) if isinstance(e, CheckpointError) else f"meta.json is unreadable ({e})"]
+        return [str(e) if isinstance(e, CheckpointError) else f"{META} is unreadable ({e})"]
     found = []
     if ".metadata" not in files:
         found.append(f"{MANIFEST} does not list DCP's .metadata")
