@@ -52,3 +52,8 @@ def test_dead_rank_is_reported_without_waiting_for_the_timeout():
     with pytest.raises(RankError, match="rank 1 died with exit code 7"):
         run_ranks(_die_on_one, 2, timeout=60)
     assert time.monotonic() - t0 < 15
+
+
+def test_spawned_ranks_as_for_cuda():
+    """The benchmarks spawn their ranks on CUDA (a forked child cannot use it): same results."""
+    assert run_ranks(_rank_id, 2, start_method="spawn", timeout=300) == [(0, 2), (1, 2)]

@@ -84,7 +84,7 @@ def test_failing_rank_is_named_and_exits_1(tmp_path, token_cache):
     lines = _said(proc.stderr)
     assert lines[0].startswith("meshloom: rank 1 failed: RuntimeError: fault injected by "
                                "MESHLOOM_FAULT at step 2"), proc.stderr[-3000:]
-    assert lines[0].endswith("(exit code 1)")
+    assert lines[0].endswith("(exit status 1)")
     assert lines[-1] == "meshloom: training failed on rank 1"
     assert all("rank 0" in ln for ln in lines[1:-1]), lines  # the survivor's symptom, after
     assert (run_dir / "error_rank1.txt").is_file()
@@ -106,23 +106,28 @@ def test_failure_report_puts_the_cause_first():
     assert failure_report(ends, "restarting (1 of 2) from step_0000100") == [
         "meshloom: rank 1 was killed by SIGKILL",
         "meshloom: restarting (1 of 2) from step_0000100",
-        "meshloom: " + GLOO_LOST + " (exit code 1)",
-        "meshloom: " + GLOO_LOST.replace("rank 0", "rank 2") + " (exit code 1)",
+        "meshloom: " + GLOO_LOST + " (exit status 1)",
+        "meshloom: " + GLOO_LOST.replace("rank 0", "rank 2") + " (exit status 1)",
         "meshloom: rank(s) 3 stopped by the launcher",
     ]
+    # A survivor that said what went wrong and then hung: its line, and who ended it.
+    lines = failure_report([RankEnd(1, -9), RankEnd(0, -15, GLOO_LOST, by_itself=False)])
+    assert lines == ["meshloom: rank 1 was killed by SIGKILL",
+                     "meshloom: " + GLOO_LOST + " (then stopped by the launcher)"]
     # An error of its own is a cause, even on a higher rank than a symptom's; a killed rank
     # comes before it; a line that names no rank gets it; ranks that said nothing, grouped.
     ends = [RankEnd(0, 1, GLOO_LOST), RankEnd(3, 1, "ValueError: bad shard"), RankEnd(2, -9),
             RankEnd(4, 3), RankEnd(5, 3)]
     assert failure_report(ends) == [
         "meshloom: rank 2 was killed by SIGKILL",
-        "meshloom: rank 3 failed: ValueError: bad shard (exit code 1)",
-        "meshloom: ranks 4, 5 exited with code 3",
-        "meshloom: " + GLOO_LOST + " (exit code 1)",
+        "meshloom: rank 3 failed: ValueError: bad shard (exit status 1)",
+        "meshloom: ranks 4, 5 exited with status 3",
+        "meshloom: " + GLOO_LOST + " (exit status 1)",
     ]
     # Only lost peers (a network fault, say): they are all that can be said, first.
     assert failure_report([RankEnd(0, 1, GLOO_LOST)], "restarting (1 of 1) from the start") == [
-        "meshloom: " + GLOO_LOST + " (exit code 1)", "meshloom: restarting (1 of 1) from the start"]
+        "meshloom: " + GLOO_LOST + " (exit status 1)",
+        "meshloom: restarting (1 of 1) from the start"]
 
 
 def test_restarts_used_up_cause_first_and_exit_1(tmp_path, token_cache):

@@ -159,7 +159,7 @@ def ended(exitcode: int) -> str:
             return f"was killed by {signal.Signals(-exitcode).name}"
         except ValueError:
             return f"was killed by signal {-exitcode}"
-    return f"exited with code {exitcode}"
+    return f"exited with status {exitcode}"
 
 
 def _symptom(end: RankEnd) -> bool:
@@ -182,7 +182,10 @@ def _with_message(end: RankEnd) -> str:
     text = " ".join(end.message.split())
     if not text.startswith(f"rank {end.rank}"):  # an error file that meshloom did not write
         text = f"rank {end.rank} failed: {text}"
-    how = ended(end.exitcode).removeprefix("was ").replace("exited with code", "exit code")
+    if end.exitcode < 0 and not end.by_itself:  # it said what went wrong, then hung
+        how = "then stopped by the launcher"
+    else:
+        how = ended(end.exitcode).removeprefix("was ").replace("exited with", "exit")
     return f"meshloom: {text} ({how})"
 
 
