@@ -265,8 +265,14 @@ class _Outcome:
     """What the agent saw of the last failed attempt (for the launcher's last line)."""
 
     def __init__(self) -> None:
+        self.reported = False
         self.causes: list[RankEnd] = []
         self.bad_input = False
+
+    def record(self, ends: list[RankEnd]) -> None:
+        self.reported = True
+        self.causes = causes(ends)
+        self.bad_input = all(e.exitcode == EXIT_BAD_INPUT for e in self.causes)
 
 
 def _message(failure: Any) -> str:
@@ -305,8 +311,7 @@ def _agent_class(launch: Launch, outcome: _Outcome):
             return {w.global_rank for w in worker_group.workers if w.local_rank in done}
 
         def _report(self, ends: list[RankEnd]) -> None:
-            outcome.causes = causes(ends)
-            outcome.bad_input = all(e.exitcode == EXIT_BAD_INPUT for e in outcome.causes)
+            outcome.record(ends)
             if outcome.bad_input:  # the ranks said what is wrong; a restart would not help
                 self._remaining_restarts = 0
                 return
@@ -344,9 +349,15 @@ def torchrun(launch: Launch) -> int:
     try:
         run(get_args_parser().parse_args(_torchrun_argv(launch)))
     except ChildFailedError as e:
+        if not outcome.reported:  # torch built its own agent after all: report at the end
+            ends = [RankEnd(r, f.exitcode, _message(f)) for r, f in sorted(e.failures.items())]
+            outcome.record(ends)
+            if not outcome.bad_input:
+                for line in failure_report(ends):
+                    say(line)
         if outcome.bad_input:
             return EXIT_BAD_INPUT
-        ranks = sorted(c.rank for c in outcome.causes) or sorted(e.failures)
+        ranks = sorted(c.rank for c in outcome.causes)
         used = (f"; the {launch.max_restarts} restart(s) of --max-restarts are used up"
                 if launch.max_restarts else "")
         say(f"meshloom: {launch.what} failed on rank {', '.join(map(str, ranks))}{used}")
