@@ -8,23 +8,18 @@ exception comes back with its traceback; a dead or hung rank fails the run inste
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import pickle
-import queue
-import socket
 import statistics
 import subprocess
-import time
-import traceback
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from meshloom.launch import run_ranks
 
 RankMain = Callable[[argparse.Namespace, int, int], Any]
 
@@ -53,56 +48,16 @@ def summary(times: list[float]) -> dict:
             "p10_s": deciles[0], "p90_s": deciles[-1], "times_s": times}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank_main: RankMain, args: argparse.Namespace, rank: int, world: int, port: int,
-            results: mp.Queue) -> None:
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    try:
-        torch.set_num_threads(threads_per_rank(world))
-        results.put((rank, "ok", pickle.dumps(rank_main(args, rank, world))))
-    except BaseException:  # noqa: BLE001 - reported by the parent
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _rank_main(rank_main: RankMain, args: argparse.Namespace) -> Any:
+    return rank_main(args, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
 
 
 def launch(rank_main: RankMain, args: argparse.Namespace, timeout: float = 3600.0) -> Any:
     """Run rank_main on args.nproc ranks; rank 0's return value."""
     # fork is fast (torch is already imported), but CUDA cannot be used in a forked child.
-    ctx = mp.get_context("spawn" if args.device == "cuda" else "fork")
-    results: mp.Queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(rank_main, args, r, args.nproc, port, results),
-                         daemon=True) for r in range(args.nproc)]
-    for p in procs:
-        p.start()
-    out: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(out) < args.nproc:
-            try:
-                rank, status, value = results.get(timeout=1.0)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (0, None)]
-                if dead or time.monotonic() > deadline:
-                    raise RuntimeError(f"ranks {dead or 'all'} died or timed out") from None
-                continue
-            if status == "error":
-                raise RuntimeError(f"rank {rank} raised:\n{value}")
-            out[rank] = pickle.loads(value)
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-    return out[0]
+    method = "spawn" if args.device == "cuda" else "fork"
+    return run_ranks(_rank_main, args.nproc, rank_main, args, timeout=timeout,
+                     start_method=method)[0]
 
 
 def add_common_args(p: argparse.ArgumentParser, *, steps: int, warmup: int, out: Path) -> None:

@@ -52,3 +52,22 @@ def test_dead_rank_is_reported_without_waiting_for_the_timeout():
     with pytest.raises(RankError, match="rank 1 died with exit code 7"):
         run_ranks(_die_on_one, 2, timeout=60)
     assert time.monotonic() - t0 < 15
+
+
+_set_in_this_process: list[int] = []
+
+
+def _rank_and_inherited():
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), bool(_set_in_this_process)
+
+
+def test_spawned_ranks_as_for_cuda():
+    """The benchmarks spawn their ranks on CUDA (a forked child cannot use it): fresh
+    interpreters, which do not see what this process changed, with the same results."""
+    _set_in_this_process.append(1)
+    try:
+        assert run_ranks(_rank_and_inherited, 2, start_method="spawn", timeout=300) == \
+            [(0, 2, False), (1, 2, False)]
+        assert run_ranks(_rank_and_inherited, 2) == [(0, 2, True), (1, 2, True)]  # forked
+    finally:
+        _set_in_this_process.clear()

@@ -8,6 +8,9 @@ import subprocess
 import sys
 
 from conftest import ROOT
+from fault_injection import env
+
+from meshloom.launch import RankEnd, failure_report
 
 TINY = str(ROOT / "configs" / "tiny.toml")
 KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_bytes", "comm_bytes",
@@ -73,16 +76,80 @@ def test_failing_rank_is_named_and_exits_1(tmp_path, token_cache):
     """A rank that raises: the user gets one line per failed rank naming it and the error,
     the traceback in the run folder, exit status 1."""
     run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MESHLOOM_FAULT": "raise:1:1"}
     proc = subprocess.run([sys.executable, "-m", "meshloom.cli", "train", TINY, "--nproc", "2",
                            "--set", "train.steps=3", "--set", f"run.dir={run_dir}",
                            "--set", f"data.cache_dir={token_cache}"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=240, env=env)
+                          capture_output=True, text=True, timeout=240, env=env("raise:1:1"))
     assert proc.returncode == 1
-    assert "meshloom: rank 1 failed: RuntimeError: fault injected by MESHLOOM_FAULT at step 2" \
-        in proc.stderr
-    assert "meshloom: training failed on rank" in proc.stderr
+    lines = _said(proc.stderr)
+    assert lines[0].startswith("meshloom: rank 1 failed: RuntimeError: fault injected by "
+                               "MESHLOOM_FAULT at step 2"), proc.stderr[-3000:]
+    assert lines[0].endswith("(exit status 1)")
+    assert lines[-1] == "meshloom: training failed on rank 1"
+    assert all("rank 0" in ln for ln in lines[1:-1]), lines  # the survivor's symptom, after
     assert (run_dir / "error_rank1.txt").is_file()
+
+
+def _said(stderr: str) -> list[str]:
+    return [ln for ln in stderr.splitlines() if ln.startswith("meshloom: ")]
+
+
+GLOO_LOST = ("rank 0 failed: RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:553] "
+             "Connection closed by peer [127.0.0.1]:40613 (traceback in run/error_rank0.txt)")
+
+
+def test_failure_report_puts_the_cause_first():
+    """The survivors' lost-peer errors come after the rank that died and the restart line,
+    however the ranks are numbered; ranks that said nothing are grouped by how they ended."""
+    ends = [RankEnd(0, 1, GLOO_LOST), RankEnd(1, -9), RankEnd(2, 1, GLOO_LOST.replace(
+        "rank 0", "rank 2")), RankEnd(3, -15, by_itself=False)]
+    assert failure_report(ends, "restarting (1 of 2) from step_0000100") == [
+        "meshloom: rank 1 was killed by SIGKILL",
+        "meshloom: restarting (1 of 2) from step_0000100",
+        "meshloom: " + GLOO_LOST + " (exit status 1)",
+        "meshloom: " + GLOO_LOST.replace("rank 0", "rank 2") + " (exit status 1)",
+        "meshloom: rank(s) 3 stopped by the launcher",
+    ]
+    # A survivor that said what went wrong and then hung: its line, and who ended it.
+    lines = failure_report([RankEnd(1, -9), RankEnd(0, -15, GLOO_LOST, by_itself=False)])
+    assert lines == ["meshloom: rank 1 was killed by SIGKILL",
+                     "meshloom: " + GLOO_LOST + " (then stopped by the launcher)"]
+    # An error of its own is a cause, even on a higher rank than a symptom's; a killed rank
+    # comes before it; a line that names no rank gets it; ranks that said nothing, grouped.
+    ends = [RankEnd(0, 1, GLOO_LOST), RankEnd(3, 1, "ValueError: bad shard"), RankEnd(2, -9),
+            RankEnd(4, 3), RankEnd(5, 3)]
+    assert failure_report(ends) == [
+        "meshloom: rank 2 was killed by SIGKILL",
+        "meshloom: rank 3 failed: ValueError: bad shard (exit status 1)",
+        "meshloom: ranks 4, 5 exited with status 3",
+        "meshloom: " + GLOO_LOST + " (exit status 1)",
+    ]
+    # Only lost peers (a network fault, say): they are all that can be said, first.
+    assert failure_report([RankEnd(0, 1, GLOO_LOST)], "restarting (1 of 1) from the start") == [
+        "meshloom: " + GLOO_LOST + " (exit status 1)",
+        "meshloom: restarting (1 of 1) from the start"]
+
+
+def test_restarts_used_up_cause_first_and_exit_1(tmp_path, token_cache):
+    """Rank 1 is killed on every attempt: each attempt's report starts with it, the restart
+    line says where from, and the last line says the restarts are used up; exit status 1."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "meshloom.cli", "train", TINY, "--nproc", "2",
+                           "--max-restarts", "1", "--set", "train.steps=4",
+                           "--set", "train.eval_every=0", "--set", "train.sample_tokens=0",
+                           "--set", f"run.dir={run_dir}", "--set", f"data.cache_dir={token_cache}"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=env("kill:1:1:always"))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = _said(proc.stderr)
+    killed = "meshloom: rank 1 was killed by SIGKILL"
+    assert lines[:2] == [killed, "meshloom: restarting (1 of 1) from the start"], lines
+    second = lines.index(killed, 2)
+    assert all("rank" in ln and "0" in ln for ln in lines[2:second]), lines  # symptoms only
+    assert lines[-1] == ("meshloom: training failed on rank 1; the 1 restart(s) of "
+                         "--max-restarts are used up"), lines
+    assert all("rank" in ln and "0" in ln for ln in lines[second + 1:-1]), lines
+    assert "Traceback" not in proc.stderr
 
 
 def test_meshloom_train_tensor_parallel(tmp_path, token_cache):

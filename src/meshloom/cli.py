@@ -4,26 +4,18 @@ run's pictures; a pipelined run's measured timeline against the simulator's)."""
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 import time
-from importlib import resources
 from pathlib import Path
 
 from meshloom.checkpoint_command import add_parser as add_checkpoint_parser
 from meshloom.config import Config, ConfigError, dump_toml, load_config
 from meshloom.convert import add_parser as add_convert_parser
 from meshloom.generate_command import add_parser as add_generate_parser
+from meshloom.launch import EXIT_BAD_INPUT, builtin_config, free_port
 from meshloom.plan.command import add_parser as add_plan_parser
 from meshloom.validation import validate
-
-EXIT_BAD_INPUT = 2
-
-
-def builtin_config(name: str) -> Path:
-    """Path of a config shipped inside the package (the demo)."""
-    return Path(str(resources.files("meshloom") / "configs" / f"{name}.toml"))
 
 
 def default_nproc(cfg: Config) -> int:
@@ -88,58 +80,25 @@ def _train(args: argparse.Namespace) -> int:
 
         os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
                            "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"})
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         return rank_main(rank_args)
-    return _torchrun(args, nproc, rank_args)
+    return _torchrun(args, nproc, rank_args, run_dir)
 
 
-def _free_port() -> int:
-    import socket
+def _torchrun(args: argparse.Namespace, nproc: int, rank_args: list[str], run_dir: Path) -> int:
+    from meshloom import checkpoint
+    from meshloom.launch import Launch, torchrun
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    def resume_point() -> str | None:  # what a restarted rank resumes from (train.main)
+        found = checkpoint.latest_checkpoint(run_dir)
+        return found.name if found else None
 
-
-def _torchrun(args: argparse.Namespace, nproc: int, rank_args: list[str]) -> int:
-    from torch.distributed.elastic.multiprocessing import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
-
-    # Each rank gets its share of the cores (torchrun would otherwise set 1 thread and warn).
-    threads = max(1, len(os.sched_getaffinity(0)) // nproc)
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    # The elastic agent logs each failure with its own tables; we print one line per failure.
-    os.environ.setdefault("LOGLEVEL", "CRITICAL")
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    launch = ["--nproc-per-node", str(nproc)]
-    if args.nnodes > 1 or args.rdzv_endpoint:
-        launch += ["--nnodes", str(args.nnodes), "--node-rank", str(args.node_rank),
-                   "--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint or "",
-                   "--rdzv-id", args.rdzv_id]
-    else:
-        launch += ["--standalone"]
     # A restarted rank resumes by itself from the last intact checkpoint (train.main).
-    launch += ["--max-restarts", str(args.max_restarts), "-m", "meshloom.train", *rank_args]
-    try:
-        run(get_args_parser().parse_args(launch))
-    except ChildFailedError as e:
-        codes = {f.exitcode for f in e.failures.values()}
-        ranks = ", ".join(str(r) for r in sorted(e.failures))
-        if codes == {EXIT_BAD_INPUT}:
-            return EXIT_BAD_INPUT
-        exits = ", ".join(str(c) for c in sorted(codes))
-        print(f"meshloom: training failed on rank {ranks} (exit codes {exits}); "
-              "see the messages above", file=sys.stderr)
-        return 1
-    except SignalException as e:  # preemption: the ranks got the signal too and saved
-        print(f"meshloom: stopped by signal {e.sigval.name}; the ranks saved a checkpoint "
-              "where they stopped: continue with --resume", file=sys.stderr)
-        return 128 + int(e.sigval)
-    except Exception as e:  # noqa: BLE001 - e.g. a rendezvous that never completes
-        print(f"meshloom: launch failed: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return torchrun(Launch(
+        "meshloom.train", rank_args, nproc, what="training", max_restarts=args.max_restarts,
+        nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_id=args.rdzv_id, resume_point=resume_point,
+        on_signal="the ranks saved a checkpoint where they stopped: continue with --resume"))
 
 
 def _layout(args: argparse.Namespace) -> int:

@@ -8,10 +8,9 @@
   is oldest, or whose heartbeat stopped) and the collective its own rank is stuck in, and ends
   the process: a rank blocked inside a collective cannot be interrupted any other way. The
   process group's own time-out is set later than the watchdog's, as a backstop.
-- `MESHLOOM_FAULT` (tests only) injects a fault on the first attempt of a run: `stall:R:S`
-  (rank R sleeps forever at step S), `kill:R:S` (rank R sends itself SIGKILL at step S),
-  `term:R:S` (rank R gets SIGTERM at step S), `raise:R:S` (rank R raises an error), `nan:S`
-  (rank 0's gradients become NaN at step S). Steps count from 0.
+- `step_started` / `gradients_ready` are the seam where tests inject faults (kill, stall, raise,
+  SIGTERM, NaN gradients: tests/fault_injection.py): the training loop calls them at two fixed
+  points and they call whatever hooks are installed, none outside tests.
 """
 
 from __future__ import annotations
@@ -22,13 +21,15 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from meshloom.comm import CommCounter
+from meshloom.launch import rank_failed
 
 EXIT_STALLED = 3
 
@@ -64,19 +65,6 @@ def process_group_timeout(timeout_s: float) -> datetime.timedelta:
     """The process group's time-out: later than the watchdog's, so that the watchdog (which
     can name the stalled rank) speaks first."""
     return datetime.timedelta(seconds=timeout_s * 2 + 30)
-
-
-def attempt_store(world: int, timeout: datetime.timedelta) -> dist.Store | None:
-    """Under torchrun, the ranks rendezvous on the agent's store, which outlives a restart: the
-    addresses that the killed attempt's ranks published are still in it, and a restarted rank
-    that reads one fails to connect. A key prefix per attempt keeps each attempt to its own.
-    None outside torchrun (the usual env:// rendezvous)."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          world_size=world, is_master=False, timeout=timeout)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"meshloom/attempt_{attempt}", store)
 
 
 # ---------------------------------------------------------------- stall watchdog
@@ -162,20 +150,13 @@ class Watchdog:
     def _fire(self, idle: float, me: dict[str, Any]) -> None:
         message = stall_message(self.rank, me, idle, self.timeout_s, self._others(),
                                 self.groups, stale_after=3 * self.interval + 2)
-        say(f"meshloom: {message}")
+        rank_failed(message)
         if self.run_dir is not None:
             try:
                 (self.run_dir / f"error_rank{self.rank}.txt").write_text(message + "\n")
             except OSError:
                 pass
         os._exit(EXIT_STALLED)
-
-
-def say(line: str) -> None:
-    """One line to stderr in a single write. Every rank shares the launcher's stderr, and
-    print() writes the text and its newline separately (stderr is write-through), so lines that
-    ranks print at the same moment came out spliced into one."""
-    os.write(2, (line + "\n").encode())
 
 
 def axis_groups(dims: Any) -> dict[str, list[list[int]]]:
@@ -242,41 +223,33 @@ def stall_message(rank: int, me: dict[str, Any], idle: float, timeout_s: float,
             f"(run.timeout_s={timeout_s:g}); {culprit}")
 
 
-# ---------------------------------------------------------------- fault injection (tests)
+# ---------------------------------------------------------------- the test seam
 
 
-def _first_attempt() -> bool:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+class StepHook(Protocol):
+    """Called by the training loop at two fixed points of every step (tests install these)."""
+
+    def step_started(self, rank: int, step: int) -> None: ...
+
+    def gradients_ready(self, rank: int, step: int, params: list[torch.Tensor]) -> None: ...
 
 
-def injected(kind: str, rank: int, step: int) -> bool:
-    """Whether MESHLOOM_FAULT asks for `kind` on this rank at this (0-based) step."""
-    spec = os.environ.get("MESHLOOM_FAULT", "")
-    if not spec or not _first_attempt():
-        return False
-    parts = spec.split(":")
-    if parts[0] != kind:
-        return False
-    if kind == "nan":
-        return rank == 0 and step == int(parts[1])
-    return rank == int(parts[1]) and step == int(parts[2])
+_hooks: list[StepHook] = []
 
 
-def inject_before_step(rank: int, step: int) -> None:
-    if injected("kill", rank, step):
-        os.kill(os.getpid(), signal.SIGKILL)
-    if injected("term", rank, step):
-        os.kill(os.getpid(), signal.SIGTERM)
-    if injected("raise", rank, step):
-        raise RuntimeError(f"fault injected by MESHLOOM_FAULT at step {step + 1}")
-    if injected("stall", rank, step):
-        while True:
-            time.sleep(3600)
+def install(hook: StepHook) -> Callable[[], None]:
+    """Install a step hook in this process; returns the function that removes it."""
+    _hooks.append(hook)
+    return lambda: _hooks.remove(hook)
 
 
-def inject_after_backward(rank: int, step: int, params: list[torch.Tensor]) -> None:
-    if injected("nan", rank, step):
-        for p in params:
-            if p.grad is not None:
-                p.grad.fill_(float("nan"))
-                return
+def step_started(rank: int, step: int) -> None:
+    """A (0-based) step begins on this rank."""
+    for hook in list(_hooks):
+        hook.step_started(rank, step)
+
+
+def gradients_ready(rank: int, step: int, params: list[torch.Tensor]) -> None:
+    """The step's gradients are complete, before the norm is taken and the verdict agreed."""
+    for hook in list(_hooks):
+        hook.gradients_ready(rank, step, params)

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
-import os
 import sys
 from dataclasses import asdict, replace
 
@@ -45,8 +43,8 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshloom.cli import EXIT_BAD_INPUT
     from meshloom.inference import GenerateError, Request, prepare
+    from meshloom.launch import EXIT_BAD_INPUT
 
     req = Request(path=args.checkpoint, prompt=args.prompt, max_new_tokens=args.max_new_tokens,
                   temperature=args.temperature, top_k=args.top_k or None, seed=args.seed,
@@ -71,34 +69,7 @@ def _in_process(req, as_json: bool) -> int:
 
 
 def _torchrun(req, as_json: bool) -> int:
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser
-    from torch.distributed.run import run as torchrun
+    from meshloom.launch import Launch, torchrun
 
-    from meshloom.cli import EXIT_BAD_INPUT
-
-    # Each rank gets its share of the cores (torchrun would otherwise set 1 thread and warn).
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // req.tp)))
-    # The elastic agent logs each failure with its own tables; the ranks print one line each.
-    os.environ.setdefault("LOGLEVEL", "CRITICAL")
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    launch = ["--standalone", "--nproc-per-node", str(req.tp), "--max-restarts", "0",
-              "-m", "meshloom.inference", "--request", json.dumps(asdict(req))]
-    if as_json:
-        launch.append("--json")
-    try:
-        torchrun(get_args_parser().parse_args(launch))
-    except ChildFailedError as e:
-        codes = {f.exitcode for f in e.failures.values()}
-        # Negative codes are the ranks the launcher stopped once another had failed.
-        if {c for c in codes if c >= 0} == {EXIT_BAD_INPUT}:
-            return EXIT_BAD_INPUT
-        ranks = ", ".join(str(r) for r in sorted(e.failures))
-        print(f"meshloom: generate failed on rank {ranks} (exit codes "
-              f"{', '.join(str(c) for c in sorted(codes))}); see the messages above",
-              file=sys.stderr)
-        return 1
-    except Exception as e:  # noqa: BLE001 - e.g. a rendezvous that never completes
-        print(f"meshloom: launch failed: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    return 0
+    rank_args = ["--request", json.dumps(asdict(req))] + (["--json"] if as_json else [])
+    return torchrun(Launch("meshloom.inference", rank_args, req.tp, what="generate"))

@@ -40,7 +40,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from meshloom import checkpoint, comm, faults
+from meshloom import checkpoint, comm, launch
 from meshloom.comm import CommCounter
 from meshloom.config import (
     Config,
@@ -213,16 +213,10 @@ def init_mesh(tp: int, device: str) -> Mesh:
     environment (RANK, WORLD_SIZE, MASTER_*) for tp > 1; tp = 1 forms a group of its own in
     memory (no port, whatever the environment says)."""
     if not dist.is_initialized():
-        timeout = datetime.timedelta(seconds=TIMEOUT_S)
-        backend = resolve_backend(RunConfig(device=device))
         # NCCL bound to the rank's GPU (rank_device has selected it), as in training.
-        bind = {"device_id": torch.device("cuda", torch.cuda.current_device())} \
-            if device == "cuda" else {}
-        if tp > 1:
-            dist.init_process_group(backend, timeout=timeout, **bind)
-        else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                    timeout=timeout, **bind)
+        bind = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else None
+        launch.join_group(resolve_backend(RunConfig(device=device)),
+                          datetime.timedelta(seconds=TIMEOUT_S), bind, alone=tp == 1)
     if dist.get_world_size() != tp:
         raise GenerateError(f"--tp={tp}, but {dist.get_world_size()} ranks were launched")
     return Mesh(ParallelDims(tp=tp), dist.get_rank(), device, CommCounter())
@@ -367,8 +361,6 @@ def run(req: Request, as_json: bool = False) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """Per-rank entry (`python -m meshloom.inference --request JSON [--json]`)."""
-    from meshloom.cli import EXIT_BAD_INPUT
-
     ap = argparse.ArgumentParser(prog="python -m meshloom.inference")
     ap.add_argument("--request", required=True, help="a Request as JSON")
     ap.add_argument("--json", action="store_true")
@@ -380,11 +372,10 @@ def main(argv: list[str] | None = None) -> int:
     except (GenerateError, checkpoint.CheckpointError) as e:
         # Every rank says it (the launcher may stop the others before they can): name which.
         where = f" (rank {rank})" if req.tp > 1 else ""
-        faults.say(f"meshloom: error: {e}{where}")
-        return EXIT_BAD_INPUT
+        launch.say(f"meshloom: error: {e}{where}")
+        return launch.EXIT_BAD_INPUT
     except Exception as e:  # noqa: BLE001 - one line naming the rank, then the details
-        faults.say(f"meshloom: generate failed on rank {rank}: {type(e).__name__}: {e}")
-        traceback.print_exc()
+        launch.rank_failed(f"rank {rank} failed: {type(e).__name__}: {e}", traceback.format_exc())
         return 1
     return 0
 

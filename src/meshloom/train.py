@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshloom import checkpoint, comm, faults
+from meshloom import checkpoint, comm, faults, launch
 from meshloom.comm import CommCounter
 from meshloom.config import (
     Config,
@@ -73,29 +73,13 @@ def prepare_data(cfg: Config) -> Path:
                              jsonl_field=cfg.data.jsonl_field)
 
 
-def _rank_env() -> tuple[int, int, int, int]:
-    rank = int(os.environ.get("RANK", 0))
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return rank, world, local_rank, local_world
-
-
-def _init_distributed(cfg: Config, world: int, rank: int, local_rank: int) -> torch.device:
+def _init_distributed(cfg: Config, local_rank: int) -> torch.device:
     device_type = resolve_device(cfg.run)
     device = torch.device(device_type, local_rank) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
-    if not dist.is_initialized():
-        kwargs = {"device_id": device} if device.type == "cuda" else {}
-        timeout = faults.process_group_timeout(cfg.run.timeout_s)
-        store = faults.attempt_store(world, timeout)
-        if store is not None:
-            kwargs["store"] = store
-        dist.init_process_group(backend=resolve_backend(cfg.run), world_size=world, rank=rank,
-                                timeout=timeout, **kwargs)
+    launch.join_group(resolve_backend(cfg.run), faults.process_group_timeout(cfg.run.timeout_s),
+                      device)
     return device
 
 
@@ -179,11 +163,11 @@ def _agree(mesh: Mesh, finite: bool, preempted: bool) -> tuple[bool, bool]:
 
 def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> TrainResult:
     """Run training on this rank. Expects RANK/WORLD_SIZE (and a rendezvous) in the environment."""
-    rank, world, local_rank, local_world = _rank_env()
+    rank, world, local_rank, local_world = launch.rank_env()
     threads = cfg.run.threads or max(1, len(os.sched_getaffinity(0)) // local_world)
     torch.set_num_threads(threads)
     dims = validate(cfg, world, check_data=False)
-    device = _init_distributed(cfg, world, rank, local_rank)
+    device = _init_distributed(cfg, local_rank)
     counter = CommCounter()
     mesh = Mesh(dims, rank, device.type, counter)
     main = rank == 0
@@ -269,7 +253,7 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
     with preempt, watchdog:
         for step in range(start, cfg.train.steps):
             watchdog.beat(step)
-            faults.inject_before_step(rank, step)
+            faults.step_started(rank, step)
             t0 = time.perf_counter()
             before = counter.snapshot()
             lr = lr_at(step, cfg.train)
@@ -277,7 +261,7 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
             local_loss = _forward_backward(par, loader.micro_batches(step), device, autocast,
                                            scaler.scale)
             par.grads.finish()
-            faults.inject_after_backward(rank, step, params)
+            faults.gradients_ready(rank, step, params)
             norm = grad_norm(params, mesh, par.grads.norm_axes)
             if dims.pp > 1:  # only the last stage has the loss
                 (local_loss,) = comm.all_reduce_scalars([local_loss], mesh, "pp")
@@ -427,13 +411,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    rank, world, _, _ = _rank_env()
+    rank, world, _, _ = launch.rank_env()
     # Restarted by the elastic agent (--max-restarts): continue from the last good checkpoint.
     args.resume = args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     try:
-        from meshloom.cli import builtin_config
-
-        cfg = load_config(args.config or builtin_config("demo"), args.overrides)
+        cfg = load_config(args.config or launch.builtin_config("demo"), args.overrides)
         validate(cfg, world)
         run_dir = Path(cfg.run.dir) if cfg.run.dir else default_run_dir(cfg)
         if not args.resume and checkpoint.latest_checkpoint(run_dir) is not None:
@@ -454,8 +436,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / f"error_rank{rank}.txt").write_text(traceback.format_exc())
-        faults.say(f"meshloom: rank {rank} failed: {type(e).__name__}: {e} "
-                   f"(traceback in {run_dir / f'error_rank{rank}.txt'})")
+        launch.rank_failed(f"rank {rank} failed: {type(e).__name__}: {e} "
+                           f"(traceback in {run_dir / f'error_rank{rank}.txt'})")
         return 1
     finally:
         if dist.is_initialized():

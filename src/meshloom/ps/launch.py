@@ -33,10 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from meshloom.config import ConfigError
+from meshloom.launch import EXIT_BAD_INPUT, ended
 from meshloom.ps.config import PSConfig, dump_ps_toml, load_ps_config, validate_ps
 from meshloom.ps.placement import Piece, dense_widths, draw, place, server_name, trainer_name
 
-EXIT_BAD_INPUT = 2
 GRACE_S = 5.0  # after a failure, how long the other processes get to end by themselves
 
 
@@ -119,15 +119,6 @@ def _process(role: str, index: int, cfg: PSConfig, pieces: list[Piece], ports: t
         os._exit(1)  # no graceful RPC shutdown: it would wait for the process that is gone
 
 
-def _exit_text(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with status {code}"
-
-
 def launch(cfg: PSConfig, run_dir: Path, *, collect: bool = False) -> dict[str, Any]:
     """Run servers and trainers to the end; trainer 0's result (see trainer.run_trainer).
     Raises LaunchError after every process has ended or been killed."""
@@ -199,7 +190,7 @@ def _watch(procs: dict[str, mp.Process], results: mp.Queue) -> tuple[dict | None
             if p.exitcode is not None:
                 del running[name]
                 if p.exitcode != 0:
-                    failures[name] = _exit_text(p.exitcode)
+                    failures[name] = ended(p.exitcode)
                     deadline = deadline or time.monotonic() + GRACE_S
         trainers_done = not any(n.startswith("trainer") for n in running)
         if failures and running and (trainers_done or time.monotonic() > deadline):
