@@ -14,7 +14,6 @@ only load each other.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -29,7 +28,8 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _launch import git_state  # noqa: E402
+import tables  # noqa: E402
+from _launch import git_state, parser  # noqa: E402
 
 MACHINE = f"cpu-{len(os.sched_getaffinity(0))}core-{platform.machine()}"
 LOAD_SAMPLE_S = 5.0
@@ -100,9 +100,9 @@ def meta(command: list[str], started: str, seconds: float, load: dict) -> dict:
 
 
 def run_job(name: str, script: str, args: list[str], results: Path) -> bool:
-    out = results / f"{name}.json"
-    command = ["python", f"benchmarks/{script}", *args, "--out", str(out.relative_to(HERE.parent))
-               if out.is_relative_to(HERE.parent) else str(out)]
+    out = tables.planner_file(results) if name == "planner_validation" else results / f"{name}.json"
+    shown = out.relative_to(HERE.parent) if out.is_relative_to(HERE.parent) else out
+    command = ["python", f"benchmarks/{script}", *args, "--out", str(shown)]
     started = datetime.now(UTC).isoformat(timespec="seconds")
     print(f"== {name}: {' '.join(command)}", flush=True)
     t0 = time.monotonic()
@@ -119,7 +119,7 @@ def run_job(name: str, script: str, args: list[str], results: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--tables-only", action="store_true",
                    help="regenerate the README tables from the committed results, run nothing")
     p.add_argument("--only", default="", help="comma-separated job names (default: all)")
@@ -136,6 +136,17 @@ def main(argv: list[str] | None = None) -> int:
         for name, script, job_args in JOBS:
             if (not names or name in names) and not run_job(name, script, job_args, args.results):
                 failed.append(name)
+    try:
+        text = tables.apply(tables.README.read_text(), tables.render(args.results))
+    except FileNotFoundError as e:
+        print(f"run_all.py: no result file {e.filename}: run its job first (--only NAME)",
+              file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"run_all.py: {e}", file=sys.stderr)
+        return 2
+    tables.README.write_text(text)
+    print(f"tables regenerated in {tables.README}")
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
         return 1
