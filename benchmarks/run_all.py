@@ -33,6 +33,7 @@ from _launch import git_state, parser  # noqa: E402
 
 MACHINE = f"cpu-{len(os.sched_getaffinity(0))}core-{platform.machine()}"
 LOAD_SAMPLE_S = 5.0
+PLANNER_NOTE = "analytical: the planner's formulas, no hardware measured; the machine is irrelevant"
 NOTE = ("a shared machine: other jobs (the lead's and other helpers' tests) ran beside this one, "
         "see load_average; each benchmark interleaves the variants it compares within one run, so "
         "its ratios hold under load while its absolute times do not")
@@ -49,6 +50,7 @@ JOBS: list[tuple[str, str, list[str]]] = [
     ("tp_vs_dtensor_demo", "tp_vs_dtensor.py", ["--preset", "demo", "--steps", "20"]),
     ("tp_vs_dtensor_small", "tp_vs_dtensor.py", ["--preset", "small", "--steps", "30"]),
     ("pp_vs_torch_demo", "pp_vs_torch.py", ["--preset", "demo", "--steps", "30"]),
+    ("pp_schedules", "pp_schedules.py", ["--steps", "6"]),
     ("cp_memory", "cp_memory.py", ["--seq", "4096", "--steps", "5"]),
     ("tp_generate", "tp_generate.py", ["--repeats", "7"]),
     ("tp_generate_long_prompt", "tp_generate.py",
@@ -114,6 +116,8 @@ def run_job(name: str, script: str, args: list[str], results: Path) -> bool:
         return False
     result = json.loads(out.read_text())
     result["meta"] = meta(command, started, time.monotonic() - t0, load.record())
+    if name == "planner_validation":
+        result["meta"]["note"] = PLANNER_NOTE
     out.write_text(json.dumps(result, indent=2) + "\n")
     return True
 
@@ -123,8 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tables-only", action="store_true",
                    help="regenerate the README tables from the committed results, run nothing")
     p.add_argument("--only", default="", help="comma-separated job names (default: all)")
-    p.add_argument("--results", type=Path, default=HERE / "results" / MACHINE)
+    p.add_argument("--results", type=Path, default=None,
+                   help=f"folder of the result files (default: results/{MACHINE}/ when running, "
+                        "the README's own folder with --tables-only)")
     args = p.parse_args(argv)
+    if args.results is None:
+        args.results = (tables.readme_results(tables.README.read_text()) if args.tables_only
+                        else HERE / "results" / MACHINE)
     names = [n for n in args.only.split(",") if n]
     unknown = sorted(set(names) - {j[0] for j in JOBS})
     if unknown:

@@ -149,6 +149,21 @@ def pp_vs_torch(results: Path) -> list[str]:
             *_table(head, rows), "", _source(results, ["pp_vs_torch_demo"])]
 
 
+def pp_schedules(results: Path) -> list[str]:
+    r = _load(results, "pp_schedules")
+    c = r["config"]
+    rows = [[name + (f", v = {x['virtual_stages']}" if x["virtual_stages"] > 1 else ""),
+             f"{x['measured_bubble']:.1%}", f"{x['predicted_bubble_measured_costs']:.1%}",
+             f"{x['predicted_bubble_unit_costs']:.1%}", f"{x['makespan_ms']:.0f} ms",
+             f"{x['bubble_median']:.1%}"]
+            for name, x in r["runs"].items()]
+    head = ["schedule", "measured bubble", "predicted (measured costs)", "unit costs",
+            "makespan", f"median bubble, {c['steps']} steps"]
+    return [f"{c['preset']}, pp = {c['pp']}, {c['microbatches']} micro-batches of "
+            f"{c['micro_batch']} x {c['seq']} tokens, the last of {c['steps']} steps:", "",
+            *_table(head, rows), "", _source(results, ["pp_schedules"])]
+
+
 def cp_memory(results: Path) -> list[str]:
     r = _load(results, "cp_memory")
     rows = [[cp, v["tokens_per_rank"], _ms(v["median_s"]), f"{v['time_ratio']:.2f}",
@@ -205,7 +220,16 @@ def planner_validation(results: Path) -> list[str]:
 
 TABLES: dict[str, Callable[[Path], list[str]]] = {
     f.__name__: f for f in (ddp_vs_torch, dp_vs_ddp, zero_vs_fsdp2, tp_vs_dtensor, pp_vs_torch,
-                            cp_memory, tp_generate, tp_generate_long_prompt, planner_validation)}
+                            pp_schedules, cp_memory, tp_generate, tp_generate_long_prompt,
+                            planner_validation)}
+
+
+def readme_results(text: str) -> Path:
+    """The results/<machine>/ folder the README's tables come from (its first source link)."""
+    m = re.search(r"\]\(results/([^/)]+)/[^)]+\.json\)", text.replace("results/planner/", ""))
+    if not m:
+        raise ValueError("README links no results/<machine>/*.json file")
+    return HERE / "results" / m.group(1)
 
 
 def render(results: Path) -> dict[str, str]:
@@ -216,8 +240,9 @@ def render(results: Path) -> dict[str, str]:
 def apply(text: str, tables: dict[str, str]) -> str:
     """`text` with each marked table replaced; a marker pair missing from `text` is an error."""
     for name, body in tables.items():
-        pattern = re.compile(rf"(<!-- table:{name} -->\n).*?(\n<!-- /table:{name} -->)", re.S)
+        pattern = re.compile(rf"(<!-- table:{name} -->\n)(?:.*?\n)?(<!-- /table:{name} -->)",
+                             re.S)
         if not pattern.search(text):
             raise ValueError(f"README has no <!-- table:{name} --> ... <!-- /table:{name} -->")
-        text = pattern.sub(lambda m, b=body: m.group(1) + b + m.group(2), text)
+        text = pattern.sub(lambda m, b=body: m.group(1) + b + "\n" + m.group(2), text)
     return text
