@@ -46,15 +46,16 @@ JOBS: list[tuple[str, str, list[str]]] = [
     ("dp_vs_ddp_demo", "dp_vs_ddp.py", ["--preset", "demo", "--steps", "30"]),
     ("dp_vs_ddp_small", "dp_vs_ddp.py", ["--preset", "small", "--steps", "16"]),
     ("zero_vs_fsdp2_demo", "zero_vs_fsdp2.py", ["--preset", "demo", "--steps", "20"]),
-    ("zero_vs_fsdp2_small", "zero_vs_fsdp2.py", ["--preset", "small", "--steps", "20"]),
     ("tp_vs_dtensor_demo", "tp_vs_dtensor.py", ["--preset", "demo", "--steps", "20"]),
-    ("tp_vs_dtensor_small", "tp_vs_dtensor.py", ["--preset", "small", "--steps", "30"]),
     ("pp_vs_torch_demo", "pp_vs_torch.py", ["--preset", "demo", "--steps", "30"]),
-    ("pp_schedules", "pp_schedules.py", ["--steps", "6"]),
     ("cp_memory", "cp_memory.py", ["--seq", "4096", "--steps", "5"]),
-    ("tp_generate", "tp_generate.py", ["--repeats", "7"]),
+    ("tp_generate", "tp_generate.py", ["--repeats", "5"]),
+    ("pp_schedules", "pp_schedules.py", ["--steps", "6"]),
+    ("dp_vs_ddp_tiny", "dp_vs_ddp.py", ["--preset", "tiny", "--steps", "30"]),
+    ("zero_vs_fsdp2_small", "zero_vs_fsdp2.py", ["--preset", "small", "--steps", "10"]),
+    ("tp_vs_dtensor_small", "tp_vs_dtensor.py", ["--preset", "small", "--steps", "20"]),
     ("tp_generate_long_prompt", "tp_generate.py",
-     ["--tps", "1,2", "--prompt-len", "512", "--new-tokens", "32", "--repeats", "5"]),
+     ["--tps", "1,2", "--prompt-len", "512", "--new-tokens", "32", "--repeats", "3"]),
 ]
 
 
