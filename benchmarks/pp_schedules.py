@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> dict:
             r = report(run_dir, draw=False)
             without = [b for b in r["bubble_per_step_without_transfers"] if b is not None]
             runs[schedule] = {
-                "virtual_stages": v, "measured_bubble": r["measured"]["bubble"],
+                "schedule_run": r["schedule"], "virtual_stages": r["virtual_stages"],
+                "microbatches": r["microbatches"], "measured_bubble": r["measured"]["bubble"],
                 "predicted_bubble_measured_costs": r["predicted"]["bubble"],
                 "predicted_bubble_unit_costs": r["predicted_unit_cost"]["bubble"],
                 "makespan_ms": r["measured"]["makespan_ms"], "mean_cost_ms": r["mean_cost_ms"],

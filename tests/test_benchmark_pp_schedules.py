@@ -19,6 +19,8 @@ def test_pp_schedules_smoke(tmp_path):
     assert json.loads(out.read_text()) == result
     runs = result["runs"]
     assert list(runs) == ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"]
+    # What the runs' own timelines say they ran (as `meshloom report` reads them).
+    assert all(r["schedule_run"] == name and r["microbatches"] == m for name, r in runs.items())
     assert runs["interleaved_1f1b"]["virtual_stages"] == 2
     # Unit costs, p = 2, m = 4: (p-1)/(m+p-1) for gpipe and 1f1b, (p-1)/(vm+p-1) interleaved,
     # (p-1)/(3m+p-1) for zb_h1 (docs/pipeline.md). A run under the wrong schedule breaks these.
