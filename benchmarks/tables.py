@@ -26,6 +26,12 @@ def _x(r: float | None) -> str:
     return "-" if r is None else f"{r:.3f}"
 
 
+def _pair(v: dict, other: str) -> str:
+    """Median ratio to `other`, and in brackets the median of the step-by-step ratios."""
+    r, paired = v[f"ratio_to_{other}"], v.get(f"paired_ratio_to_{other}")
+    return "-" if r is None else f"{r:.3f} ({_x(paired)})"
+
+
 def _mib(b: float) -> str:
     return f"{b / MIB:.1f}"
 
@@ -106,11 +112,12 @@ def zero_vs_fsdp2(results: Path) -> list[str]:
         for name, v in r["variants"].items():
             mem = v["memory_bytes"]
             rows.append([f"{c['preset']} ({c['params'] / 1e6:.2f}M)", name, c["steps"],
-                         _ms(v["median_s"]), _x(v["ratio_to_fsdp2"]), _x(v["ratio_to_ddp"]),
+                         _ms(v["median_s"]), _pair(v, "fsdp2"), _pair(v, "ddp"),
                          f"{mem['after_step']['total'] / MIB:.2f}",
                          f"{mem['step_peak'] / MIB:.2f}",
                          "n/a" if not v["comm"] else _mib(v["comm"]["bytes_per_step"])])
-    head = ["model", "variant", "timed steps", "median step", "vs FSDP2", "vs our DDP",
+    head = ["model", "variant", "timed steps", "median step", "vs FSDP2 (paired)",
+            "vs our DDP (paired)",
             "state MiB", "in-step peak MiB", "comm MiB/step"]
     return [*_table(head, rows), "", _source(results, names)]
 
