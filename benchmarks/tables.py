@@ -189,7 +189,7 @@ def _tp_generate(results: Path, name: str) -> list[str]:
     r = _load(results, name)
     rows = [[tp, f"{v['prefill_tokens_per_s']:.0f}", f"{v['paired_prefill_speedup']:.2f}",
              f"{v['decode_tokens_per_s']:.1f}", f"{v['paired_decode_speedup']:.2f}",
-             f"{v['decode_ms_per_step']:.1f}", sum(v["collectives_per_token"].values()),
+             f"{v['decode_ms_per_step']:.1f}", f"{sum(v['collectives_per_token'].values()):.0f}",
              "-" if v["allreduce_latency_us"] is None or tp == "1"
              else f"{v['allreduce_latency_us'] / 1e3:.2f} ms",
              f"{v['collective_share']:.0%}"]
