@@ -84,7 +84,7 @@ def ddp_vs_torch(results: Path) -> list[str]:
 
 def dp_vs_ddp(results: Path) -> list[str]:
     rows = []
-    names = ["dp_vs_ddp_demo", "dp_vs_ddp_small"]
+    names = ["dp_vs_ddp_demo", "dp_vs_ddp_small", "dp_vs_ddp_tiny"]
     for n in names:
         r = _load(results, n)
         c, v, m = r["config"], r["variants"], r["comm"]
