@@ -52,9 +52,11 @@ def _source(results: Path, names: list[str]) -> str:
     m = metas[0]
     loads = [x["load_average_1min"] for x in metas]
     lo, hi = min(x["min"] for x in loads), max(x["max"] for x in loads)
-    return (f"Source: {links} (commit {m['commit']}, torch {m['torch']}, {m['cpu_model']} x "
-            f"{m['cores']} cores, {m['date'][:10]}; load average {lo:.1f} to {hi:.1f} during "
-            f"the run{'s' if len(names) > 1 else ''}).")
+    commits = sorted({x["commit"] for x in metas})
+    dates = sorted({x["date"][:10] for x in metas})
+    return (f"Source: {links} (commit{'s' if len(commits) > 1 else ''} {', '.join(commits)}, "
+            f"torch {m['torch']}, {m['cpu_model']} x {m['cores']} cores, {', '.join(dates)}; "
+            f"load average {lo:.1f} to {hi:.1f} during the run{'s' if len(names) > 1 else ''}).")
 
 
 def planner_file(results: Path) -> Path:
