@@ -132,9 +132,12 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"folder of the result files (default: results/{MACHINE}/ when running, "
                         "the README's own folder with --tables-only)")
     args = p.parse_args(argv)
-    if args.results is None:
-        args.results = (tables.readme_results(tables.README.read_text()) if args.tables_only
-                        else HERE / "results" / MACHINE)
+    if args.results is None and args.tables_only:
+        try:
+            args.results = tables.readme_results(tables.README.read_text())
+        except ValueError as e:
+            p.error(str(e))
+    args.results = args.results or HERE / "results" / MACHINE
     names = [n for n in args.only.split(",") if n]
     unknown = sorted(set(names) - {j[0] for j in JOBS})
     if unknown:

@@ -234,10 +234,10 @@ TABLES: dict[str, Callable[[Path], list[str]]] = {
 
 
 def readme_results(text: str) -> Path:
-    """The results/<machine>/ folder the README's tables come from (its first source link)."""
-    m = re.search(r"\]\(results/([^/)]+)/[^)]+\.json\)", text.replace("results/planner/", ""))
+    """The results/<machine>/ folder the README's tables come from (its first link to one)."""
+    m = re.search(r"\]\(results/(?!planner/)([^/)]+)/", text)
     if not m:
-        raise ValueError("README links no results/<machine>/*.json file")
+        raise ValueError("README links no results/<machine>/ folder")
     return HERE / "results" / m.group(1)
 
 
