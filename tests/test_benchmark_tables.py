@@ -26,3 +26,11 @@ def test_a_missing_marker_is_an_error():
     tables = load_benchmark("tables")
     with pytest.raises(ValueError, match="table:cp_memory"):
         tables.apply("no markers here", {"cp_memory": "| cp |"})
+
+
+def test_apply_replaces_only_between_the_markers():
+    tables = load_benchmark("tables")
+    text = "a\n<!-- table:x -->\nold\nrows\n<!-- /table:x -->\nb\n<!-- table:y -->\n<!-- /table:y -->\n"
+    assert tables.apply(text, {"x": "new", "y": "| y |"}) == (
+        "a\n<!-- table:x -->\nnew\n<!-- /table:x -->\nb\n<!-- table:y -->\n| y |\n"
+        "<!-- /table:y -->\n")
