@@ -30,7 +30,8 @@ def test_a_missing_marker_is_an_error():
 
 def test_apply_replaces_only_between_the_markers():
     tables = load_benchmark("tables")
-    text = "a\n<!-- table:x -->\nold\nrows\n<!-- /table:x -->\nb\n<!-- table:y -->\n<!-- /table:y -->\n"
+    text = ("a\n<!-- table:x -->\nold\nrows\n<!-- /table:x -->\nb\n"
+            "<!-- table:y -->\n<!-- /table:y -->\n")
     assert tables.apply(text, {"x": "new", "y": "| y |"}) == (
         "a\n<!-- table:x -->\nnew\n<!-- /table:x -->\nb\n<!-- table:y -->\n| y |\n"
         "<!-- /table:y -->\n")
