@@ -93,11 +93,7 @@ def dp_vs_ddp(results: Path) -> list[str]:
         rows.append([f"{c['preset']} ({c['params'] / 1e6:.2f}M)", c["steps"],
                      _ms(v["dp"]["median_s"]), _ms(v["ddp"]["median_s"]),
                      _ms(v["single"]["median_s"]),
-                     f"{_x(v['dp']['ratio_to_ddp'])} ({_x(v['dp']['paired_ratio_to_ddp'])})",
-                     f"{_x(v['single']['ratio_to_ddp'])} "
-                     f"({_x(v['single']['paired_ratio_to_ddp'])})",
-                     f"{_x(v['dp']['ratio_to_single'])} "
-                     f"({_x(v['dp']['paired_ratio_to_single'])})",
+                     _pair(v["dp"], "ddp"), _pair(v["single"], "ddp"), _pair(v["dp"], "single"),
                      f"{_mib(m['dp']['bytes_per_step'])} / {_mib(m['ddp']['bytes_per_step'])} "
                      f"({m['dp']['bytes_per_step'] / m['ddp']['bytes_per_step']:.2f}x)"])
     head = ["model", "timed steps", "dp", "ddp", "single", "dp / ddp (paired)",
@@ -105,19 +101,27 @@ def dp_vs_ddp(results: Path) -> list[str]:
     return [*_table(head, rows), "", _source(results, names)]
 
 
-def zero_vs_fsdp2(results: Path) -> list[str]:
+def _per_variant(results: Path, names: list[str], cells: Callable[[dict], list]) -> list[list]:
+    """A row per variant of each file: model, variant, timed steps, median step, then cells(v)."""
     rows = []
-    names = ["zero_vs_fsdp2_small", "zero_vs_fsdp2_demo"]
     for n in names:
         r = _load(results, n)
         c = r["config"]
-        for name, v in r["variants"].items():
-            mem = v["memory_bytes"]
-            rows.append([f"{c['preset']} ({c['params'] / 1e6:.2f}M)", name, c["steps"],
-                         _ms(v["median_s"]), _pair(v, "fsdp2"), _pair(v, "ddp"),
-                         f"{mem['after_step']['total'] / MIB:.2f}",
-                         f"{mem['step_peak'] / MIB:.2f}",
-                         "n/a" if not v["comm"] else _mib(v["comm"]["bytes_per_step"])])
+        rows += [[f"{c['preset']} ({c['params'] / 1e6:.2f}M)", name, c["steps"],
+                  _ms(v["median_s"]), *cells(v)] for name, v in r["variants"].items()]
+    return rows
+
+
+def _comm(v: dict) -> str:
+    return "n/a" if not v["comm"] else _mib(v["comm"]["bytes_per_step"])
+
+
+def zero_vs_fsdp2(results: Path) -> list[str]:
+    names = ["zero_vs_fsdp2_small", "zero_vs_fsdp2_demo"]
+    rows = _per_variant(results, names, lambda v: [
+        _pair(v, "fsdp2"), _pair(v, "ddp"),
+        f"{v['memory_bytes']['after_step']['total'] / MIB:.2f}",
+        f"{v['memory_bytes']['step_peak'] / MIB:.2f}", _comm(v)])
     head = ["model", "variant", "timed steps", "median step", "vs FSDP2 (paired)",
             "vs our DDP (paired)",
             "state MiB", "in-step peak MiB", "comm MiB/step"]
@@ -125,17 +129,10 @@ def zero_vs_fsdp2(results: Path) -> list[str]:
 
 
 def tp_vs_dtensor(results: Path) -> list[str]:
-    rows = []
     names = ["tp_vs_dtensor_demo", "tp_vs_dtensor_small"]
-    for n in names:
-        r = _load(results, n)
-        c = r["config"]
-        for name, v in r["variants"].items():
-            rows.append([f"{c['preset']} ({c['params'] / 1e6:.2f}M)", name, c["steps"],
-                         _ms(v["median_s"]), _x(v["ratio_to_dtensor"]),
-                         _x(v["paired_ratio_to_dtensor"]), _x(v["ratio_to_dtensor_sp"]),
-                         "n/a" if not v["comm"] else _mib(v["comm"]["bytes_per_step"]),
-                         sum(v["collectives_per_step"].values())])
+    rows = _per_variant(results, names, lambda v: [
+        _x(v["ratio_to_dtensor"]), _x(v["paired_ratio_to_dtensor"]),
+        _x(v["ratio_to_dtensor_sp"]), _comm(v), sum(v["collectives_per_step"].values())])
     head = ["model", "variant", "timed steps", "median step", "vs dtensor_tp", "paired",
             "vs dtensor_tp_sp", "comm MiB/step", "collectives/step"]
     return [*_table(head, rows), "", _source(results, names)]
