@@ -60,6 +60,15 @@ def launch(rank_main: RankMain, args: argparse.Namespace, timeout: float = 3600.
                      start_method=method)[0]
 
 
+def parser(doc: str, **common: Any) -> argparse.ArgumentParser:
+    """A benchmark's parser, described by its docstring's first paragraph; with `common`
+    (steps, warmup, out) it also has the options every benchmark shares."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    if common:
+        add_common_args(p, **common)
+    return p
+
+
 def add_common_args(p: argparse.ArgumentParser, *, steps: int, warmup: int, out: Path) -> None:
     """The options every benchmark here shares."""
     p.add_argument("--nproc", type=int, default=2)
@@ -124,6 +133,23 @@ def git_state() -> dict:
         return {"commit": head, "src_modified": bool(dirty)}
     except (OSError, subprocess.CalledProcessError):
         return {"commit": None, "src_modified": None}
+
+
+def provenance() -> dict:
+    """What a result was measured with: the torch version and the commit."""
+    return {"torch": torch.__version__, "git": git_state()}
+
+
+def init_rank(args: argparse.Namespace, rank: int, world: int) -> torch.device:
+    """This rank's device with its process group up: NCCL and one GPU per rank on CUDA, Gloo on
+    the CPU."""
+    if args.device == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+        return device
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    return torch.device("cpu")
 
 
 def write_result(result: dict, out: Path, print_table: Callable[[dict], None]) -> dict:

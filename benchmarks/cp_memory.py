@@ -38,11 +38,12 @@ from meshloom.parallel import Parallelized, parallelize
 # this file was loaded (as a script, or by path from a test).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import (  # noqa: E402
-    add_common_args,
     batch,
     check_common,
-    git_state,
+    init_rank,
     launch,
+    parser,
+    provenance,
     summary,
     threads_per_rank,
     write_result,
@@ -63,8 +64,7 @@ MEMORY_NOTE = (
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_common_args(p, steps=5, warmup=1, out=DEFAULT_OUT)
+    p = parser(__doc__, steps=5, warmup=1, out=DEFAULT_OUT)
     p.set_defaults(preset="tiny", batch=1, seq=4096)
     p.add_argument("--cps", default="1,2,4", help="comma-separated cp degrees, run in order")
     args = p.parse_args(argv)
@@ -115,13 +115,8 @@ def train_step(par: Parallelized, optimizer: torch.optim.Optimizer, x: torch.Ten
 
 
 def _rank_main(args: argparse.Namespace, rank: int, world: int) -> dict:
-    cuda = args.device == "cuda"
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
-    else:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+    device = init_rank(args, rank, world)
+    cuda = device.type == "cuda"
     mesh = Mesh(ParallelDims(cp=world), rank, device.type, CommCounter())
     cfg = config_from_preset(args.preset, max_seq_len=args.seq)
     model = build_model(cfg, args.seed, device)
@@ -215,7 +210,7 @@ def main(argv: list[str] | None = None) -> dict:
                    "tokens_per_step": args.batch * args.seq, "steps": args.steps,
                    "warmup": args.warmup, "device": args.device,
                    "backend": "nccl" if args.device == "cuda" else "gloo",
-                   "params": base["params"], "torch": torch.__version__, "git": git_state()},
+                   "params": base["params"], **provenance()},
         "runs": {str(cp): r for cp, r in runs.items()},
         "reference_cp": args.cps[0],
         "memory_note": MEMORY_NOTE,

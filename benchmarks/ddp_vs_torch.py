@@ -32,11 +32,13 @@ from meshloom.parallel.ddp import FIRST_BUCKET_BYTES, DataParallel
 # this file was loaded (as a script, or by path from a test).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import (  # noqa: E402
-    add_common_args,
     batch,
     check_common,
+    init_rank,
     launch,
     loss_of,
+    parser,
+    provenance,
     summary,
     threads_per_rank,
     write_result,
@@ -52,8 +54,7 @@ FAIRNESS = ("torch DDP gets the same bucket caps (a 1 MiB first bucket, then --b
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_common_args(p, steps=30, warmup=5, out=DEFAULT_OUT)
+    p = parser(__doc__, steps=30, warmup=5, out=DEFAULT_OUT)
     args = p.parse_args(argv)
     check_common(p, args)
     return args
@@ -89,13 +90,8 @@ def _torch_bucket_bytes(model: nn.parallel.DistributedDataParallel) -> list[int]
 
 
 def _rank_main(args: argparse.Namespace, rank: int, world: int) -> dict | None:
-    cuda = args.device == "cuda"
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
-    else:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+    device = init_rank(args, rank, world)
+    cuda = device.type == "cuda"
     mesh = Mesh(ParallelDims(dp_replicate=world), rank, device.type, CommCounter())
     cfg = config_from_preset(args.preset, max_seq_len=max(args.seq, 16))
 
@@ -186,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
                    "bucket_mb": args.bucket_mb, "device": args.device,
                    "backend": "nccl" if args.device == "cuda" else "gloo",
                    "threads_per_rank": threads_per_rank(args.nproc),
-                   "params": raw["params"], "torch": torch.__version__, "fairness": FAIRNESS},
+                   "params": raw["params"], **provenance(), "fairness": FAIRNESS},
         "ours": ours,
         "torch": theirs,
         "ratio": ours["median_s"] / theirs["median_s"],

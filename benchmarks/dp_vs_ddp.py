@@ -42,14 +42,15 @@ from meshloom.parallel.ddp import DataParallel
 # this file was loaded (as a script, or by path from a test).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import (  # noqa: E402
-    add_common_args,
     batch,
     comm_since,
-    git_state,
+    init_rank,
     launch,
     loss_of,
     paired,
     parse_with_variants,
+    parser,
+    provenance,
     round_order,
     summary,
     threads_per_rank,
@@ -68,8 +69,7 @@ FAIRNESS = ("the same model, seed, global batch and AdamW(lr=1e-3, foreach) for 
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_common_args(p, steps=20, warmup=3, out=DEFAULT_OUT)
+    p = parser(__doc__, steps=20, warmup=3, out=DEFAULT_OUT)
     return parse_with_variants(p, argv, VARIANTS)
 
 
@@ -113,13 +113,8 @@ class _Variant:
 
 
 def _rank_main(args: argparse.Namespace, rank: int, world: int) -> dict | None:
-    cuda = args.device == "cuda"
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
-    else:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+    device = init_rank(args, rank, world)
+    cuda = device.type == "cuda"
     mesh = Mesh(ParallelDims(dp_replicate=world), rank, device.type, CommCounter())
     cfg = config_from_preset(args.preset, max_seq_len=max(args.seq, 16))
     cores = len(os.sched_getaffinity(0))
@@ -242,8 +237,8 @@ def main(argv: list[str] | None = None) -> dict:
                    "warmup": args.warmup, "global_batch": global_batch, "seq": args.seq,
                    "device": args.device, "backend": "nccl" if args.device == "cuda" else "gloo",
                    "threads": raw["threads"], "cores": len(os.sched_getaffinity(0)),
-                   "variants": args.variants, **sizes, "torch": torch.__version__,
-                   "git": git_state(), "fairness": FAIRNESS},
+                   "variants": args.variants, **sizes, **provenance(),
+                   "fairness": FAIRNESS},
         "variants": v,
         "ratio": v["dp"]["ratio_to_ddp"] if "dp" in v else None,
         "comm": {**raw["comm"],

@@ -53,13 +53,14 @@ from meshloom.parallel.pipeline_stage import layer_costs, split_layers
 # this file was loaded (as a script, or by path from a test).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import (  # noqa: E402
-    add_common_args,
     batch,
     comm_since,
-    git_state,
+    init_rank,
     launch,
     paired,
     parse_with_variants,
+    parser,
+    provenance,
     round_order,
     summary,
     threads_per_rank,
@@ -86,8 +87,7 @@ FAIRNESS = ("every variant: the same model, seed, layer split (ours: split_layer
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_common_args(p, steps=20, warmup=3, out=DEFAULT_OUT)
+    p = parser(__doc__, steps=20, warmup=3, out=DEFAULT_OUT)
     p.set_defaults(batch=2)  # here: sequences per micro-batch
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per step")
     p.add_argument("--timeout", type=float, default=120.0,
@@ -313,13 +313,8 @@ def check_grads(variants: list[Variant], data: StepData, device: torch.device) -
 
 
 def _rank_main(args: argparse.Namespace, rank: int, world: int) -> dict | None:
-    cuda = args.device == "cuda"
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
-    else:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+    device = init_rank(args, rank, world)
+    cuda = device.type == "cuda"
     mesh = Mesh(ParallelDims(pp=world), rank, device.type, CommCounter())
     cfg = config_from_preset(args.preset, max_seq_len=max(args.seq, 16))
     if cfg.tie_embeddings:
@@ -461,7 +456,7 @@ def main(argv: list[str] | None = None) -> dict:
                    "threads_per_rank": threads_per_rank(args.nproc), "params": raw["params"],
                    "param_bytes": raw["params"] * 4,
                    "stage_layers": [list(b) for b in raw["bounds"]],
-                   "torch": torch.__version__, "git": git_state(), "fairness": FAIRNESS},
+                   **provenance(), "fairness": FAIRNESS},
         "variants": variants,
         "bubble_note": "bubble = 1 - busy / (ranks x makespan) of one timed step, busy = the "
                        "sum of the forward (with the loss on the last stage) and backward spans "

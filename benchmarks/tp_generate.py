@@ -46,9 +46,11 @@ from meshloom.parallel.tensor_plan import TensorParallel, check_tp_dims
 # this file was loaded (as a script, or by path from a test).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import (  # noqa: E402
-    git_state,
+    init_rank,
     launch,
     paired,
+    parser,
+    provenance,
     round_order,
     threads_per_rank,
     write_result,
@@ -67,7 +69,7 @@ LATENCY_NOTE = (
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--tps", default="1,2,4", help="comma-separated tp degrees, run in order")
     p.add_argument("--preset", default="small", choices=["tiny", "demo", "small"])
     p.add_argument("--heads", type=int, default=8, help="override the preset's n_heads (0: keep)")
@@ -163,13 +165,7 @@ def _threads(args: argparse.Namespace, tp: int) -> int:
 
 def _rank_main(args: argparse.Namespace, rank: int, world: int) -> dict:
     torch.set_num_threads(_threads(args, world))
-    cuda = args.device == "cuda"
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
-    else:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+    device = init_rank(args, rank, world)
     mesh = Mesh(ParallelDims(tp=world), rank, device.type, CommCounter())
     cfg = model_config(args)
     model = build_model(cfg, args.seed, device).eval()
@@ -265,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict:
                    "new_tokens": args.new_tokens, "batch": args.batch, "repeats": args.repeats,
                    "warmup": args.warmup, "threads": args.threads, "device": args.device,
                    "backend": "nccl" if args.device == "cuda" else "gloo",
-                   "torch": torch.__version__, "git": git_state(),
+                   **provenance(),
                    "load_average": {"start": load_start, "end": list(os.getloadavg())}},
         "runs": {str(tp): r for tp, r in runs.items()},
         "reference_tp": args.tps[0],

@@ -63,14 +63,15 @@ from meshloom.parallel import Parallelized, parallelize
 # this file was loaded (as a script, or by path from a test).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import (  # noqa: E402
-    add_common_args,
     batch,
     comm_since,
-    git_state,
+    init_rank,
     launch,
     loss_of,
     paired,
     parse_with_variants,
+    parser,
+    provenance,
     round_order,
     summary,
     threads_per_rank,
@@ -98,8 +99,7 @@ FAIRNESS = ("every variant: the same model, seed, batches and AdamW settings (fo
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_common_args(p, steps=20, warmup=3, out=DEFAULT_OUT)
+    p = parser(__doc__, steps=20, warmup=3, out=DEFAULT_OUT)
     args = parse_with_variants(p, argv, VARIANTS)
     if args.nproc < 2:
         p.error("tensor parallel needs --nproc >= 2")
@@ -281,13 +281,8 @@ def check_params(variants: list[Variant], device: torch.device) -> dict:
 
 
 def _rank_main(args: argparse.Namespace, rank: int, world: int) -> dict | None:
-    cuda = args.device == "cuda"
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
-    else:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+    device = init_rank(args, rank, world)
+    cuda = device.type == "cuda"
     mesh = Mesh(ParallelDims(tp=world), rank, device.type, CommCounter())
     dmesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
     cfg = config_from_preset(args.preset, max_seq_len=max(args.seq, 16))
@@ -373,7 +368,7 @@ def main(argv: list[str] | None = None) -> dict:
                    "seq": args.seq, "variants": args.variants, "device": args.device,
                    "backend": "nccl" if args.device == "cuda" else "gloo",
                    "threads_per_rank": threads_per_rank(args.nproc), "params": raw["params"],
-                   "param_bytes": param_bytes, "torch": torch.__version__, "git": git_state(),
+                   "param_bytes": param_bytes, **provenance(),
                    "fairness": FAIRNESS},
         "variants": variants,
         "comm_note": "bytes our CommCounter recorded per timed step, by op (payload as in "
