@@ -51,6 +51,8 @@ JOBS: list[tuple[str, str, list[str]]] = [
     ("cp_memory", "cp_memory.py", ["--seq", "4096", "--steps", "5"]),
     ("tp_generate", "tp_generate.py", ["--repeats", "5"]),
     ("pp_schedules", "pp_schedules.py", ["--steps", "6"]),
+    # Read by tests/test_plan_validation.py: the planner's bubble against this recorded run.
+    ("pp_bubble", "pp_bubble.py", ["--steps", "40"]),
     ("dp_vs_ddp_tiny", "dp_vs_ddp.py", ["--preset", "tiny", "--steps", "30"]),
     ("zero_vs_fsdp2_small", "zero_vs_fsdp2.py", ["--preset", "small", "--steps", "10"]),
     ("tp_vs_dtensor_small", "tp_vs_dtensor.py", ["--preset", "small", "--steps", "20"]),
