@@ -35,8 +35,8 @@ from torch import nn
 from meshloom.comm import CommCounter
 from meshloom.mesh import Mesh, ParallelDims
 from meshloom.models.llama import build_model, config_from_preset
-from meshloom.parallel.data_parallel import AXIS, ReplicatedModule
 from meshloom.parallel.ddp import DataParallel
+from meshloom.parallel.single_process_dp import AXIS, ReplicatedModule
 
 # benchmarks/ is a folder of scripts, not a package: make its shared module importable however
 # this file was loaded (as a script, or by path from a test).

@@ -25,25 +25,25 @@ torch.cuda.get_device_name(), torch.distributed.is_nccl_available())" | tee -a "
           --set train.steps=30 --set train.eval_every=0 --set train.log_every=10
           --set run.device=cuda)
   echo "== meshloom train, 1 rank through torchrun (NCCL), bf16, compile, selective AC"
-  timeout 300 "$PY" -m meshloom.cli train configs/tiny.toml --nproc 1 "${common[@]}" \
+  timeout 300 "$PY" -m meshloom train configs/tiny.toml --nproc 1 "${common[@]}" \
     --set train.dtype=bf16 --set train.compile=true \
     --set train.activation_checkpointing=selective --set run.dir=/tmp/gpu_runs/bf16 \
     --set train.sample_tokens=40 2>&1 | tail -n 20
   cp /tmp/gpu_runs/bf16/summary.json "$OUT/train_bf16.json" 2>/dev/null
 
   echo "== meshloom train, in process, fp16 with loss scaling, full AC"
-  timeout 200 "$PY" -m meshloom.cli train configs/tiny.toml "${common[@]}" --set train.dtype=fp16 \
+  timeout 200 "$PY" -m meshloom train configs/tiny.toml "${common[@]}" --set train.dtype=fp16 \
     --set train.activation_checkpointing=full \
     --set run.dir=/tmp/gpu_runs/fp16 2>&1 | tail -n 8
   cp /tmp/gpu_runs/fp16/summary.json "$OUT/train_fp16.json" 2>/dev/null
 
   echo "== meshloom train, DataParallel mode on the one GPU"
-  timeout 150 "$PY" -m meshloom.cli train configs/tiny.toml "${common[@]}" --set train.steps=10 \
+  timeout 150 "$PY" -m meshloom train configs/tiny.toml "${common[@]}" --set train.steps=10 \
     --set parallel.mode=dp --set parallel.dp_devices=1 --set run.dir=/tmp/gpu_runs/dp \
     2>&1 | tail -n 5
 
   echo "== meshloom generate on CUDA from the bf16 run's checkpoint"
-  timeout 120 "$PY" -m meshloom.cli generate --checkpoint /tmp/gpu_runs/bf16 --prompt "def " \
+  timeout 120 "$PY" -m meshloom generate --checkpoint /tmp/gpu_runs/bf16 --prompt "def " \
     --max-new-tokens 64 --temperature 0 2>&1 | tail -n 6
   exit 0
 fi
@@ -61,7 +61,7 @@ if [ "$phase" = lib ]; then
   name=${1:-lib}
   shift || true
   rm -rf "/tmp/gpu_runs/$name"
-  timeout 500 "$PY" -m meshloom.cli train configs/tiny.toml --nproc 1 \
+  timeout 500 "$PY" -m meshloom train configs/tiny.toml --nproc 1 \
     --set model.preset=llama3-1b --set model.vocab_size=128256 --set data.seq_len=2048 \
     --set train.global_batch=8 --set train.steps=14 --set train.eval_every=0 \
     --set train.eval_sequences=8 --set train.log_every=1 --set train.dtype=bf16 \

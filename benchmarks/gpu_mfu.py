@@ -22,8 +22,9 @@ Variants, each a fresh model from the same seed trained on the same batches:
 - `eager+sac`, `compiled+sac` (not run by default): selective checkpointing (matmul outputs kept,
   attention core and elementwise ops rerun).
 Checkpointing and compile are applied by the library's own code, the same calls as a meshloom run
-with `train.activation_checkpointing` and `train.compile` (meshloom.parallel.checkpointing
-.apply_block_options: compile inside the checkpoint; the loss through
+with `train.activation_checkpointing` and `train.compile`
+(meshloom.parallel.activation_checkpointing.apply_block_options: compile inside the checkpoint;
+the loss through
 meshloom.parallel.compiled_loss).
 
 A step: forward under autocast (bf16 compute, fp32 master weights; `--dtype fp32`: no autocast),
@@ -77,7 +78,7 @@ from meshloom.metrics import PEAK_TFLOPS, device_peak_flops
 from meshloom.models.llama import build_model, config_from_preset
 from meshloom.optim import build_optimizer, decay_groups
 from meshloom.parallel import compiled_loss, plain_loss
-from meshloom.parallel.checkpointing import apply_block_options
+from meshloom.parallel.activation_checkpointing import apply_block_options
 from meshloom.plan import PlanError
 from meshloom.plan.hardware import make_cluster
 from meshloom.plan.layout import Layout

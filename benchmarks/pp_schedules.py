@@ -35,7 +35,7 @@ def _train(run_dir: Path, schedule: str, v: int, args) -> None:
             "train.eval_every": 0, "train.eval_sequences": 0, "train.sample_tokens": 0,
             "parallel.pp": 2, "parallel.dp_shard": 1, "parallel.pp_schedule": schedule,
             "parallel.pp_virtual_stages": v, "run.dir": run_dir}
-    cmd = [sys.executable, "-m", "meshloom.cli", "train", str(ROOT / "configs" / "tiny.toml"),
+    cmd = [sys.executable, "-m", "meshloom", "train", str(ROOT / "configs" / "tiny.toml"),
            "--nproc", "2"]
     for key, value in sets.items():
         cmd += ["--set", f"{key}={value}"]

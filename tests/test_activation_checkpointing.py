@@ -12,7 +12,7 @@ from dist_harness import run_ranks
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshloom.models.llama import Llama, config_from_preset
-from meshloom.parallel.checkpointing import apply_block_options
+from meshloom.parallel.activation_checkpointing import apply_block_options
 
 STEPS = 2
 

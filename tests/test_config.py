@@ -8,7 +8,8 @@ import sys
 import pytest
 from conftest import ROOT
 
-from meshloom.cli import default_nproc, main
+from meshloom.commands import main
+from meshloom.commands.train import default_nproc
 from meshloom.config import ConfigError, dump_toml, load_config
 from meshloom.validation import validate
 
@@ -107,7 +108,7 @@ def test_existing_checkpoints_need_resume(tmp_path, capsys):
 
 def test_cli_subprocess_no_traceback(tmp_path):
     """The real command: exit 2, one line on stderr, no Python traceback."""
-    proc = subprocess.run([sys.executable, "-m", "meshloom.cli", "train", TINY, "--set",
+    proc = subprocess.run([sys.executable, "-m", "meshloom", "train", TINY, "--set",
                            "parallel.tpp=2"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
@@ -143,7 +144,7 @@ def test_layout_resolution():
 
 
 def test_demo_config_is_valid():
-    from meshloom.cli import builtin_config
+    from meshloom.launch import builtin_config
 
     cfg = load_config(builtin_config("demo"))
     dims = validate(cfg, default_nproc(cfg))

@@ -21,7 +21,7 @@ from fault_injection import env, injected
 
 from meshloom import checkpoint
 from meshloom.checkpoint import CheckpointError, read_metadata, read_tensors
-from meshloom.cli import main as cli_main
+from meshloom.commands import main as cli_main
 from meshloom.faults import axis_groups, stall_message
 from meshloom.train import NonFiniteError, train
 
@@ -195,7 +195,7 @@ def test_sigterm_on_one_rank_stops_all_at_the_same_step_with_a_checkpoint(tmp_pa
 
 
 def _cli(run_dir, cache, *extra, nproc=2):
-    return [sys.executable, "-m", "meshloom.cli", "train", TINY, "--nproc", str(nproc),
+    return [sys.executable, "-m", "meshloom", "train", TINY, "--nproc", str(nproc),
             "--set", f"run.dir={run_dir}", "--set", f"data.cache_dir={cache}",
             *[a for kv in QUIET for a in ("--set", kv)], *extra]
 

@@ -19,8 +19,8 @@ from conftest import ROOT, tiny_config
 from dist_harness import run_ranks
 
 from meshloom import checkpoint, comm
-from meshloom.cli import main as cli_main
 from meshloom.comm import CommCounter
+from meshloom.commands import main as cli_main
 from meshloom.inference import Request, init_mesh, load_model, make_pick, prepare
 from meshloom.inference import run as run_generation
 from meshloom.mesh import Mesh, ParallelDims
@@ -195,7 +195,7 @@ def test_cli_tp2_subprocess(trained, capsys):
     assert cli_main(args) == 0  # tp 1, in this process
     local = capsys.readouterr()
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.run([sys.executable, "-m", "meshloom.cli", *args, "--tp", "2"],
+    proc = subprocess.run([sys.executable, "-m", "meshloom", *args, "--tp", "2"],
                           capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == local.out  # only the text, the same as tp 1's

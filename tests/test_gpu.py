@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def _train(run_dir: Path, cache: Path, *overrides: str) -> dict:
-    cmd = [sys.executable, "-m", "meshloom.cli", "train", str(ROOT / "configs" / "tiny.toml"),
+    cmd = [sys.executable, "-m", "meshloom", "train", str(ROOT / "configs" / "tiny.toml"),
            "--nproc", "1", "--set", f"run.dir={run_dir}", "--set", f"data.cache_dir={cache}",
            "--set", "run.device=cuda", "--set", "model.preset=small", "--set", "data.seq_len=512",
            "--set", "train.global_batch=8", "--set", "train.eval_every=0"]

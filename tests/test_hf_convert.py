@@ -16,7 +16,7 @@ from conftest import tiny_config
 from dist_harness import run_ranks
 
 from meshloom import checkpoint
-from meshloom.cli import main as cli_main
+from meshloom.commands import main as cli_main
 from meshloom.config import ConfigError
 from meshloom.data import BatchLoader, TokenDataset
 from meshloom.models import hf_checkpoint

@@ -28,7 +28,7 @@ def _records(run_dir):
 
 def test_meshloom_train_two_ranks(tmp_path, token_cache):
     run_dir = tmp_path / "run"
-    proc = _run([sys.executable, "-m", "meshloom.cli", "train", TINY, "--nproc", "2",
+    proc = _run([sys.executable, "-m", "meshloom", "train", TINY, "--nproc", "2",
                  "--set", "train.steps=4", "--set", "train.eval_every=2",
                  "--set", "train.sample_tokens=20", "--set", f"run.dir={run_dir}",
                  "--set", f"data.cache_dir={token_cache}"], tmp_path)
@@ -60,7 +60,7 @@ def test_torchrun_module_entry(tmp_path, token_cache):
 
 def test_single_process_and_resume_via_cli(tmp_path, token_cache):
     run_dir = tmp_path / "run"
-    base = [sys.executable, "-m", "meshloom.cli", "train", TINY, "--set", f"run.dir={run_dir}",
+    base = [sys.executable, "-m", "meshloom", "train", TINY, "--set", f"run.dir={run_dir}",
             "--set", f"data.cache_dir={token_cache}"]
     first = _run(base + ["--set", "train.steps=2"], tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -76,7 +76,7 @@ def test_failing_rank_is_named_and_exits_1(tmp_path, token_cache):
     """A rank that raises: the user gets one line per failed rank naming it and the error,
     the traceback in the run folder, exit status 1."""
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "meshloom.cli", "train", TINY, "--nproc", "2",
+    proc = subprocess.run([sys.executable, "-m", "meshloom", "train", TINY, "--nproc", "2",
                            "--set", "train.steps=3", "--set", f"run.dir={run_dir}",
                            "--set", f"data.cache_dir={token_cache}"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=240, env=env("raise:1:1"))
@@ -134,7 +134,7 @@ def test_restarts_used_up_cause_first_and_exit_1(tmp_path, token_cache):
     """Rank 1 is killed on every attempt: each attempt's report starts with it, the restart
     line says where from, and the last line says the restarts are used up; exit status 1."""
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "meshloom.cli", "train", TINY, "--nproc", "2",
+    proc = subprocess.run([sys.executable, "-m", "meshloom", "train", TINY, "--nproc", "2",
                            "--max-restarts", "1", "--set", "train.steps=4",
                            "--set", "train.eval_every=0", "--set", "train.sample_tokens=0",
                            "--set", f"run.dir={run_dir}", "--set", f"data.cache_dir={token_cache}"],
@@ -156,7 +156,7 @@ def test_meshloom_train_tensor_parallel(tmp_path, token_cache):
     """The CLI path of a tensor-parallel run: drawing of the slices, training, a sample generated
     from vocabulary-split logits with sequence parallel switched off, tp bytes in the metrics."""
     run_dir = tmp_path / "run"
-    proc = _run([sys.executable, "-m", "meshloom.cli", "train", TINY, "--nproc", "2",
+    proc = _run([sys.executable, "-m", "meshloom", "train", TINY, "--nproc", "2",
                  "--set", "parallel.tp=2", "--set", "parallel.sequence_parallel=true",
                  "--set", "train.steps=3", "--set", "train.eval_every=0",
                  "--set", "train.sample_tokens=20", "--set", f"run.dir={run_dir}",
@@ -174,7 +174,7 @@ def test_meshloom_train_pipeline_and_report(tmp_path, token_cache):
     """A pipelined run through the CLI (1F1B, sample generated through the stages), then
     `meshloom report` on its folder: the timeline picture and the bubble table."""
     run_dir = tmp_path / "run"
-    proc = _run([sys.executable, "-m", "meshloom.cli", "train", TINY, "--nproc", "2",
+    proc = _run([sys.executable, "-m", "meshloom", "train", TINY, "--nproc", "2",
                  "--set", "parallel.pp=2", "--set", "parallel.pp_microbatches=4",
                  "--set", "train.steps=3", "--set", "train.eval_every=0",
                  "--set", "train.sample_tokens=10", "--set", f"run.dir={run_dir}",
@@ -183,7 +183,7 @@ def test_meshloom_train_pipeline_and_report(tmp_path, token_cache):
     assert "stage 1: layers" in proc.stdout and "--- sample ---" in proc.stdout
     records = _records(run_dir)
     assert records[-1]["comm_bytes"]["pp"] > 0
-    rep = _run([sys.executable, "-m", "meshloom.cli", "report", str(run_dir)], tmp_path)
+    rep = _run([sys.executable, "-m", "meshloom", "report", str(run_dir)], tmp_path)
     assert rep.returncode == 0, rep.stderr[-3000:]
     assert "bubble" in rep.stdout and "1f1b" in rep.stdout
     assert (run_dir / "pipeline" / "timeline.png").stat().st_size > 1000

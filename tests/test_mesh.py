@@ -100,7 +100,7 @@ def test_drawing_shows_each_ranks_tensor_parallel_slice():
 
 
 def test_layout_command_draws_pipeline_stages(capsys):
-    from meshloom.cli import main
+    from meshloom.commands import main
 
     rc = main(["layout", str(ROOT / "configs" / "tiny.toml"), "--nproc", "4", "--set",
                "parallel.pp=2", "--set", "parallel.pp_schedule=interleaved_1f1b", "--set",

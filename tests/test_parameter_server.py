@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import ROOT
 
-from meshloom.cli import main as cli_main
+from meshloom.commands import main as cli_main
 from meshloom.ps.config import is_ps_config, load_ps_config
 from meshloom.ps.data import ClickData
 from meshloom.ps.launch import LaunchError, launch
@@ -200,7 +200,7 @@ def test_server_applies_one_update_from_all_trainers():
 def test_meshloom_train_runs_the_ps_config(tmp_path):
     """The real command: 1 server x 2 trainers, its layout, loss lines, metrics and summary."""
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "meshloom.cli", "train", str(CONFIG),
+    proc = subprocess.run([sys.executable, "-m", "meshloom", "train", str(CONFIG),
                            "--set", "train.steps=6", "--set", f"run.dir={run_dir}"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=240,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})

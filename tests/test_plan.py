@@ -123,7 +123,7 @@ def test_invalid_pinned_layout_says_why():
 
 
 def _plan(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "meshloom.cli", "plan", *args],
+    return subprocess.run([sys.executable, "-m", "meshloom", "plan", *args],
                           capture_output=True, text=True, timeout=300)
 
 
@@ -179,7 +179,7 @@ def test_cli_hf_config_and_explicit_dims(tmp_path):
     (["--model", "tiny", "--write-config", "/nonexistent/x.toml"], "does not exist"),
 ])
 def test_cli_bad_input_one_line_exit_2(args, msg, capsys):
-    from meshloom.cli import main
+    from meshloom.commands import main
     assert main(["plan", *args]) == 2
     err = capsys.readouterr().err
     assert msg in err and len(err.strip().splitlines()) == 1, err

@@ -10,7 +10,7 @@ import pytest
 from conftest import tiny_config
 from dist_harness import run_ranks
 
-from meshloom.cli import main
+from meshloom.commands import main
 from meshloom.parallel.pipeline_schedule import build_schedule, simulate
 from meshloom.report import PLOT_HINT, ReportError, pipeline_report, report
 
@@ -135,7 +135,7 @@ def test_without_matplotlib_the_text_and_one_hint_line(dp_run, pp_run, tmp_path,
     for mod in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
         monkeypatch.delitem(sys.modules, mod)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    monkeypatch.delitem(sys.modules, "meshloom.plots", raising=False)
+    monkeypatch.delitem(sys.modules, "meshloom.report.plots", raising=False)
     for name in ("dp", "pp"):
         assert main(["report", str(tmp_path / name)]) == 0
         out, err = capsys.readouterr()
@@ -258,7 +258,7 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
 
 
 def test_schedule_pictures(tmp_path):
-    from meshloom.plots import schedule_pictures
+    from meshloom.report.plots import schedule_pictures
 
     p, m, v = 4, 8, 2
     bubbles = schedule_pictures(tmp_path, p, m, v)
@@ -289,7 +289,7 @@ def test_report_refuses_incomplete_or_malformed_pipelines(tmp_path):
 
 
 def test_zigzag_picture(tmp_path):
-    from meshloom.plots import zigzag_picture
+    from meshloom.report.plots import zigzag_picture
 
     ratios = zigzag_picture(tmp_path / "z.png", cp=4)
     assert ratios["zigzag"] <= 1.1 < 6 < ratios["contiguous"]

@@ -14,7 +14,7 @@ from dist_harness import run_ranks
 
 from meshloom import checkpoint
 from meshloom.checkpoint import read_tensors
-from meshloom.cli import main as cli_main
+from meshloom.commands import main as cli_main
 from meshloom.train import train
 
 STEPS = 6

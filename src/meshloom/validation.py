@@ -76,7 +76,7 @@ def validate(cfg: Config, world_size: int, *, check_data: bool = True) -> Parall
     check_ranges(cfg)
     p = cfg.parallel
     if p.mode == "dp":  # before the axes are resolved: its own messages are the clearer ones
-        from meshloom.parallel.data_parallel import check_dp_config
+        from meshloom.parallel.single_process_dp import check_dp_config
 
         _raise_if(check_dp_config(cfg, world_size))
     try:

@@ -21,13 +21,13 @@ from meshloom.checkpoint import whole_state
 from meshloom.config import ParallelConfig
 from meshloom.mesh import Mesh
 from meshloom.optim import decay_groups, named_trainable
-from meshloom.parallel.checkpointing import apply_block_options
+from meshloom.parallel.activation_checkpointing import apply_block_options
 from meshloom.parallel.context import ContextParallel, PlainAttention
-from meshloom.parallel.data_parallel import ReplicaGrads, ReplicatedModule, resolve_devices
 from meshloom.parallel.ddp import DataParallel
 from meshloom.parallel.fsdp import FullyShardedDataParallel
 from meshloom.parallel.pipeline import PipelinedLogits, PipelineGrads, PipelineRunner
 from meshloom.parallel.pipeline_stage import PipelineStageModel, layer_costs, split_layers
+from meshloom.parallel.single_process_dp import ReplicaGrads, ReplicatedModule, resolve_devices
 from meshloom.parallel.tensor_plan import GatheredLogits, TensorParallel, TensorParallelGrads
 from meshloom.parallel.zero import ShardPrecision, ZeroDataParallel
 
@@ -134,7 +134,7 @@ def parallelize(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig,
     resulting slices. With zero_stage >= 1 the sharded stages keep `compute_dtype` working
     copies of the parameters and fp32 masters; without sharding the model stays fp32 and the
     training loop runs its forward under autocast. `parallel.mode = "dp"` bypasses the mesh axes:
-    one process, a replica of the whole model per device (parallel/data_parallel.py)."""
+    one process, a replica of the whole model per device (parallel/single_process_dp.py)."""
     if pcfg.mode == "dp":  # one process driving several devices, instead of the mesh axes
         return _replicated(model, mesh, pcfg, activation_checkpointing)
     pp = mesh.size("pp")
@@ -182,7 +182,7 @@ def _cut(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig,
 def _replicated(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig,
                 activation_checkpointing: str) -> Parallelized:
     """parallel.mode=dp: a replica per device of parallel.dp_devices, made from the master
-    every micro-batch (data_parallel.py); each replica gets its own checkpoint wrappers."""
+    every micro-batch (single_process_dp.py); each replica gets its own checkpoint wrappers."""
     devices = resolve_devices(pcfg.dp_devices, mesh.device_type)
     replicated = ReplicatedModule(model, devices, mesh.counter, activation_checkpointing)
     return Parallelized(replicated, ReplicaGrads(replicated, mesh), inference_model=model,

@@ -21,7 +21,7 @@ on average in the run (per kind and stage), and with unit costs. Bubble fraction
 `RUN_DIR/pipeline/report.json`.
 
 `format_report()` gives the text the command prints. Reading and checking the run's files is
-`report_files.py`; drawing is `plots.py`.
+`report/files.py`; drawing is `report/plots.py`.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from meshloom.parallel.pipeline_schedule import (
     compute_lists,
     simulate,
 )
-from meshloom.report_files import (
+from meshloom.report.files import (
     ReportError,
     comm_series,
     load_pipeline,
@@ -268,9 +268,9 @@ def pipeline_report(run_dir: str | os.PathLike, draw: bool = True,
 
 
 def load_plots() -> ModuleType | None:
-    """meshloom.plots, or None where matplotlib is not installed (an optional extra)."""
+    """meshloom.report.plots, or None where matplotlib is not installed (an optional extra)."""
     try:
-        return importlib.import_module("meshloom.plots")
+        return importlib.import_module("meshloom.report.plots")
     except ModuleNotFoundError as e:
         if (e.name or "").split(".")[0] != "matplotlib":
             raise  # a broken install of something else is not "matplotlib is missing"

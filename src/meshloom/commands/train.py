@@ -1,5 +1,5 @@
-"""`meshloom` command line: train (launching ranks through torchrun), layout, and report (a
-run's pictures; a pipelined run's measured timeline against the simulator's)."""
+"""`meshloom train` (launching ranks through torchrun) and `meshloom layout` (who holds what,
+without training)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from meshloom.checkpoint_command import add_parser as add_checkpoint_parser
 from meshloom.config import Config, ConfigError, dump_toml, load_config
-from meshloom.convert import add_parser as add_convert_parser
-from meshloom.generate_command import add_parser as add_generate_parser
 from meshloom.launch import EXIT_BAD_INPUT, builtin_config, free_port
-from meshloom.plan.command import add_parser as add_plan_parser
 from meshloom.validation import validate
 
 
@@ -46,7 +42,7 @@ def resolve_run_dir(cfg: Config, resume: bool) -> Path:
     return Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def _train(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from meshloom.ps import is_ps_config
 
     if is_ps_config(args.config):  # a [ps] section: the parameter-server hybrid (meshloom.ps)
@@ -101,7 +97,7 @@ def _torchrun(args: argparse.Namespace, nproc: int, rank_args: list[str], run_di
         on_signal="the ranks saved a checkpoint where they stopped: continue with --resume"))
 
 
-def _layout(args: argparse.Namespace) -> int:
+def layout(args: argparse.Namespace) -> int:
     from meshloom.train import print_layout
 
     try:
@@ -115,20 +111,6 @@ def _layout(args: argparse.Namespace) -> int:
     return 0
 
 
-def _report(args: argparse.Namespace) -> int:
-    from meshloom.report import ReportError, format_report, report
-
-    try:
-        result = report(args.run_dir)
-    except ReportError as e:
-        print(f"meshloom: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    print(format_report(result))
-    if result["hint"]:
-        print(result["hint"], file=sys.stderr)
-    return 0
-
-
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="?", help="TOML config (default: the built-in demo)")
     p.add_argument("--nproc", type=int, default=0, help="processes per node")
@@ -136,15 +118,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                    metavar="KEY=VALUE", help="override a config key, e.g. train.steps=200")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2, like every other bad input
-        print(f"meshloom: error: {message} (see meshloom --help)", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="meshloom", description="Train transformers with any mix of parallelism.")
-    sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
+def add_parser(sub) -> None:
     t = sub.add_parser("train", help="train a model (no config: the built-in demo)")
     _add_config_args(t)
     t.add_argument("--resume", action="store_true",
@@ -156,33 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-restarts", type=int, default=0, metavar="K",
                    help="restart all ranks up to K times after a failure; they resume from "
                         "the last intact checkpoint")
-    t.set_defaults(func=_train)
+    t.set_defaults(func=run)
     lay = sub.add_parser("layout", help="print which rank holds what, without training")
     _add_config_args(lay)
     lay.add_argument("--ranks-per-node", type=int, default=0)
-    lay.set_defaults(func=_layout)
-    rep = sub.add_parser("report", help="pictures of a run: loss, tokens/s, memory per rank, "
-                         "comm per axis; a pipelined run's timeline vs the simulator's")
-    rep.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (run.dir)")
-    rep.set_defaults(func=_report)
-    add_plan_parser(sub)
-    add_generate_parser(sub)
-    add_convert_parser(sub)
-    add_checkpoint_parser(sub)
-    return ap
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if getattr(args, "nproc", 0) < 0:
-        print(f"meshloom: error: --nproc={args.nproc} must be >= 1", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    if getattr(args, "max_restarts", 0) < 0:
-        print(f"meshloom: error: --max-restarts={args.max_restarts} must be >= 0",
-              file=sys.stderr)
-        return EXIT_BAD_INPUT
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    lay.set_defaults(func=layout)

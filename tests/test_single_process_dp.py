@@ -14,10 +14,10 @@ from conftest import ROOT, tiny_config
 from dist_harness import run_ranks
 
 from meshloom import checkpoint
-from meshloom.cli import main
 from meshloom.comm import CommCounter
+from meshloom.commands import main
 from meshloom.models.llama import build_model, config_from_preset
-from meshloom.parallel.data_parallel import AXIS, ReplicatedModule
+from meshloom.parallel.single_process_dp import AXIS, ReplicatedModule
 from meshloom.train import train
 
 STEPS = 6

@@ -33,7 +33,7 @@ from meshloom.checkpoint import whole_state
 from meshloom.comm import CommCounter
 from meshloom.mesh import Mesh
 from meshloom.optim import decay_groups, named_trainable
-from meshloom.parallel.checkpointing import apply_block_options
+from meshloom.parallel.activation_checkpointing import apply_block_options
 
 AXIS = "dp_local"  # the CommCounter axis of this strategy's copies
 
