@@ -40,7 +40,7 @@ def test_dp_vs_ddp_smoke(tmp_path):
     # few steps the same parameters.
     grads, params = result["check"]["grads"], result["check"]["params"]
     assert grads["ok"] and set(grads["max_rel_diff"]) == set(VARIANTS), grads
-    # 2 replicas in one process reproduce DDP on 2 ranks bit for bit (tests/test_single_process_dp.py
-    # says why); the whole batch at once differs in the last bits.
+    # 2 replicas in one process reproduce DDP on 2 ranks bit for bit
+    # (tests/test_single_process_dp.py says why); the whole batch at once differs in the last bits.
     assert grads["max_rel_diff"]["ddp"] == grads["max_rel_diff"]["dp"] == 0.0
     assert params["allclose"], params

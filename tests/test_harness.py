@@ -41,17 +41,16 @@ def test_rank_exception_is_reraised_with_traceback():
 
 
 def test_hung_rank_fails_within_the_timeout():
-    t0 = time.monotonic()
+    # The message is the time-out's own; a harness that waited for the hung rank instead would
+    # run into pytest's time-out (the rank sleeps 600 s). No wall-clock bound needed.
     with pytest.raises(TimeoutError, match=r"ranks \[1\] did not finish within 3s"):
         run_ranks(_hang_on_one, 2, timeout=3)
-    assert time.monotonic() - t0 < 15
 
 
 def test_dead_rank_is_reported_without_waiting_for_the_timeout():
-    t0 = time.monotonic()
+    # A time-out far beyond pytest's own (300 s): only noticing the death can pass this.
     with pytest.raises(RankError, match="rank 1 died with exit code 7"):
-        run_ranks(_die_on_one, 2, timeout=60)
-    assert time.monotonic() - t0 < 15
+        run_ranks(_die_on_one, 2, timeout=3600)
 
 
 _set_in_this_process: list[int] = []
