@@ -74,11 +74,10 @@ def test_final_weights_and_optimizer_state_match(chain):
         a, c = read_tensors(final_a, prefix), read_tensors(final_c, prefix)
         assert a.keys() == c.keys() and len(a) > 10
         for k in a:
-            # Each tensor against its own scale: AdamW's second moments are ~1e-8, where a
-            # fixed atol would see nothing.
+            # Each tensor against its own largest element (observed <= 5.3e-7): AdamW's second
+            # moments are ~1e-7, where a fixed atol of 1e-6 saw nothing.
             diff, scale = float((a[k] - c[k]).abs().max()), float(c[k].abs().max())
-            print("DEBUG", prefix, k, diff / scale if scale else diff)
-            assert diff <= 1e-4 * scale, f"{prefix}{k}: max |diff| {diff:.3g}, largest {scale:.3g}"
+            assert diff <= 1e-5 * scale, f"{prefix}{k}: max |diff| {diff:.3g}, largest {scale:.3g}"
 
 
 def test_resume_without_optimizer_state_would_differ(chain, token_cache, tmp_path):
