@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import (
+    WELL_CONDITIONED,
+    assert_same_grad_norms,
+    assert_same_gradients,
+    gradient_probe,
+    tiny_config,
+)
 from dist_harness import run_ranks
 
 from meshloom.train import train
@@ -13,9 +19,11 @@ STEPS = 6
 
 
 def _job(run_dir, cache, overrides):
-    cfg = tiny_config(run_dir, cache, f"train.steps={STEPS}", "train.eval_every=3", *overrides)
-    r = train(cfg, keep_model=True)
-    return {"losses": r.losses, "eval": r.eval_losses, "grad_bytes": r.grad_bytes,
+    cfg = tiny_config(run_dir, cache, f"train.steps={STEPS}", "train.eval_every=3",
+                      *WELL_CONDITIONED, *overrides)
+    with gradient_probe() as probe:
+        r = train(cfg, keep_model=True)
+    return {"losses": r.losses, "eval": r.eval_losses, "grad_bytes": r.grad_bytes, **probe,
             "state": {k: v.detach().clone() for k, v in r.model.state_dict().items()},
             "bytes": dict(r.counter.bytes), "calls": dict(r.counter.calls),
             "n_params": sum(p.numel() for p in r.model.parameters())}
@@ -32,6 +40,9 @@ def _assert_parity(ref, got, rel=1e-5):
         assert abs(a - b) <= rel * abs(a), f"step {step}: loss {b} vs single-process {a}"
     for step, a in ref["eval"].items():
         assert abs(got["eval"][step] - a) <= rel * abs(a), f"eval loss at step {step}"
+    # What the optimizer was handed: AdamW would hide a wrong gradient scale from the losses.
+    assert_same_grad_norms(ref["norms"], got["norms"])
+    assert_same_gradients(ref["grads"], got["grads"])
     for name, w in ref["state"].items():
         torch.testing.assert_close(got["state"][name], w, rtol=1e-5, atol=1e-6, msg=name)
 

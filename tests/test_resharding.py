@@ -8,8 +8,7 @@ import json
 import shutil
 
 import pytest
-import torch
-from conftest import tiny_config
+from conftest import WELL_CONDITIONED, tiny_config
 from dist_harness import run_ranks
 
 from meshloom import checkpoint
@@ -19,7 +18,8 @@ from meshloom.train import train
 
 STEPS = 6
 COMMON = [f"train.steps={STEPS}", "train.eval_every=0", "train.sample_tokens=0",
-          "run.checkpoint_every=2", "run.keep_checkpoints=5", "train.warmup_steps=2"]
+          "run.checkpoint_every=2", "run.keep_checkpoints=5", "train.warmup_steps=2",
+          *WELL_CONDITIONED]
 LAYOUT_A = ["parallel.dp_shard=2", "parallel.tp=2", "parallel.zero_stage=3"]
 LAYOUT_B = ["parallel.pp=2", "parallel.dp_replicate=2", "parallel.dp_shard=1",
             "parallel.pp_microbatches=4"]
@@ -74,7 +74,10 @@ def test_final_weights_and_optimizer_state_match(chain):
         a, c = read_tensors(final_a, prefix), read_tensors(final_c, prefix)
         assert a.keys() == c.keys() and len(a) > 10
         for k in a:
-            assert torch.allclose(a[k], c[k], rtol=1e-4, atol=1e-6), f"{prefix}{k}"
+            # Each tensor against its own largest element (observed <= 5.3e-7): AdamW's second
+            # moments are ~1e-7, where a fixed atol of 1e-6 saw nothing.
+            diff, scale = float((a[k] - c[k]).abs().max()), float(c[k].abs().max())
+            assert diff <= 1e-5 * scale, f"{prefix}{k}: max |diff| {diff:.3g}, largest {scale:.3g}"
 
 
 def test_resume_without_optimizer_state_would_differ(chain, token_cache, tmp_path):
