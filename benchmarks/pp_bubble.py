@@ -27,7 +27,11 @@ import time
 from pathlib import Path
 
 import torch
-from _launch import git_state, launch, write_result
+
+# benchmarks/ is a folder of scripts, not a package: make its shared modules importable however
+# this file was loaded (as a script, or by path from a test).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _launch import git_state, launch, write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2))
