@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
         for schedule, v in SCHEDULES.items():
             run_dir = Path(tmp) / schedule
             _train(run_dir, schedule, v, args)
-            r = report(run_dir, draw=False)
+            r = report(run_dir, draw=False)["pipeline"]
             without = [b for b in r["bubble_per_step_without_transfers"] if b is not None]
             runs[schedule] = {
                 "schedule_run": r["schedule"], "virtual_stages": r["virtual_stages"],
