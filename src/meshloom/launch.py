@@ -30,6 +30,7 @@ import logging
 import os
 import pickle
 import queue
+import random
 import signal
 import socket
 import time
@@ -53,8 +54,32 @@ def builtin_config(name: str) -> Path:
     return Path(str(resources.files("meshloom") / "configs" / f"{name}.toml"))
 
 
+def _ephemeral_low() -> int:
+    """The first port of the range the system hands out for outgoing connections."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback port that is free now, for a rendezvous a rank will bind a moment later.
+
+    Taken below the ephemeral range: a port the system picks (bind to 0) is an ephemeral one,
+    and in the moment before the rank binds it, any outgoing connection on the machine (Gloo
+    opens many) may be given the same port: EADDRINUSE, seen when tests ran beside other jobs.
+    Below the range only another explicit bind can take it."""
+    low = min(_ephemeral_low(), 65536)
+    rng = random.Random()  # not the global RNG: training seeds must not move it
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 20000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # every try taken: fall back to the system's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
