@@ -145,9 +145,8 @@ def _job(world: int, layout: dict) -> dict:
     decay, no_decay = par.grads.optim_param_groups()
     params = decay + no_decay
     optimizer = torch.optim.SGD(params, lr=0.5)
-    losses, grads = [], None
-    for step in range(STEPS):
-        batches = _batches()
+    losses, grads, batches = [], None, _batches()
+    for _ in range(STEPS):
         if par.pipeline is not None:
             total = par.pipeline.train_step(batches, par.grads, torch.device("cpu"),
                                             contextlib.nullcontext())
@@ -201,3 +200,22 @@ def test_parallel_names_no_concrete_model():
             for path in sorted(root.glob("*.py"))
             for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
     assert not hits, "parallel/ names a concrete model:\n" + "\n".join(hits)
+
+
+def test_llama_implements_the_contract():
+    from meshloom.models import build_model, config_from_preset
+
+    model = build_model(config_from_preset("tiny", tie_embeddings=True), seed=0)
+    assert isinstance(model, ModelContract)
+    pieces = model.pieces()
+    for name in (*pieces.input, pieces.blocks, *pieces.output, *pieces.state):
+        assert getattr(model, name) is not None, name
+    assert model.get_parameter(pieces.tied[0]) is model.get_parameter(pieces.tied[1])
+    assert model.pipeline_cut_points() == [f"{pieces.blocks}.{i}" for i in range(4)]
+    blocks, head = model.layer_costs(64)
+    assert sum(blocks) + head == model.flops_per_token(64)
+    tokens = torch.randint(0, model.vocab_size, (2, 8))
+    h = model.embed(tokens, None)
+    for block in model.layers:
+        h = block(h, *model.block_context(8, None))
+    torch.testing.assert_close(model.head(h), model(tokens), rtol=0, atol=0)
