@@ -47,7 +47,7 @@ from meshloom.models.llama import Llama, LlamaConfig, build_model, config_from_p
 from meshloom.optim import build_optimizer, decay_groups
 from meshloom.parallel import Parallelized, PipelineSpec, parallelize, plain_loss
 from meshloom.parallel.pipeline_schedule import Action, Timeline, build_schedule, simulate
-from meshloom.parallel.pipeline_stage import layer_costs, split_layers
+from meshloom.parallel.pipeline_stage import split_layers
 
 # benchmarks/ is a folder of scripts, not a package: make its shared module importable however
 # this file was loaded (as a script, or by path from a test).
@@ -247,7 +247,7 @@ class Variant:
 def stage_bounds(cfg: LlamaConfig, pp: int, seq: int) -> list[tuple[int, int]]:
     """The [lo, hi) blocks of every stage, as parallelize() cuts them (balanced training FLOPs,
     embedding on the first stage, the head counted on the last)."""
-    costs, head = layer_costs(cfg, seq)
+    costs, head = cfg.layer_costs(seq)
     return split_layers(cfg.n_layers, pp, costs, head)
 
 

@@ -473,10 +473,10 @@ def _stage_names(cfg: Config, dims, mcfg) -> dict[int, str] | None:
     """For the drawing: the layers each pipeline rank runs, stage by stage."""
     if dims.pp == 1:
         return None
-    from meshloom.parallel.pipeline_stage import layer_costs, split_layers
+    from meshloom.parallel.pipeline_stage import split_layers
 
     v = cfg.parallel.pp_virtual_stages
-    costs, head = layer_costs(mcfg, cfg.data.seq_len)
+    costs, head = mcfg.layer_costs(cfg.data.seq_len)
     bounds = split_layers(mcfg.n_layers, dims.pp * v, costs, head, cfg.parallel.pp_layers or None)
     out = {}
     for r in range(dims.pp):

@@ -1,9 +1,9 @@
-"""Reference Llama-3-style decoder: the one model every parallel strategy in meshloom rewrites.
+"""Reference Llama-3-style decoder, a family of the model contract (models/contract.py).
 
 The model is plain PyTorch on purpose. Strategies never branch inside it; they read the data it
-declares (``Llama.TP_PLAN``, ``pipeline_cut_points()``, ``fsdp_units()``) and swap or slice its
-submodules. That is why every projection is a plain ``nn.Linear`` attribute and the blocks live in
-a plain ``nn.ModuleList``.
+declares (``Llama.TP_PLAN``, ``pieces()``, ``pipeline_cut_points()``, ``fsdp_units()``) and swap
+or slice its submodules. That is why every projection is a plain ``nn.Linear`` attribute and the
+blocks live in a plain ``nn.ModuleList``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from meshloom.models.contract import Pieces
 
 
 @dataclass
@@ -89,6 +91,12 @@ class LlamaConfig:
         # the work actually done; MFU from PaLM's unhalved 12*L*s*d would flatter long contexts.
         matmul = self.n_layers * self._layer_matmul_params() + self.vocab_size * self.dim
         return 6.0 * matmul + 6.0 * self.n_layers * seq_len * self.dim
+
+    def layer_costs(self, seq_len: int) -> tuple[list[float], float]:
+        """Training FLOPs per token of each block, and of the head (its matmul over the
+        vocabulary); they add up to ``flops_per_token(seq_len)``."""
+        block = 6.0 * self._layer_matmul_params() + 6.0 * seq_len * self.dim
+        return [block] * self.n_layers, 6.0 * self.vocab_size * self.dim
 
     def validate(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
@@ -417,10 +425,44 @@ class Llama(nn.Module):
         """Recompute the RoPE table in place (needed after ``to_empty()``; no-op on meta)."""
         self.freqs_cis = _rope_table(self.cfg, self.freqs_cis.device)
 
+    # -- the model contract (models/contract.py)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.cfg.dim
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    def pieces(self) -> Pieces:
+        tied = ("tok_embeddings.weight", "output.weight") if self.cfg.tie_embeddings else None
+        return Pieces(input=("tok_embeddings",), blocks="layers", output=("norm", "output"),
+                      state=("freqs_cis",), tied=tied)
+
+    def embed(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
+        return self.tok_embeddings(tokens)  # positions enter through RoPE, in the blocks
+
+    def block_context(self, seq_len: int, positions: Tensor | None = None) -> tuple[Tensor]:
+        return (Llama.rope(self, seq_len, positions),)
+
+    def head(self, h: Tensor) -> Tensor:
+        return self.output(self.norm(h))
+
+    def layer_costs(self, seq_len: int) -> tuple[list[float], float]:
+        return self.cfg.layer_costs(seq_len)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        return self.cfg.flops_per_token(seq_len)
+
+    def init_tensor(self, name: str, shape: Sequence[int], seed: int) -> Tensor:
+        return init_tensor(name, shape, self.cfg, seed)
+
     def rope(self, seq_len: int, positions: Tensor | None = None) -> Tensor:
         """fp32 (cos, sin) for the blocks: [s, 1, head_dim // 2, 2] ([b, s, ...] for 2-D positions).
 
-        Public so a pipeline stage that holds only some blocks can feed them itself.
+        Reads only ``freqs_cis`` and ``cfg``, so a pipeline stage that holds only some blocks
+        can run it on itself (``block_context``).
         """
         if positions is None:
             if seq_len > self.freqs_cis.shape[0]:
@@ -445,15 +487,15 @@ class Llama(nn.Module):
             if positions is not None:
                 raise ValueError("with a KV cache the positions follow from the cache")
             positions = cache.next_positions(tokens.shape[1], tokens.device)
-        rope = self.rope(tokens.shape[1], positions)
-        h = self.tok_embeddings(tokens)
+        context = self.block_context(tokens.shape[1], positions)
+        h = self.embed(tokens, positions)
         if cache is None:
             for layer in self.layers:
-                h = layer(h, rope)
+                h = layer(h, *context)
         else:
             for layer, kv in zip(self.layers, cache.layers, strict=True):
-                h = layer(h, rope, kv)
-        return self.output(self.norm(h))
+                h = layer(h, *context, kv)
+        return self.head(h)
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         """An empty KV cache for up to ``max_len`` tokens (default and limit: max_seq_len)."""

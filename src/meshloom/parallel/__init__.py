@@ -26,7 +26,7 @@ from meshloom.parallel.context import ContextParallel, PlainAttention
 from meshloom.parallel.ddp import DataParallel
 from meshloom.parallel.fsdp import FullyShardedDataParallel
 from meshloom.parallel.pipeline import PipelinedLogits, PipelineGrads, PipelineRunner
-from meshloom.parallel.pipeline_stage import PipelineStageModel, layer_costs, split_layers
+from meshloom.parallel.pipeline_stage import PipelineStageModel, split_layers
 from meshloom.parallel.single_process_dp import ReplicaGrads, ReplicatedModule, resolve_devices
 from meshloom.parallel.tensor_plan import GatheredLogits, TensorParallel, TensorParallelGrads
 from meshloom.parallel.zero import ShardPrecision, ZeroDataParallel
@@ -91,9 +91,9 @@ def compiled_loss(backend: str = "inductor") -> Callable[[torch.Tensor, torch.Te
                                                          torch.Tensor]:
     """`plain_loss` through torch.compile (with `train.compile`). Eager cross entropy over a big
     vocabulary writes the logits again in fp32, then their log-softmax, then an fp32 gradient:
-    at Llama-3's 128k vocabulary and 16k tokens a step that is 8 GB per copy. Compiled, it reads
-    the logits once and writes their gradient once, in the logits' own dtype. Measured on one
-    H100 (docs/gpu.md): the 1B Llama's step 10% shorter, its peak 15.6 GiB lower."""
+    at a 128k vocabulary and 16k tokens a step that is 8 GB per copy. Compiled, it reads the
+    logits once and writes their gradient once, in the logits' own dtype. Measured on one H100
+    (docs/gpu.md): the 1B model's step 10% shorter, its peak 15.6 GiB lower."""
     return torch.compile(plain_loss, backend=backend, dynamic=False)
 
 
@@ -173,8 +173,9 @@ def _cut(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig,
          spec: PipelineSpec) -> PipelineStageModel:
     """This rank's stages: stage s runs on pipeline rank s % pp (chunk s // pp)."""
     pp, v = mesh.size("pp"), pcfg.pp_virtual_stages
-    costs, head = layer_costs(model.cfg, spec.seq_len)
-    bounds = split_layers(model.cfg.n_layers, pp * v, costs, head, pcfg.pp_layers or None)
+    costs, head = model.layer_costs(spec.seq_len)
+    n_blocks = len(model.pipeline_cut_points())
+    bounds = split_layers(n_blocks, pp * v, costs, head, pcfg.pp_layers or None)
     me = mesh.coord("pp")
     return PipelineStageModel(model, [c * pp + me for c in range(v)], bounds)
 

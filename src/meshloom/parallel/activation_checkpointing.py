@@ -27,6 +27,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from meshloom.models.contract import blocks_of
+
 MODES = ("none", "full", "selective")
 
 # Outputs kept by selective recompute: the matmuls (linear layers lower to these on every
@@ -45,12 +47,10 @@ def _selective_context():
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks: the children of the model's `layers` container (a whole model's
-    ModuleList, or a pipeline stage's ModuleDict of the blocks it runs)."""
-    layers = getattr(model, "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__} has no `layers` of transformer blocks to "
-                         "checkpoint or compile")
+    """The transformer blocks, the checkpoint unit: the children of the container the model's
+    `pieces()` names (a whole model's ModuleList, or a pipeline stage's ModuleDict of the blocks
+    it runs), `layers` for a model without the contract."""
+    layers = blocks_of(model)
     return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
 
 

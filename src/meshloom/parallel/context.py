@@ -230,8 +230,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 class ContextParallel:
-    """Applies context parallel to a model whose attention modules have a `core` (meshloom's
-    Llama): each swaps to ring attention; the training loop feeds every cp rank its zigzag slice
+    """Applies context parallel to a model whose attention modules have a `core` (ours do):
+    each swaps to ring attention; the training loop feeds every cp rank its zigzag slice
     of the tokens and targets, with their absolute positions (RoPE follows the split)."""
 
     def __init__(self, model: nn.Module, mesh: Mesh):

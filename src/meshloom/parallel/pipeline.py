@@ -145,7 +145,7 @@ class PipelineRunner:
 
     def _boundary(self, x: torch.Tensor) -> tuple[int, ...]:
         b, s = x.shape[0], x.shape[1]
-        return (b, s // self.sequence_split(), self.model.cfg.dim)
+        return (b, s // self.sequence_split(), self.model.hidden_size)
 
     def _post(self, a: Action, shape, dtype, device) -> tuple:
         """Start the receive of action `a` (RECV_F / RECV_B)."""
@@ -312,8 +312,8 @@ class PipelinedLogits(nn.Module):
     def __init__(self, runner: PipelineRunner, tp=None):
         super().__init__()
         self.runner, self.tp = runner, tp
-        self.cfg = runner.model.cfg
-        self.vocab = self.cfg.vocab_size
+        self.cfg = runner.model.cfg  # generate() reads max_seq_len from it, if there is one
+        self.vocab = runner.model.vocab_size
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         r = self.runner

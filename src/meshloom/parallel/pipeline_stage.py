@@ -5,26 +5,22 @@ config, or a contiguous split that balances the stages' training FLOPs (embeddin
 stage, final norm + head + loss on the last, so the head's matmul counts there). Every block is
 in exactly one stage, and every stage has at least one.
 
-`PipelineStageModel` is what one pipeline rank keeps of the model: its chunks' blocks under their
-original names (`layers.<i>...`, so checkpoints do not depend on the layout), the embedding if it
-runs stage 0, norm and head if it runs the last stage. With tied embeddings and the two ends on
-different ranks, the last stage keeps its own copy of the table for the head; the pipeline keeps
-the two copies equal by summing their gradients (and it is saved once, under the embedding's name).
+`PipelineStageModel` is what one pipeline rank keeps of the model, generic over the pieces the
+model declares (models/contract.py): its chunks' blocks under their original names (`layers.<i>`,
+so checkpoints do not depend on the layout), the input part if it runs stage 0, the output part
+if it runs the last stage. With tied embeddings and the two ends on different ranks, the last
+stage keeps its own copy of the table for the head; the pipeline keeps the two copies equal by
+summing their gradients (and it is saved once, under the embedding's name).
 """
 
 from __future__ import annotations
 
+import types
+
 import torch
 from torch import nn
 
-from meshloom.models.llama import Llama, LlamaConfig
 from meshloom.placement import mark_duplicate, set_checkpoint_name
-
-
-def layer_costs(cfg: LlamaConfig, seq_len: int) -> tuple[list[float], float]:
-    """Training FLOPs per token of each block, and of the head (its matmul over the vocabulary)."""
-    block = 6.0 * cfg._layer_matmul_params() + 6.0 * seq_len * cfg.dim
-    return [block] * cfg.n_layers, 6.0 * cfg.vocab_size * cfg.dim
 
 
 def split_layers(n_layers: int, n_stages: int, costs: list[float] | None = None,
@@ -74,52 +70,67 @@ def split_layers(n_layers: int, n_stages: int, costs: list[float] | None = None,
 class PipelineStageModel(nn.Module):
     """The chunks of the model that one pipeline rank runs; `forward(x, chunk, seq_len)`."""
 
-    TP_PLAN = Llama.TP_PLAN
-
-    def __init__(self, full: Llama, stages: list[int], bounds: list[tuple[int, int]]):
+    def __init__(self, full: nn.Module, stages: list[int], bounds: list[tuple[int, int]]):
         super().__init__()
-        self.cfg = full.cfg
+        pieces = full.pieces()
+        self.cfg = getattr(full, "cfg", None)  # the contract's three methods may read it
+        self.TP_PLAN = full.TP_PLAN
+        self.hidden_size, self.vocab_size = full.hidden_size, full.vocab_size
+        self.pieces = lambda: pieces
         n_stages = len(bounds)
         self.stages = stages  # global stage index of each chunk, chunk order
         self.bounds = [bounds[s] for s in stages]
         self.first, self.last = 0 in stages, n_stages - 1 in stages
         self.chunk_first = [s == 0 for s in stages]
         self.chunk_last = [s == n_stages - 1 for s in stages]
-        self.tok_embeddings = full.tok_embeddings if self.first else None
-        self.layers = nn.ModuleDict({str(i): full.layers[i]
-                                     for lo, hi in self.bounds for i in range(lo, hi)})
-        self.norm = full.norm if self.last else None
-        self.output = full.output if self.last else None
-        self.tied_copy = False
-        if self.last and not self.first and self.cfg.tie_embeddings:
+        # The pieces under their own names (None where another rank runs them), so that the
+        # model's own embed / block_context / head run on this stage unchanged.
+        for name in pieces.input:
+            setattr(self, name, getattr(full, name) if self.first else None)
+        blocks = getattr(full, pieces.blocks)
+        setattr(self, pieces.blocks, nn.ModuleDict(
+            {str(i): blocks[i] for lo, hi in self.bounds for i in range(lo, hi)}))
+        for name in pieces.output:
+            setattr(self, name, getattr(full, name) if self.last else None)
+        for name in pieces.state:
+            self.register_buffer(name, getattr(full, name), persistent=False)
+        for method in ("embed", "block_context", "head"):
+            setattr(self, method, types.MethodType(getattr(type(full), method), self))
+        self.tied, self.tied_copy = pieces.tied, False
+        if self.last and not self.first and self.tied:
             # The head's own copy of the shared table: same values, saved under the embedding's
             # name, counted once in the grad norm (on the first stage).
-            self.output.weight = nn.Parameter(full.tok_embeddings.weight.detach().clone())
-            set_checkpoint_name(self.output.weight, "tok_embeddings.weight")
-            mark_duplicate(self.output.weight)
+            table, head = self.tied
+            owner, _, leaf = head.rpartition(".")
+            copy = nn.Parameter(full.get_parameter(table).detach().clone())
+            setattr(self.get_submodule(owner), leaf, copy)
+            set_checkpoint_name(copy, table)
+            mark_duplicate(copy)
             self.tied_copy = True
-        self.register_buffer("freqs_cis", full.freqs_cis, persistent=False)
-
-    def rope(self, seq_len: int, positions: torch.Tensor | None = None) -> torch.Tensor:
-        return Llama.rope(self, seq_len, positions)
 
     def forward(self, x: torch.Tensor, chunk: int, seq_len: int,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         """Chunk `chunk`: token ids -> hidden (first stage), hidden -> hidden, or hidden ->
         logits (last stage). `positions`: the tokens' absolute positions (context parallel)."""
-        rope = self.rope(seq_len, positions)
-        h = self.tok_embeddings(x) if self.chunk_first[chunk] else x
+        context = self.block_context(seq_len, positions)
+        h = self.embed(x, positions) if self.chunk_first[chunk] else x
         lo, hi = self.bounds[chunk]
+        blocks = getattr(self, self.pieces().blocks)
         for i in range(lo, hi):
-            h = self.layers[str(i)](h, rope)
-        return self.output(self.norm(h)) if self.chunk_last[chunk] else h
+            h = blocks[str(i)](h, *context)
+        return self.head(h) if self.chunk_last[chunk] else h
 
     def tied_parameter(self) -> nn.Parameter | None:
         """This rank's copy of a table shared by the first and the last stage, if any."""
-        if not self.cfg.tie_embeddings or self.first == self.last:
+        if not self.tied or self.first == self.last:
             return None
-        return self.tok_embeddings.weight if self.first else self.output.weight
+        return self.get_parameter(self.tied[0] if self.first else self.tied[1])
 
     def fsdp_units(self) -> list[str]:
-        embed = ["tok_embeddings"] if self.first and not self.cfg.tie_embeddings else []
-        return embed + [f"layers.{k}" for k in self.layers] + [""]
+        """The input pieces (bar one holding a tied table: the root owns that), each block, the
+        root."""
+        tied = self.tied[0] if self.tied else ""
+        inputs = [n for n in self.pieces().input
+                  if not tied.startswith(n + ".")] if self.first else []
+        name = self.pieces().blocks
+        return inputs + [f"{name}.{k}" for k in getattr(self, name)] + [""]

@@ -1,8 +1,8 @@
 """Apply a tensor-parallel plan (module-name pattern -> style) to a plain model.
 
-The model declares its plan as data (`Llama.TP_PLAN`, `hf_llama_tp_plan()` for Hugging Face's
-`LlamaForCausalLM`); this module swaps the named submodules for the layers of `tensor.py` and
-hooks the region entries, so the model's own code never changes. Styles:
+The model declares its plan as data (its `TP_PLAN`, models/contract.py; `hf_llama_tp_plan()`
+for a Hugging Face decoder); this module swaps the named submodules for the layers of `tensor.py`
+and hooks the region entries, so the model's own code never changes. Styles:
 
 - `vocab`: nn.Embedding -> VocabParallelEmbedding (vocabulary split, padded to a multiple of tp);
 - `colwise`: nn.Linear -> ColumnParallelLinear whose input was already prepared by its region;
