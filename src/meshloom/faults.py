@@ -103,7 +103,13 @@ class Watchdog:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        # Joined, not left running as a daemon: a publish in flight is a C++ store call, and a
+        # process that exits (or destroys its groups) under it can abort ("terminate called
+        # without an active exception", once, in a rank that had just finished its run).
         self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+        self._store = None
 
     def beat(self, step: int) -> None:
         """The main thread made progress outside any collective (a step began or ended)."""
