@@ -12,7 +12,9 @@ from math import prod
 from pathlib import Path
 from typing import Any
 
-EXIT_BAD_INPUT, EXIT_DAMAGED = 2, 1
+from meshloom.launch import EXIT_BAD_INPUT
+
+EXIT_DAMAGED = 1
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -17,9 +17,10 @@ import shutil
 import sys
 from pathlib import Path
 
+from meshloom.launch import EXIT_BAD_INPUT
+
 DTYPES = ("fp32", "bf16", "fp16")
 DEFAULT_SHARD = "5GB"
-EXIT_BAD_INPUT = 2  # cli.EXIT_BAD_INPUT (not imported: cli imports this module)
 
 
 class ConvertError(ValueError):
