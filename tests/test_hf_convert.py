@@ -19,7 +19,7 @@ from meshloom import checkpoint
 from meshloom.commands import main as cli_main
 from meshloom.config import ConfigError
 from meshloom.data import BatchLoader, TokenDataset
-from meshloom.models import hf_checkpoint
+from meshloom.models import hf_checkpoint, llama_hf
 from meshloom.models.llama import LlamaConfig, build_model, rope_frequencies
 from meshloom.placement import tp_split
 from meshloom.train import prepare_data, train
@@ -123,7 +123,7 @@ def test_reads_the_transformers_4_config_style(hf, tmp_path):
 def test_rope_permutation_is_what_makes_them_match(hf, tmp_path, monkeypatch):
     """Without permuting wq/wk rows the logits are far off: the comparison above has teeth."""
     model, folders = hf[False]
-    monkeypatch.setattr(hf_checkpoint, "hf_to_meshloom_rows", lambda w, heads: w)
+    monkeypatch.setattr(llama_hf, "hf_to_meshloom_rows", lambda w, heads: w)
     dst = tmp_path / "weights"
     assert cli_main(["convert", "hf-to-meshloom", str(folders["single"]), str(dst)]) == 0
     assert _diff(_meshloom_logits(dst), _hf_logits(model)) > 1e-3

@@ -51,8 +51,11 @@ class ModelDims(Protocol):
 
 @dataclass
 class ModelConfig:
-    # A preset from meshloom.models.llama.PRESETS; any field below that is set overrides it.
+    # A preset of any family (models/families.py; docs/model.md lists them); any field below
+    # that is set overrides it.
     preset: str = "tiny"
+    # The preset's family ("llama", ...): optional, checked against the preset when set.
+    family: str | None = None
     dim: int | None = None
     n_layers: int | None = None
     n_heads: int | None = None

@@ -52,8 +52,9 @@ from meshloom.config import (
 )
 from meshloom.data import DataError, load_tokenizer
 from meshloom.mesh import Mesh, ParallelDims
+from meshloom.models import families
+from meshloom.models.families import build_model
 from meshloom.models.generate import Generation, generate_cached, sample_token
-from meshloom.models.llama import LlamaConfig, build_model
 from meshloom.optim import named_trainable
 from meshloom.parallel.tensor import AXIS
 from meshloom.parallel.tensor_plan import TensorParallel, check_tp_dims
@@ -87,7 +88,7 @@ class Prepared:
 
     checkpoint: Path
     meta: dict[str, Any]
-    model_cfg: LlamaConfig
+    model_cfg: Any  # the family's config (models/families.py)
     tokenizer: Any
     prompt_ids: list[int]
     device: str  # cpu | cuda
@@ -117,7 +118,7 @@ def _run_config(raw: dict[str, Any]) -> Config:
     return cfg
 
 
-def _check_model_entries(ckpt: Path, mcfg: LlamaConfig) -> None:
+def _check_model_entries(ckpt: Path, mcfg: Any) -> None:
     """Before any rank starts: the checkpoint's DCP metadata has every parameter of the model the
     config builds, in its global shape, and the files holding them are there and long enough
     (a foreign checkpoint is one line here, not a failure inside every rank; a format without a
@@ -174,8 +175,8 @@ def prepare(req: Request) -> Prepared:
         # The model the checkpoint holds, as training recorded it; rebuilding it from the run's
         # config would read model.init_from's source again (gone, perhaps, or changed since).
         stored = meta.get("model")
-        mcfg = LlamaConfig(**stored) if stored else model_config(cfg, tokenizer.vocab_size)
-        mcfg.validate()
+        mcfg = families.config_from_dict(stored) if stored else \
+            model_config(cfg, tokenizer.vocab_size)
     except (ConfigError, DataError, TypeError, ValueError) as e:
         raise GenerateError(f"checkpoint {ckpt}: its config does not build a model: {e}") from None
     if tokenizer.vocab_size > mcfg.vocab_size:
@@ -230,7 +231,7 @@ def rank_device(device: str) -> torch.device:
     return local
 
 
-def load_model(ckpt: Path, mcfg: LlamaConfig, mesh: Mesh,
+def load_model(ckpt: Path, mcfg: Any, mesh: Mesh,
                device: torch.device) -> tuple[nn.Module, TensorParallel | None]:
     """Collective over tp: the model with this rank's slices filled from the checkpoint."""
     # The seed is irrelevant: every parameter is overwritten by the load.

@@ -40,8 +40,9 @@ from meshloom.metrics import (
     peak_memory_bytes,
     peak_reserved_bytes,
 )
+from meshloom.models import families
+from meshloom.models.families import build_model
 from meshloom.models.generate import generate
-from meshloom.models.llama import build_model
 from meshloom.optim import LossScaler, build_optimizer, clip_grads, grad_norm, lr_at, set_lr
 from meshloom.parallel import TORCH_DTYPES, Parallelized, PipelineSpec, parallelize
 from meshloom.parallel.pipeline_schedule import pipeline_microbatches
@@ -236,7 +237,7 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
     if main:
         n_params = mcfg.num_params()
         name = cfg.model.init_from or cfg.model.preset
-        print(f"model: llama {name} ({n_params / 1e6:.2f}M parameters), "
+        print(f"model: {families.family_of(mcfg).name} {name} ({n_params / 1e6:.2f}M parameters), "
               f"{len(train_ds)} train / {len(val_ds)} val sequences of {cfg.data.seq_len} tokens, "
               f"global batch {cfg.train.global_batch} = {dp_size} x {loader.accum_steps} x {micro}",
               flush=True)
@@ -244,7 +245,7 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
     result = TrainResult(summary={}, counter=counter)
     result.grad_bytes = getattr(par.grads, "grad_bytes", 0)
     ckpt_meta = {"layout": vars(dims) | {"zero_stage": cfg.parallel.zero_stage},
-                 "config": cfg.to_dict(), "model": dict(vars(mcfg))}
+                 "config": cfg.to_dict(), "model": families.config_to_dict(mcfg)}
     t_start, train_time, eval_loss = time.perf_counter(), 0.0, None
     skipped_in_a_row = 0
     preempt = faults.Preemption()

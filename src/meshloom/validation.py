@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import importlib.util
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any
 
 from meshloom.config import (
     Config,
@@ -25,9 +25,6 @@ from meshloom.config import (
     resolve_device,
 )
 from meshloom.mesh import ParallelDims
-
-if TYPE_CHECKING:
-    from meshloom.models.llama import LlamaConfig
 
 Rule = Callable[[Config, ParallelDims, ModelDims], str | None]
 
@@ -92,10 +89,10 @@ def validate(cfg: Config, world_size: int, *, check_data: bool = True) -> Parall
     return dims
 
 
-def model_config(cfg: Config, vocab_size: int | None = None) -> LlamaConfig:
-    """The LlamaConfig the run will build: the preset with the config's overrides applied, or
-    the shape of the weights `model.init_from` names."""
-    from meshloom.models.llama import PRESETS, config_from_preset
+def model_config(cfg: Config, vocab_size: int | None = None) -> Any:
+    """The model config (of its family, models/families.py) the run will build: the preset with
+    the config's overrides applied, or the shape of the weights `model.init_from` names."""
+    from meshloom.models import families
 
     if cfg.model.init_from:
         from meshloom.weights import WeightsError, init_from_config
@@ -104,15 +101,16 @@ def model_config(cfg: Config, vocab_size: int | None = None) -> LlamaConfig:
             return init_from_config(cfg.model, vocab_size)
         except WeightsError as e:
             raise ConfigError(f"model.init_from: {e}") from None
-    _require(cfg.model.preset in PRESETS,
+    presets = families.presets()
+    _require(cfg.model.preset in presets,
              f"model.preset: unknown preset '{cfg.model.preset}'"
-             f"{closest(cfg.model.preset, list(PRESETS))}; presets: {', '.join(PRESETS)}")
+             f"{closest(cfg.model.preset, list(presets))}; presets: {', '.join(presets)}")
     overrides = {k: v for k, v in dataclasses.asdict(cfg.model).items()
-                 if k not in ("preset", "init_from") and v is not None}
+                 if k not in ("preset", "family", "init_from") and v is not None}
     if "vocab_size" not in overrides and vocab_size is not None:
         overrides["vocab_size"] = vocab_size
     try:
-        return config_from_preset(cfg.model.preset, **overrides)
+        return families.config_from_preset(cfg.model.preset, cfg.model.family, **overrides)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -129,7 +127,7 @@ def _tokenizer_vocab(cfg: Config) -> int:
     return vocab
 
 
-def _data_fits_model(cfg: Config, mcfg: LlamaConfig, vocab: int | None) -> str | None:
+def _data_fits_model(cfg: Config, mcfg: Any, vocab: int | None) -> str | None:
     d = cfg.data
     if vocab is not None and mcfg.vocab_size < vocab:
         return (f"model.vocab_size={mcfg.vocab_size} is smaller than the tokenizer's vocabulary "

@@ -3,8 +3,9 @@ and start a run from existing weights (``model.init_from``).
 
 A meshloom *weights folder* is what ``meshloom convert hf-to-meshloom`` writes:
     model.safetensors   every parameter under its meshloom name, in its global shape, in the
-                        layout meshloom's Llama computes with (a tied head is not stored)
-    meshloom.json       {"format": "meshloom-weights", "version": 1, "model": {LlamaConfig}}
+                        layout meshloom's model computes with (a tied head is not stored)
+    meshloom.json       {"format": "meshloom-weights", "version": 1, "model": {"family": ...,
+                        the family's config}} (models/families.py)
     tokenizer.json      copied from the source, when it had one
 A checkpoint folder (``RUN_DIR/checkpoints/step_N``) or a run folder (its newest intact
 checkpoint) serves as a source too: meshloom.checkpoint resolves and checks it. Checkpoints are
@@ -19,12 +20,14 @@ import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from meshloom import checkpoint
 from meshloom.checkpoint import CheckpointError
+from meshloom.models import families
 from meshloom.models.hf_checkpoint import (
     TOKENIZER_FILE,
     HFCheckpointError,
@@ -32,7 +35,6 @@ from meshloom.models.hf_checkpoint import (
     open_safetensors,
     read_hf_config,
 )
-from meshloom.models.llama import Llama, LlamaConfig, config_from_preset
 
 WEIGHTS_META = "meshloom.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -50,7 +52,7 @@ class Source:
 
     kind: str  # "weights" (a weights folder) or "checkpoint" (a DCP checkpoint folder)
     path: Path
-    cfg: LlamaConfig
+    cfg: Any  # the family's config (models/families.py)
     tokenizer: str | None
 
 
@@ -79,8 +81,7 @@ def _weights_folder(path: Path) -> Source:
         meta = json.loads((path / WEIGHTS_META).read_text())
         if meta.get("format") != FORMAT:
             raise WeightsError(f"{path / WEIGHTS_META}: format is not {FORMAT!r}")
-        cfg = LlamaConfig(**meta["model"])
-        cfg.validate()
+        cfg = families.config_from_dict(meta["model"])
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise WeightsError(f"{path / WEIGHTS_META}: not a meshloom weights config: {e}") from None
     if not (path / WEIGHTS_FILE).is_file():
@@ -93,13 +94,13 @@ def _checkpoint_source(path: Path, meta: dict) -> Source:
     """A checkpoint folder that open_checkpoint has checked (format, index, manifest)."""
     entries = checkpoint.tensor_entries(path)
     if "model" in meta:  # the resolved model config, written since model.init_from exists
-        cfg = LlamaConfig(**meta["model"])
+        cfg = families.config_from_dict(meta["model"])
     else:  # older checkpoints: the preset and overrides, with the vocabulary the table has
         model = dict(meta["config"]["model"])
         overrides = {k: v for k, v in model.items()
                      if k not in ("preset", "init_from") and v is not None}
         overrides["vocab_size"] = entries["model/tok_embeddings.weight"].size[0]
-        cfg = config_from_preset(model["preset"], **overrides)
+        cfg = families.config_from_preset(model["preset"], **overrides)
     tok = meta.get("config", {}).get("data", {}).get("tokenizer", "byte")
     if tok != "byte":
         file = Path(tok.removeprefix("hf:")).expanduser()
@@ -125,8 +126,7 @@ def _read_checkpoint(path: Path) -> dict[str, Tensor]:
 
 def iter_weights(src: Source) -> Iterator[tuple[str, Tensor]]:
     """(meshloom name, tensor) of every parameter of ``src``, checked against its config."""
-    with torch.device("meta"):
-        expected = {n: tuple(p.shape) for n, p in Llama(src.cfg).named_parameters()}
+    expected = families.parameter_shapes(src.cfg)
     if src.kind == "weights":
         try:
             f = open_safetensors(src.path / WEIGHTS_FILE)
@@ -161,7 +161,7 @@ def _checked(path: Path, name: str, t: Tensor, expected: dict) -> Tensor:
 # -------------------------------------------------------------------------------- writing
 
 
-def write_weights_folder(folder: str | Path, cfg: LlamaConfig,
+def write_weights_folder(folder: str | Path, cfg: Any,
                          weights: Iterator[tuple[str, Tensor]], *, source: str = "",
                          dtype: torch.dtype | None = None,
                          tokenizer: str | Path | None = None) -> None:
@@ -174,7 +174,8 @@ def write_weights_folder(folder: str | Path, cfg: LlamaConfig,
     folder = Path(folder)
     tensors = {name: (t if dtype is None else t.to(dtype)).contiguous() for name, t in weights}
     save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
-    meta = {"format": FORMAT, "version": 1, "model": dataclasses.asdict(cfg), "source": source}
+    meta = {"format": FORMAT, "version": 1, "model": families.config_to_dict(cfg),
+            "source": source}
     (folder / WEIGHTS_META).write_text(json.dumps(meta, indent=2) + "\n")
     if tokenizer is not None:
         shutil.copyfile(tokenizer, folder / TOKENIZER_FILE)
@@ -186,17 +187,17 @@ def write_weights_folder(folder: str | Path, cfg: LlamaConfig,
 def _parse_init_from(spec: str) -> tuple[str, Path]:
     kind, sep, path = spec.partition(":")
     if not sep or kind not in ("hf", "meshloom") or not path:
-        raise WeightsError(f"'{spec}' must be 'hf:PATH' (a Hugging Face Llama folder) or "
+        raise WeightsError(f"'{spec}' must be 'hf:PATH' (a Hugging Face model folder) or "
                            "'meshloom:PATH' (a weights, checkpoint or run folder)")
     return kind, Path(path).expanduser()
 
 
 # Model keys that may be set beside init_from: they change no weight.
-_FREE_KEYS = ("preset", "init_from", "max_seq_len", "init_std")
+_FREE_KEYS = ("preset", "family", "init_from", "max_seq_len", "init_std")
 
 
-def init_from_config(model_cfg, vocab_size: int | None) -> LlamaConfig:
-    """The LlamaConfig of a run with ``model.init_from`` set (``model_cfg`` is config.py's
+def init_from_config(model_cfg, vocab_size: int | None) -> Any:
+    """The model config of a run with ``model.init_from`` set (``model_cfg`` is config.py's
     ModelConfig): the source decides the shape; the tokenizer must fit its vocabulary.
 
     Raises WeightsError (config.py adds the key name)."""
@@ -210,6 +211,10 @@ def init_from_config(model_cfg, vocab_size: int | None) -> LlamaConfig:
     if fixed:
         raise WeightsError(f"model.{fixed[0]} cannot be set beside it: the checkpoint decides "
                            "the model's shape")
+    family = families.family_of(cfg).name
+    if model_cfg.family is not None and model_cfg.family != family:
+        raise WeightsError(f"model.family={model_cfg.family!r}, but the weights are a {family} "
+                           "model")
     if vocab_size is not None and vocab_size > cfg.vocab_size:
         raise WeightsError(f"the tokenizer's vocabulary ({vocab_size}) exceeds the checkpoint's "
                            f"vocab_size={cfg.vocab_size}; point data.tokenizer at the model's "
@@ -224,7 +229,7 @@ def init_from_config(model_cfg, vocab_size: int | None) -> LlamaConfig:
 
 
 @torch.no_grad()
-def load_init_weights(model: Llama, spec: str) -> None:
+def load_init_weights(model: torch.nn.Module, spec: str) -> None:
     """Copy the weights ``model.init_from`` names into the freshly built, whole ``model``
     (before parallelize, which then slices and shards them like any initial weights)."""
     kind, path = _parse_init_from(spec)

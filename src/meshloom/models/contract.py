@@ -12,7 +12,7 @@ nothing on `self` but the pieces, the `state` buffers and `cfg`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol, runtime_checkable
 
@@ -74,3 +74,22 @@ def blocks_of(model: nn.Module) -> nn.Module:
     if container is None:
         raise ValueError(f"{type(model).__name__} has no `{name}` of blocks")
     return container
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family as the rest of meshloom sees it (models/families.py lists them).
+
+    `config` is a dataclass with `validate()`, `num_params()`, `flops_per_token(seq)` and the
+    fields config.ModelConfig may override (dim, n_layers, n_heads, vocab_size, ...); its
+    `family` class attribute names the family, so a stored config knows how to rebuild itself.
+    `build(cfg, seed, device, dtype)` returns a model that honours ModelContract. `hf` names the
+    module that maps the family to Hugging Face's format (imported only when needed; see
+    models/hf_checkpoint.py for what it provides)."""
+
+    name: str
+    config: type
+    build: Callable[..., nn.Module]
+    presets: dict[str, dict]
+    hf: str | None = None
+    hf_model_types: tuple[str, ...] = ()

@@ -18,11 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from meshloom.models.contract import Pieces
+from meshloom.models.contract import Family, Pieces
 
 
 @dataclass
 class LlamaConfig:
+    family: ClassVar[str] = "llama"  # models/families.py
+
     dim: int = 64
     n_layers: int = 4
     n_heads: int = 4
@@ -591,3 +593,7 @@ def build_model(
     model.tie_weights()
     init_weights(model, seed)
     return model
+
+
+FAMILY = Family(name="llama", config=LlamaConfig, build=build_model, presets=PRESETS,
+                hf="meshloom.models.llama_hf", hf_model_types=("llama",))
