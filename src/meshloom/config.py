@@ -67,6 +67,12 @@ class ModelConfig:
     norm_eps: float | None = None
     tie_embeddings: bool | None = None
     init_std: float | None = None
+    # Family-specific settings (a family that has no such setting refuses it by name):
+    head_dim: int | None = None  # Qwen3: wider than dim / n_heads
+    attention_bias: bool | None = None  # Qwen2: bias on q, k, v
+    qk_norm: bool | None = None  # Qwen3: RMSNorm of q and k per head
+    sliding_window: int | None = None  # Mistral: attend to the last N tokens only
+    dropout: float | None = None  # GPT-2: embedding, attention and residual dropout
     # "hf:PATH" (a Hugging Face Llama folder) or "meshloom:PATH" (weights, checkpoint or run
     # folder): start from those weights; the shape then comes from there. "" = random init.
     init_from: str = ""
