@@ -55,8 +55,9 @@ def _rank_main(rank_main: RankMain, args: argparse.Namespace) -> Any:
 
 def launch(rank_main: RankMain, args: argparse.Namespace, timeout: float = 3600.0) -> Any:
     """Run rank_main on args.nproc ranks; rank 0's return value."""
-    # fork is fast (torch is already imported), but CUDA cannot be used in a forked child.
-    method = "spawn" if args.device == "cuda" else "fork"
+    # A fork server's ranks start fast (it imported torch once) and carry nothing of this
+    # process; CUDA wants fresh interpreters.
+    method = "spawn" if args.device == "cuda" else "forkserver"
     return run_ranks(_rank_main, args.nproc, rank_main, args, timeout=timeout,
                      start_method=method)[0]
 

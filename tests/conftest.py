@@ -33,11 +33,13 @@ def tiny_config(run_dir, cache_dir: str, *overrides: str) -> Config:
 
 
 def load_benchmark(name: str):
-    """A script from benchmarks/ (a folder of scripts, not a package), loaded as a module."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """A script from benchmarks/ (a folder of scripts, not a package), imported as a module of
+    that name: its ranks (fork-server children) import it again by name to find their
+    function, so benchmarks/ goes on sys.path, which they inherit."""
+    folder = str(ROOT / "benchmarks")
+    if folder not in sys.path:
+        sys.path.append(folder)
+    return importlib.import_module(name)
 
 
 # ---------------------------------------------------------------- gradients, not only losses

@@ -150,28 +150,29 @@ def test_nonfinite_step_skipped_by_config(tmp_path, token_cache):
     assert all(bool(torch.isfinite(t).all()) for t in final.values())
 
 
+def _save_with_an_inf_on_rank_1(run_dir):
+    from meshloom.models.llama import build_model, config_from_preset
+    from meshloom.parallel import LocalGrads
+
+    torch.distributed.init_process_group("gloo")
+    from meshloom.comm import CommCounter
+    from meshloom.mesh import Mesh, ParallelDims
+
+    mesh = Mesh(ParallelDims.resolve(2), torch.distributed.get_rank(), "cpu", CommCounter())
+    model = build_model(config_from_preset("tiny", vocab_size=64), 0)
+    opt = torch.optim.AdamW(model.parameters())
+    if torch.distributed.get_rank() == 1:
+        with torch.no_grad():
+            model.layers[1].attention.wq.weight[0, 0] = float("inf")
+    try:
+        checkpoint.save_checkpoint(run_dir, 7, model, opt, LocalGrads(model, mesh), {})
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
 def test_save_refuses_nonfinite_state(tmp_path):
-    def job(run_dir):
-        from meshloom.models.llama import build_model, config_from_preset
-        from meshloom.parallel import LocalGrads
-
-        torch.distributed.init_process_group("gloo")
-        from meshloom.comm import CommCounter
-        from meshloom.mesh import Mesh, ParallelDims
-
-        mesh = Mesh(ParallelDims.resolve(2), torch.distributed.get_rank(), "cpu", CommCounter())
-        model = build_model(config_from_preset("tiny", vocab_size=64), 0)
-        opt = torch.optim.AdamW(model.parameters())
-        if torch.distributed.get_rank() == 1:
-            with torch.no_grad():
-                model.layers[1].attention.wq.weight[0, 0] = float("inf")
-        try:
-            checkpoint.save_checkpoint(run_dir, 7, model, opt, LocalGrads(model, mesh), {})
-        except CheckpointError as e:
-            return str(e)
-        return None
-
-    errors = run_ranks(job, 2, tmp_path)
+    errors = run_ranks(_save_with_an_inf_on_rank_1, 2, tmp_path)
     assert all(e and "refusing to write the step-7 checkpoint" in e and "rank 1" in e
                and "layers.1.attention.wq.weight" in e for e in errors), errors
     assert not list((tmp_path / "checkpoints").glob("*step_0000007"))

@@ -57,16 +57,21 @@ _set_in_this_process: list[int] = []
 
 
 def _rank_and_inherited():
-    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), bool(_set_in_this_process)
+    return (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), bool(_set_in_this_process),
+            os.environ.get("MESHLOOM_TEST_MARK"))
 
 
-def test_spawned_ranks_as_for_cuda():
-    """The benchmarks spawn their ranks on CUDA (a forked child cannot use it): fresh
-    interpreters, which do not see what this process changed, with the same results."""
+def test_ranks_get_a_clean_interpreter_and_this_environment(monkeypatch):
+    """The default ranks come from a fork server (and "spawn" ranks, which the benchmarks use on
+    CUDA, are fresh interpreters): neither sees what this process changed in its modules, both
+    see its environment as it is now. Only start_method="fork" copies this process."""
     _set_in_this_process.append(1)
+    monkeypatch.setenv("MESHLOOM_TEST_MARK", "now")
     try:
-        assert run_ranks(_rank_and_inherited, 2, start_method="spawn", timeout=300) == \
-            [(0, 2, False), (1, 2, False)]
-        assert run_ranks(_rank_and_inherited, 2) == [(0, 2, True), (1, 2, True)]  # forked
+        clean = [(0, 2, False, "now"), (1, 2, False, "now")]
+        assert run_ranks(_rank_and_inherited, 2) == clean
+        assert run_ranks(_rank_and_inherited, 2, start_method="spawn", timeout=300) == clean
+        assert run_ranks(_rank_and_inherited, 2, start_method="fork") == \
+            [(0, 2, True, "now"), (1, 2, True, "now")]
     finally:
         _set_in_this_process.clear()

@@ -337,6 +337,10 @@ def test_init_from_hf_starts_from_its_weights(hf, tmp_path, token_cache, tied, w
     assert open_source(tmp_path / "run").cfg.vocab_size == 300  # the HF vocabulary wins
 
 
+def _resume_summary(cfg):
+    return train(cfg, resume=True).summary
+
+
 def test_resume_does_not_reload_hf_weights(hf, tmp_path, token_cache):
     _, folders = hf[False]
     src = tmp_path / "hf"
@@ -345,7 +349,7 @@ def test_resume_does_not_reload_hf_weights(hf, tmp_path, token_cache):
     first = run_ranks(_train_job, 1, tmp_path / "run", token_cache, [*init, "train.steps=1"])[0]
     (src / "model.safetensors").unlink()  # a re-read would fail now
     cfg = tiny_config(tmp_path / "run", token_cache, *QUICK, *init, "train.steps=2")
-    resumed = run_ranks(lambda: train(cfg, resume=True).summary, 1)[0]
+    resumed = run_ranks(_resume_summary, 1, cfg)[0]
     assert resumed["start_step"] == 1 and first["start"] == 0
     assert checkpoint.latest_checkpoint(tmp_path / "run").name == "step_0000002"
 

@@ -80,6 +80,27 @@ def test_final_weights_and_optimizer_state_match(chain):
             assert diff <= 1e-5 * scale, f"{prefix}{k}: max |diff| {diff:.3g}, largest {scale:.3g}"
 
 
+def _resume_with_zeroed_moments(run_dir, cache):
+    import torch.distributed.checkpoint as dcp
+
+    cfg = tiny_config(run_dir, cache, *COMMON, *LAYOUT_A)
+    orig = dcp.load
+
+    def load_without_moments(state, storage_reader=None, **kw):
+        orig(state, storage_reader=storage_reader, **kw)
+        for k, v in state.items():
+            if k.startswith("optim/") and k != "optim/step":
+                for t in ([s.tensor for s in v.local_shards()]
+                          if hasattr(v, "local_shards") else [v]):
+                    t.zero_()
+
+    dcp.load = load_without_moments
+    try:
+        return train(cfg, resume=True).losses
+    finally:
+        dcp.load = orig
+
+
 def test_resume_without_optimizer_state_would_differ(chain, token_cache, tmp_path):
     """Control: the comparison above can fail. Dropping the AdamW moments from the step-2
     checkpoint (so they restart at zero) changes the resumed losses beyond the tolerance."""
@@ -87,29 +108,7 @@ def test_resume_without_optimizer_state_would_differ(chain, token_cache, tmp_pat
     state = read_tensors(ckpt, "")
     assert any(k.startswith("optim/") and k.endswith("exp_avg_sq") for k in state)
     _cut(chain["root"] / "a", tmp_path / "z", 2)
-    cfg_overrides = [*LAYOUT_A]
-
-    def zero_moments(run_dir, cache):
-        import torch.distributed.checkpoint as dcp
-
-        cfg = tiny_config(run_dir, cache, *COMMON, *cfg_overrides)
-        orig = dcp.load
-
-        def load_without_moments(state, storage_reader=None, **kw):
-            orig(state, storage_reader=storage_reader, **kw)
-            for k, v in state.items():
-                if k.startswith("optim/") and k != "optim/step":
-                    for t in ([s.tensor for s in v.local_shards()]
-                              if hasattr(v, "local_shards") else [v]):
-                        t.zero_()
-
-        dcp.load = load_without_moments
-        try:
-            return train(cfg, resume=True).losses
-        finally:
-            dcp.load = orig
-
-    losses = run_ranks(zero_moments, 4, tmp_path / "z", token_cache)[0]
+    losses = run_ranks(_resume_with_zeroed_moments, 4, tmp_path / "z", token_cache)[0]
     assert not _close(losses, chain["full"]["losses"][2:])
 
 

@@ -382,4 +382,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    launch.rank_entry()
+    launch.exit_rank(main())

@@ -33,6 +33,7 @@ import queue
 import random
 import signal
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -399,6 +400,25 @@ def torchrun(launch: Launch) -> int:
     return 0
 
 
+def exit_rank(code: int) -> None:
+    """End a rank process whose work is done and whose files are closed, skipping interpreter
+    teardown: that tears down c10d and Gloo objects (stores, groups still referenced by meshes)
+    in no particular order, and has aborted two finished ranks in CI with "terminate called
+    without an active exception"."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
+
+
+def rank_entry() -> None:
+    """What every rank's `__main__` does first: a crash (SIGSEGV, SIGABRT, ...) prints every
+    thread's Python stack to the rank's stderr, so its cause is in the launcher's report."""
+    import faulthandler
+
+    faulthandler.enable()
+
+
 # ---------------------------------------------------------------- forked ranks (tests, benchmarks)
 
 
@@ -406,11 +426,39 @@ class RankError(RuntimeError):
     """A forked rank raised (its traceback is in the message) or died."""
 
 
+class _CallerStdio:
+    """Stands for the caller's stdout and stderr as they are now (pytest's capture files, say):
+    pickled for a fork-server or spawned rank, it arrives as duplicates of the caller's fds."""
+
+    def __reduce__(self) -> tuple:
+        from multiprocessing import reduction
+
+        return (_Stdio, (reduction.DupFd(1), reduction.DupFd(2)))
+
+
+class _Stdio:
+    def __init__(self, out: Any, err: Any) -> None:
+        self.fds = (out.detach(), err.detach())
+
+    def use(self) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for target, fd in zip((1, 2), self.fds, strict=True):
+            os.dup2(fd, target)
+            os.close(fd)
+
+
 def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, kwargs: dict,
-            results: Any, threads: int) -> None:
+            results: Any, threads: int, env: dict[str, str], stdio: Any) -> None:
     import torch
     import torch.distributed as dist
 
+    # The caller's output files and environment as they are now (a fork server's are those it
+    # started with; a forked rank has them already).
+    if isinstance(stdio, _Stdio):
+        stdio.use()
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(port)})
@@ -427,24 +475,38 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, kwargs:
             dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
-              start_method: str = "fork", **kwargs: Any) -> list[Any]:
-    """fn(*args, **kwargs) on `world_size` ranks (RANK, WORLD_SIZE, MASTER_* set, the cores
-    shared out); their return values in rank order. A rank's exception is raised here as
-    RankError with its traceback; a rank that dies is RankError at once; a run that does not
-    finish within `timeout` seconds is TimeoutError. On any failure every rank is killed.
+# What a fork server imports once, so that each rank forked from it starts in milliseconds.
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "meshloom.train"]
 
-    Forking from a process that has already imported torch makes a group form in a fraction of
-    a second (a fresh interpreter per rank spends seconds importing torch); CUDA cannot be used
-    in a forked child: start_method="spawn" for that."""
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
+              start_method: str = "forkserver", **kwargs: Any) -> list[Any]:
+    """fn(*args, **kwargs) on `world_size` ranks (RANK, WORLD_SIZE, MASTER_* set, the cores
+    shared out, the caller's environment); their return values in rank order. A rank's exception
+    is raised here as RankError with its traceback; a rank that dies is RankError at once; a run
+    that does not finish within `timeout` seconds is TimeoutError. On any failure every rank is
+    killed.
+
+    The ranks are forked from a fork server that imported torch once and has run nothing else
+    (the default): as cheap as forking the caller once the server is up (about 0.1 s for two
+    ranks), and nothing of the caller's state comes along. Forking the caller itself
+    (start_method="fork") copies whatever it has run: forked from a pytest process that had run
+    hundreds of tests, ranks whose replicas run matmuls in threads (single-process DP) crashed
+    with SIGSEGV (in two of seven fresh-clone CI runs). `fn` and the arguments are pickled, so
+    `fn` must be a module-level function (of an importable module or of a script's
+    `__main__`)."""
     import multiprocessing as mp
 
     ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # no effect once the server runs
     results = ctx.Queue()
     port = free_port()
     threads = max(1, len(os.sched_getaffinity(0)) // world_size)
     procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(r, world_size, port, fn, args, kwargs, results, threads))
+                         args=(r, world_size, port, fn, args, kwargs, results, threads,
+                               dict(os.environ),
+                               None if start_method == "fork" else _CallerStdio()))
              for r in range(world_size)]
     # Garbage left by earlier in-process work (process groups, stores, tensors of a previous
     # run) is collected here, not by the garbage collector of a freshly forked child, where

@@ -493,4 +493,5 @@ def _stage_names(cfg: Config, dims, mcfg) -> dict[int, str] | None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    launch.rank_entry()
+    launch.exit_rank(main())
