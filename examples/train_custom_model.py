@@ -120,7 +120,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--grad-clip", type=float, default=1.0)
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    ap.add_argument("--checkpoint", type=Path, help="save the last step's checkpoint here")
+    ap.add_argument("--checkpoint", type=Path, help="run folder to save the last step in")
+    ap.add_argument("--resume", action="store_true", help="continue from --checkpoint's newest")
     return ap.parse_args(argv)
 
 
@@ -138,8 +139,13 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
                                    {"params": no_decay, "weight_decay": 0.0}], lr=args.lr)
     dp_rank, dp = mesh.coord("dp"), mesh.size("dp")  # tp ranks of one replica see the same rows
     rows = slice(dp_rank * args.batch // dp, (dp_rank + 1) * args.batch // dp)
+    start = 0
+    if args.resume:  # any layout's checkpoint: entries are whole tensors by parameter name
+        meta = ml.load_checkpoint(ml.latest_checkpoint(args.checkpoint), par.model, optimizer,
+                                  par.grads)
+        start = meta["step"]
     history: dict[str, list[float]] = {"loss": [], "grad_norm": []}
-    for step in range(args.steps):
+    for step in range(start, args.steps):
         x, y = counting_batch(step, args.batch, args.seq, args.vocab, args.seed)
         mb = args.micro_batch
         micro = list(zip(x[rows].split(mb), y[rows].split(mb), strict=True))

@@ -81,6 +81,21 @@ def test_example_fsdp_x_tp_matches_one_process(single, tmp_path):
         torch.testing.assert_close(weights[name], w, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_example_resumes_under_another_layout(single, tmp_path):
+    """Three steps on one process, saved; three more on 4 ranks (FSDP x tp) from that
+    checkpoint: the same losses as six steps on one process."""
+    ref, _ = single
+    folder = str(tmp_path / "ckpt")
+    first = run_ranks(_run_example, 1, [*SIZES, *ONE_PROCESS, "--steps", "3",
+                                        "--checkpoint", folder])[0]
+    assert first["loss"] == ref["loss"][:3]
+    rest = run_ranks(_run_example, 4, [*SIZES, "--checkpoint", folder, "--resume"], timeout=300)
+    for rank, history in enumerate(rest):
+        assert len(history["loss"]) == 3
+        for step, (a, b) in enumerate(zip(ref["loss"][3:], history["loss"], strict=True), 4):
+            assert abs(a - b) <= 1e-5 * abs(a), f"rank {rank} step {step}: {b} vs {a}"
+
+
 def _weights_after_parallelize() -> dict[str, torch.Tensor]:
     """A user's model initialised differently on each rank, under tp=2: what each rank holds."""
     import meshloom as ml
