@@ -11,9 +11,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
     import torch.distributed as dist
 
     from meshloom.comm import CommCounter
+    from meshloom.config import ParallelConfig
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # Flattened views several components need: all data-parallel ranks (gradient averaging), data x
@@ -154,10 +156,49 @@ class Mesh:
         return next(g for g in self.dims.group_ranks(axis) if self.rank in g)
 
     @property
+    def device(self) -> torch.device:
+        """This rank's compute device: the current CUDA device on GPUs (init_mesh sets it)."""
+        import torch
+
+        if self.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(self.device_type)
+
+    @property
     def replica_axis(self) -> str:
         """The ranks that hold the same weights and see different tokens (gradients and losses
         are averaged over them): data parallel, and context parallel when there is any."""
         return "dp_cp" if self.dims.cp > 1 else "dp"
+
+
+def init_mesh(parallel: ParallelConfig, *, device: str = "auto", backend: str = "auto",
+              timeout_s: float = 600.0) -> Mesh:
+    """For a user's own loop: join the ranks' process group and build the mesh `parallel` asks
+    for (`dp_shard=-1`: what the other axes leave of the world size). The ranks come from
+    torchrun's environment; a process started without it is a world of one. `device`: auto
+    (cuda:LOCAL_RANK where CUDA is available, else cpu), cpu or cuda; `backend`: auto (NCCL on
+    GPUs, Gloo on CPUs), gloo or nccl. ValueError, naming the key, when the degrees do not
+    multiply to the world size."""
+    import datetime
+
+    import torch
+
+    from meshloom import launch
+    from meshloom.comm import CommCounter
+    from meshloom.config import RunConfig, resolve_backend, resolve_device
+
+    rank, world, local_rank, _ = launch.rank_env()
+    p = parallel
+    dims = ParallelDims.resolve(world, pp=p.pp, dp_replicate=p.dp_replicate,
+                                dp_shard=p.dp_shard, cp=p.cp, tp=p.tp)
+    run = RunConfig(device=device, backend=backend)
+    kind = resolve_device(run)
+    dev = torch.device(kind, local_rank) if kind == "cuda" else torch.device(kind)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    launch.join_group(resolve_backend(run), datetime.timedelta(seconds=timeout_s), dev,
+                      alone=world == 1)
+    return Mesh(dims, rank, dev.type, CommCounter())
 
 
 def draw_layout(dims: ParallelDims, ranks_per_node: int | None = None, backend: str = "",

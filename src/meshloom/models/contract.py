@@ -12,7 +12,7 @@ nothing on `self` but the pieces, the `state` buffers and `cfg`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Protocol, runtime_checkable
 
@@ -61,9 +61,10 @@ class ModelContract(Protocol):
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token of the whole model (MFU)."""
 
-    def init_tensor(self, name: str, shape: Sequence[int], seed: int) -> Tensor:
-        """The initial value of parameter `name` (canonical, whole shape): from (seed, name)
-        alone, so that any layout holding any slice of it gets the same values."""
+    # Optional: `init_tensor(name, shape, seed) -> Tensor`, the initial value of parameter
+    # `name` (canonical, whole shape) from (seed, name) alone, so that every rank builds the
+    # same weights by itself. parallelize() broadcasts global rank 0's weights to the other
+    # ranks of a model without it (a user's own: docs/library.md).
 
 
 def blocks_of(model: nn.Module) -> nn.Module:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshloom import comm
 from meshloom.checkpoint import whole_state
 from meshloom.config import ParallelConfig
 from meshloom.mesh import Mesh
@@ -127,16 +128,24 @@ TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.flo
 def parallelize(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig,
                 compute_dtype: str = "fp32", tp_plan: dict[str, str] | None = None,
                 pipeline: PipelineSpec | None = None, activation_checkpointing: str = "none",
-                compile_blocks: bool = False, compile_backend: str = "inductor"
-                ) -> Parallelized:
+                compile_blocks: bool = False, compile_backend: str = "inductor",
+                broadcast_weights: bool | None = None) -> Parallelized:
     """Apply the layout, in DESIGN.md's order: pipeline split (the model becomes this rank's
     stages), tensor parallel (the model's `TP_PLAN`, or `tp_plan`), then data parallel over the
     resulting slices. With zero_stage >= 1 the sharded stages keep `compute_dtype` working
     copies of the parameters and fp32 masters; without sharding the model stays fp32 and the
     training loop runs its forward under autocast. `parallel.mode = "dp"` bypasses the mesh axes:
-    one process, a replica of the whole model per device (parallel/single_process_dp.py)."""
+    one process, a replica of the whole model per device (parallel/single_process_dp.py).
+
+    Every rank passes the whole model, and every layout keeps its slice of the weights it is
+    given, so all ranks must hold the same weights. `broadcast_weights` makes them so: global
+    rank 0's parameters and buffers are sent to every rank first. By default that happens for
+    a model without `init_tensor` (a user's own, whatever its initialisation); a model with it
+    declares that it draws each weight from (seed, name) alone, the same on every rank."""
     if pcfg.mode == "dp":  # one process driving several devices, instead of the mesh axes
         return _replicated(model, mesh, pcfg, activation_checkpointing)
+    if broadcast_weights or (broadcast_weights is None and not hasattr(model, "init_tensor")):
+        _broadcast_from_rank0(model, mesh)
     pp = mesh.size("pp")
     if pp > 1:
         if pipeline is None:
@@ -167,6 +176,16 @@ def parallelize(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig,
     return Parallelized(model, PipelineGrads(grads, model, mesh), loss=loss,
                         inference_model=PipelinedLogits(runner, tp), tp=tp, pipeline=runner,
                         context=cp)
+
+
+@torch.no_grad()
+def _broadcast_from_rank0(model: nn.Module, mesh: Mesh) -> None:
+    """Global rank 0's whole weights on every rank, before any strategy slices them. Complex
+    buffers (a RoPE table) are computed from the config, never drawn, and Gloo cannot send
+    them: they are left as they are."""
+    for t in [*model.parameters(), *model.buffers()]:
+        if not t.is_complex():
+            comm.broadcast(t.data, mesh, "world", src_coord=0)
 
 
 def _cut(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig,

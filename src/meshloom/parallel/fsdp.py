@@ -101,8 +101,21 @@ class _Unit:
             self.gathered = True
 
 
+def units_of(model: nn.Module) -> list[str]:
+    """The submodules sharded as units, innermost first, `""` (the root) last: the model's own
+    `fsdp_units()` where it declares them, else each input piece (bar one holding a tied table,
+    which the root owns), each block, and the root (models/contract.py's `pieces()`)."""
+    if hasattr(model, "fsdp_units"):
+        return model.fsdp_units()
+    pieces = model.pieces()
+    tied = pieces.tied[0] if pieces.tied else ""
+    inputs = [n for n in pieces.input if not tied.startswith(n + ".")]
+    blocks = getattr(model, pieces.blocks)
+    return inputs + [f"{pieces.blocks}.{i}" for i in range(len(blocks))] + [""]
+
+
 class FullyShardedDataParallel:
-    """ZeRO-3 on a model that declares its units (`fsdp_units()`)."""
+    """ZeRO-3 over a model's units: its `fsdp_units()`, else those its `pieces()` imply."""
 
     norm_axes = ("dp_shard",)
 
@@ -118,7 +131,7 @@ class FullyShardedDataParallel:
         owner = self._owners(model, named)
         n, rank = mesh.size("dp_shard"), mesh.coord("dp_shard")
         self.units: list[_Unit] = []
-        for unit_name in model.fsdp_units():
+        for unit_name in units_of(model):
             mine = [(a, p) for a, p in named if owner[a] == unit_name]
             if mine:
                 module = model.get_submodule(unit_name) if unit_name else model
@@ -152,7 +165,7 @@ class FullyShardedDataParallel:
     def _owners(model: nn.Module, named: list[tuple[str, nn.Parameter]]) -> dict[str, str]:
         """Each parameter belongs to the deepest declared unit that contains it; a parameter
         used under names in different units (tied embeddings) and the rest go to the root."""
-        units = sorted((u for u in model.fsdp_units() if u), key=len, reverse=True)
+        units = sorted((u for u in units_of(model) if u), key=len, reverse=True)
 
         def unit_of(name: str) -> str:
             return next((u for u in units if name.startswith(u + ".")), "")
