@@ -189,3 +189,16 @@ def test_parity_with_one_process(tmp_path, token_cache, reference, world, overri
         forwards = STEPS * micro + evals
         assert r["calls"] == {"activation": forwards, "gradient": STEPS * micro,
                               "context": forwards}
+
+
+def test_place_follows_rank_device_blocks_else_the_costs():
+    from meshloom.config import ParallelConfig
+    from meshloom.parallel.rank_devices import place
+
+    model = _tiny()
+    placed = place(model, [CPU, CPU], ParallelConfig(rank_device_blocks=[3, 1]), seq_len=64)
+    assert [placed.slots[f"layers.{i}"] for i in range(4)] == [0, 0, 0, 1]
+    # Balanced: four equal blocks and a head that costs something go 2 + 2 (head on the last).
+    placed = place(_tiny(), [CPU, CPU], ParallelConfig(), seq_len=64)
+    assert [placed.slots[f"layers.{i}"] for i in range(4)] == [0, 0, 1, 1]
+    assert placed.slots["output"] == 1
