@@ -165,6 +165,7 @@ def reference(tmp_path_factory, token_cache):
 
 CASES = [
     (1, ['parallel.rank_devices=["cpu", "cpu"]']),
+    (1, ['parallel.rank_devices=["cpu", "cpu"]', "train.activation_checkpointing=full"]),
     (2, ["parallel.rank_devices=2", "parallel.rank_device_blocks=[3, 1]"]),
     (2, ['parallel.rank_devices=[["cpu", "cpu"], ["cpu", "cpu"]]', "parallel.zero_stage=2",
          "train.micro_batch=4"]),

@@ -16,7 +16,7 @@ embedding stays on the first slot with it (one parameter cannot live on two devi
 
 Every copy is a real one (`copy=True`), also between two "cpu" slots, and is recorded on the comm
 counter (axis `rank_devices`): on a CPU-only machine the code path and the byte counts are those
-of a GPU run. See docs/parallel.md, "Several devices per rank".
+of a GPU run. See docs/rank-devices.md.
 """
 
 from __future__ import annotations
