@@ -203,3 +203,15 @@ def test_place_follows_rank_device_blocks_else_the_costs():
     placed = place(_tiny(), [CPU, CPU], ParallelConfig(), seq_len=64)
     assert [placed.slots[f"layers.{i}"] for i in range(4)] == [0, 0, 1, 1]
     assert placed.slots["output"] == 1
+
+
+def test_drawing_names_each_local_ranks_gpus():
+    from meshloom.parallel.rank_devices import layout_lines
+
+    cfg = load_config(None, ["parallel.rank_devices=2"])
+    tied = config_from_preset("tiny", tie_embeddings=True)
+    lines = layout_lines(cfg, ParallelDims(dp_shard=4), tied, "cuda", ranks_per_node=2)
+    # Rank 3 is local rank 1 of the second host: cuda:2 and cuda:3. Tied: the head on the first.
+    assert lines[3] == ("devices  cuda:2: embedding, layers 0-1, norm, head, loss | "
+                        "cuda:3: layers 2-3")
+    assert lines[0].startswith("devices  cuda:0: ") and "| cuda:1: " in lines[0]
