@@ -131,6 +131,8 @@ def test_device_lists_are_checked():
     assert "same devices" in rule('["cuda:0", "cuda:1"]')
     assert rule('["cuda:0", "cuda:1"]', world=1) is None
     assert "run's device type cuda" in rule('["cpu", "cuda:0"]', world=1)
+    assert rule('["cuda:0", "cpu"]', world=1) is None
+    assert "one rank only" in rule('[["cuda:0", "cpu"], ["cuda:1", "cpu"]]')
 
 
 def test_layout_command_draws_each_ranks_devices(capsys):

@@ -1,8 +1,9 @@
 """`parallelize()`: apply the layout's strategies to a plain model, always in the same order.
 
 Order (DESIGN.md): pipeline split -> tensor (+ sequence) parallel -> context parallel ->
-activation checkpointing (and torch.compile) per block -> data parallel (DDP, ZeRO-1/2/3,
-HSDP) over what the earlier steps left on this rank.
+(parallel.rank_devices: the blocks spread over the rank's devices) -> activation checkpointing
+(and torch.compile) per block -> data parallel (DDP, ZeRO-1/2/3, HSDP) over what the earlier
+steps left on this rank.
 """
 
 from __future__ import annotations

@@ -138,6 +138,10 @@ def check_rank_devices_config(cfg: Config, dims: ParallelDims,
             problem = _name_problem(name, i == 0, device_type)
             if problem:
                 return problem
+    if device_type == "cuda" and dims.world_size > 1 and \
+            any(torch.device(n).type == "cpu" for names in lists for n in names):
+        return (f"{KEY}: a CPU device in a CUDA run works with one rank only (NCCL cannot reduce "
+                "the gradients of the blocks on the CPU)")
     if per_rank is None and not isinstance(p.rank_devices, int) and dims.world_size > 1 and \
             any(torch.device(n).type != "cpu" for n in lists[0]):
         return (f"{KEY}={p.rank_devices!r} would give every rank the same devices; give one "
