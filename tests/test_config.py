@@ -73,6 +73,11 @@ BAD = [
     (["--set", "train.dtype=bf61"], "train.dtype: unknown dtype 'bf61' (did you mean 'bf16'?)"),
     (["--set", "parallel.cpu_offload=true"], "parallel.cpu_offload needs parallel.zero_stage"),
     (["--set", "parallel.reduce_dtype=fp8"], "parallel.reduce_dtype: unknown dtype 'fp8'"),
+    (["--nproc", "2", "--set", "parallel.rank_devices=2", "--set", "parallel.pp=2"],
+     "parallel.rank_devices (several devices per rank) does not combine with parallel.pp=2"),
+    (["--set", "parallel.rank_device_blocks=[2, 2]"], "only used with parallel.rank_devices"),
+    (["--set", "parallel.rank_devices=2", "--set", "parallel.rank_device_blocks=[1, 1]"],
+     "parallel.rank_device_blocks=[1, 1] must list 2 block counts"),
 ]
 
 

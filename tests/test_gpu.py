@@ -138,3 +138,57 @@ def test_cpu_offload_frees_the_device_memory_the_planner_counts():
     assert abs(drop - moved) <= 0.02 * moved, (drop, moved, on_device, offloaded)
     # What stays on the device: the bf16 working parameters (the planner's `params`) at least.
     assert offloaded >= planner["params"], (offloaded, planner)
+
+
+# ---------------------------------------------------------------- parallel.rank_devices
+
+
+def test_rank_devices_place_blocks_on_cuda_and_cpu():
+    """One rank over cuda:0 and the CPU (parallel/rank_devices.py): each piece's parameters are
+    on the device the plan names, the hidden states cross to the CPU once per forward (and
+    their gradient back once per backward), and logits and gradients are those of the same
+    model on the GPU alone."""
+    from meshloom.comm import CommCounter
+    from meshloom.models.llama import build_model, config_from_preset
+    from meshloom.parallel.rank_devices import AXIS, RankDevices, plan_blocks
+
+    cfg = config_from_preset("tiny")
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    ref = build_model(cfg, 0, device=gpu)
+    model = build_model(cfg, 0, device=gpu)
+    counter = CommCounter()
+    RankDevices(model, [gpu, cpu], plan_blocks(4, 2, given=[1, 3]), counter)
+    assert model.tok_embeddings.weight.device == gpu
+    assert [{p.device for p in b.parameters()} for b in model.layers] == \
+        [{gpu}, {cpu}, {cpu}, {cpu}]
+    assert model.norm.weight.device == cpu and model.output.weight.device == cpu
+    tokens = torch.randint(0, 257, (2, 32), device=gpu)
+    logits = model(tokens)
+    assert logits.device == cpu
+    want = ref(tokens)
+    torch.testing.assert_close(logits, want.cpu(), rtol=1e-4, atol=1e-4)
+    logits.pow(2).mean().backward()
+    want.pow(2).mean().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad.cpu(), q.grad.cpu(), rtol=1e-3, atol=1e-6, msg=name)
+    assert counter.calls[(AXIS, "activation")] == 1 and counter.calls[(AXIS, "gradient")] == 1
+
+
+def test_rank_devices_training_matches_one_gpu(tmp_path):
+    """`parallel.rank_devices=["cuda:0", "cpu"]` through the launcher: the same per-step losses
+    as the run on the GPU alone (fp32; the CPU half sums in another order, hence 1e-4)."""
+    # eps 1e-6: AdamW amplifies the two summation orders' noise by at most lr / eps (conftest's
+    # WELL_CONDITIONED).
+    ref = _train(tmp_path / "one", tmp_path / "cache", "train.steps=4", "train.eps=1e-6")
+    split = _train(tmp_path / "split", tmp_path / "cache", "train.steps=4", "train.eps=1e-6",
+                   'parallel.rank_devices=["cuda:0", "cpu"]')
+
+    def losses(run: Path) -> list[float]:
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        return [r["loss"] for r in rows if "loss" in r]
+
+    a, b = losses(tmp_path / "one"), losses(tmp_path / "split")
+    assert len(a) == len(b) == 4
+    for step, (x, y) in enumerate(zip(a, b, strict=True), 1):
+        assert abs(x - y) <= 1e-4 * abs(x), f"step {step}: {y} vs one GPU {x}"
+    assert split["final_loss"] == pytest.approx(ref["final_loss"], rel=1e-4)

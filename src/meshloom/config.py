@@ -141,6 +141,13 @@ class ParallelConfig:
     # a count (cuda:0..N-1, or N CPU replicas; 0 = every GPU) or a list like ["cuda:0", "cuda:1"].
     mode: str = ""
     dp_devices: int | list[str] = 0
+    # Several devices within each rank (naive model parallel, docs/rank-devices.md): the rank's
+    # blocks are spread over them, the input part on the first, the output part and the loss on
+    # the last. A count N: local rank r uses cuda:N*r .. cuda:N*r+N-1 (the CPU N times); a list
+    # like ["cuda:0", "cuda:1"]: every local rank's devices (one rank per host); a list of lists:
+    # local rank r uses the r-th. 1 = the usual single device per rank.
+    rank_devices: int | list[str] | list[list[str]] = 1
+    rank_device_blocks: list[int] = field(default_factory=list)  # blocks per device; [] = balanced
 
 
 @dataclass

@@ -204,10 +204,12 @@ def init_mesh(parallel: ParallelConfig, *, device: str = "auto", backend: str = 
 def draw_layout(dims: ParallelDims, ranks_per_node: int | None = None, backend: str = "",
                 device: str = "", zero_stage: int = 0, model=None,
                 sequence_parallel: bool = False,
-                stages: dict[int, str] | None = None) -> str:
+                stages: dict[int, str] | None = None,
+                devices: dict[int, str] | None = None) -> str:
     """A text picture of the layout: each rank's coordinates on the axes that are split, by node,
     and what it holds. With `model` (a LlamaConfig) the tensor-parallel slice is spelled out: the
-    attention heads, MLP columns and vocabulary rows of every layer that the rank keeps."""
+    attention heads, MLP columns and vocabulary rows of every layer that the rank keeps.
+    `devices` (parallel.rank_devices): rank -> what each of its devices holds."""
     split = [a for a in AXES if getattr(dims, a) > 1]
     per_node = ranks_per_node or dims.world_size
     head = f"mesh: {dims.describe()}  ({dims.world_size} rank{'s' * (dims.world_size > 1)}"
@@ -226,6 +228,8 @@ def draw_layout(dims: ParallelDims, ranks_per_node: int | None = None, backend: 
             if dims.tp > 1:
                 lines.append(" " * 15 + _tp_slice(dims.tp, c["tp"], model, sequence_parallel,
                                                   whole=dims.pp == 1))
+            if devices and rank in devices:
+                lines.append(" " * 15 + devices[rank])
     return "\n".join(lines)
 
 

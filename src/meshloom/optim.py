@@ -72,8 +72,9 @@ def grad_norm(params: Iterable[nn.Parameter], mesh: Mesh | None = None,
     if not params:
         return 0.0
     tp = mesh.size("tp") if mesh is not None and "tp" in sharded_axes else 1
-    sq = torch.stack([p.grad.detach().float().pow(2).sum()
-                      / (1 if tp == 1 or tp_split(p) is not None else tp)
+    # .to(): under parallel.rank_devices a rank's gradients live on several devices.
+    sq = torch.stack([(p.grad.detach().float().pow(2).sum()
+                       / (1 if tp == 1 or tp_split(p) is not None else tp)).to(params[0].device)
                       for p in params]).sum()
     for axis in sharded_axes:
         if mesh is not None and mesh.size(axis) > 1:

@@ -44,7 +44,7 @@ from meshloom.models import families
 from meshloom.models.families import build_model
 from meshloom.models.generate import generate
 from meshloom.optim import LossScaler, build_optimizer, clip_grads, grad_norm, lr_at, set_lr
-from meshloom.parallel import TORCH_DTYPES, Parallelized, PipelineSpec, parallelize
+from meshloom.parallel import TORCH_DTYPES, Parallelized, PipelineSpec, parallelize, rank_devices
 from meshloom.parallel.pipeline_schedule import pipeline_microbatches
 from meshloom.plan.memory import predict_run_memory
 from meshloom.validation import model_config, validate
@@ -77,6 +77,7 @@ def prepare_data(cfg: Config) -> Path:
 def _init_distributed(cfg: Config, local_rank: int) -> torch.device:
     device_type = resolve_device(cfg.run)
     device = torch.device(device_type, local_rank) if device_type == "cuda" else torch.device("cpu")
+    device = rank_devices.home_device(cfg.parallel, device_type, local_rank) or device
     if device.type == "cuda":
         torch.cuda.set_device(device)
     launch.join_group(resolve_backend(cfg.run), faults.process_group_timeout(cfg.run.timeout_s),
@@ -203,7 +204,8 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
         if microbatches else None
     par = parallelize(model, mesh, cfg.parallel, cfg.train.dtype, pipeline=spec,
                       activation_checkpointing=cfg.train.activation_checkpointing,
-                      compile_blocks=cfg.train.compile, compile_backend=cfg.train.compile_backend)
+                      compile_blocks=cfg.train.compile, compile_backend=cfg.train.compile_backend,
+                      seq_len=cfg.data.seq_len)
     # Unsharded layouts keep fp32 parameters (they are the master weights) and compute in the
     # low-precision dtype under autocast; the sharded stages hold low-precision working copies.
     autocast = (torch.autocast(device.type, dtype=TORCH_DTYPES[cfg.train.dtype])
@@ -467,7 +469,9 @@ def print_layout(cfg: Config, dims, ranks_per_node: int | None = None) -> None:
     print(draw_layout(dims, ranks_per_node, backend=resolve_backend(cfg.run),
                       device=resolve_device(cfg.run), zero_stage=cfg.parallel.zero_stage,
                       model=mcfg, sequence_parallel=cfg.parallel.sequence_parallel,
-                      stages=_stage_names(cfg, dims, mcfg)), flush=True)
+                      stages=_stage_names(cfg, dims, mcfg),
+                      devices=rank_devices.layout_lines(cfg, dims, mcfg, resolve_device(cfg.run),
+                                                        ranks_per_node)), flush=True)
 
 
 def _stage_names(cfg: Config, dims, mcfg) -> dict[int, str] | None:

@@ -1,8 +1,9 @@
 """`parallelize()`: apply the layout's strategies to a plain model, always in the same order.
 
 Order (DESIGN.md): pipeline split -> tensor (+ sequence) parallel -> context parallel ->
-activation checkpointing (and torch.compile) per block -> data parallel (DDP, ZeRO-1/2/3,
-HSDP) over what the earlier steps left on this rank.
+(parallel.rank_devices: the blocks spread over the rank's devices) -> activation checkpointing
+(and torch.compile) per block -> data parallel (DDP, ZeRO-1/2/3, HSDP) over what the earlier
+steps left on this rank.
 """
 
 from __future__ import annotations
@@ -17,17 +18,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshloom import comm
+from meshloom import comm, launch
 from meshloom.checkpoint import whole_state
 from meshloom.config import ParallelConfig
 from meshloom.mesh import Mesh
 from meshloom.optim import decay_groups, named_trainable
+from meshloom.parallel import rank_devices
 from meshloom.parallel.activation_checkpointing import apply_block_options
 from meshloom.parallel.context import ContextParallel, PlainAttention
 from meshloom.parallel.ddp import DataParallel
 from meshloom.parallel.fsdp import FullyShardedDataParallel
 from meshloom.parallel.pipeline import PipelinedLogits, PipelineGrads, PipelineRunner
 from meshloom.parallel.pipeline_stage import PipelineStageModel, split_layers
+from meshloom.parallel.rank_devices import RankDevices
 from meshloom.parallel.single_process_dp import ReplicaGrads, ReplicatedModule, resolve_devices
 from meshloom.parallel.tensor_plan import GatheredLogits, TensorParallel, TensorParallelGrads
 from meshloom.parallel.zero import ShardPrecision, ZeroDataParallel
@@ -109,8 +112,11 @@ class Parallelized:
     tp: TensorParallel | None = None
     pipeline: PipelineRunner | None = None
     context: ContextParallel | None = None
-    # Distinct devices this rank computes on (for MFU's peak): several under parallel.mode=dp.
+    # Distinct devices this rank computes on (for MFU's peak): several under parallel.mode=dp
+    # or parallel.rank_devices.
     devices: int = 1
+    # parallel.rank_devices: where this rank's pieces went and the copies between its devices.
+    rank_devices: RankDevices | None = None
 
 
 @dataclass(frozen=True)
@@ -129,13 +135,15 @@ def parallelize(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig,
                 compute_dtype: str = "fp32", tp_plan: dict[str, str] | None = None,
                 pipeline: PipelineSpec | None = None, activation_checkpointing: str = "none",
                 compile_blocks: bool = False, compile_backend: str = "inductor",
-                broadcast_weights: bool | None = None) -> Parallelized:
+                seq_len: int = 0, broadcast_weights: bool | None = None) -> Parallelized:
     """Apply the layout, in DESIGN.md's order: pipeline split (the model becomes this rank's
     stages), tensor parallel (the model's `TP_PLAN`, or `tp_plan`), then data parallel over the
     resulting slices. With zero_stage >= 1 the sharded stages keep `compute_dtype` working
     copies of the parameters and fp32 masters; without sharding the model stays fp32 and the
     training loop runs its forward under autocast. `parallel.mode = "dp"` bypasses the mesh axes:
     one process, a replica of the whole model per device (parallel/single_process_dp.py).
+    `parallel.rank_devices` spreads the rank's blocks over several devices (balanced by
+    `layer_costs(seq_len)`) before data parallel wraps it (parallel/rank_devices.py).
 
     Every rank passes the whole model, and every layout keeps its slice of the weights it is
     given, so all ranks must hold the same weights. `broadcast_weights` makes them so: global
@@ -156,12 +164,19 @@ def parallelize(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig,
         tp = TensorParallel(model, tp_plan or model.TP_PLAN, mesh,
                             sequence_parallel=pcfg.sequence_parallel, strict=pp == 1)
     cp = ContextParallel(model, mesh) if mesh.size("cp") > 1 else None
+    placed = _place_on_rank_devices(model, mesh, pcfg, seq_len) \
+        if rank_devices.in_use(pcfg) else None
     apply_block_options(model, activation_checkpointing, compile_blocks, compile_backend)
     grads = _data_parallel(model, mesh, pcfg, compute_dtype)
     # Under tp the loss is vocab-parallel and holds collectives: it stays eager.
     loss = tp.loss if tp else compiled_loss(compile_backend) if compile_blocks else plain_loss
     if tp is not None:
         grads = TensorParallelGrads(grads, tp)
+    if placed is not None:  # the loss on the last device, sampling on the first
+        first = placed.devices[0]
+        return Parallelized(model, grads, loss=rank_devices.loss_beside_logits(loss),
+                            inference_model=rank_devices.LogitsOnFirst(model, first),
+                            devices=len(set(placed.devices)), rank_devices=placed)
     if pp == 1:
         inference = GatheredLogits(model, tp) if tp else model
         if cp is not None:
@@ -197,6 +212,15 @@ def _cut(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig,
     bounds = split_layers(n_blocks, pp * v, costs, head, pcfg.pp_layers or None)
     me = mesh.coord("pp")
     return PipelineStageModel(model, [c * pp + me for c in range(v)], bounds)
+
+
+def _place_on_rank_devices(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig,
+                           seq_len: int) -> RankDevices:
+    """parallel.rank_devices: this local rank's devices (torchrun's LOCAL_RANK picks its entry),
+    the blocks spread over them; the copies between them count on the mesh's counter."""
+    local_rank = launch.rank_env()[2]
+    devices = rank_devices.resolve(pcfg.rank_devices, mesh.device_type, local_rank)
+    return rank_devices.place(model, devices, pcfg, seq_len, mesh.counter)
 
 
 def _replicated(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig,
