@@ -80,7 +80,8 @@ class TinyGPT(nn.Module):
                 p.copy_(self.init_tensor(name, p.shape, seed))
 
     def pieces(self) -> Pieces:
-        return Pieces(input=("wte", "wpe"), blocks="blocks", output=("ln_f", "lm_head"))
+        return Pieces(input=("wte", "wpe"), blocks="blocks", output=("ln_f", "lm_head"),
+                      attention="blocks.*.attn")
 
     def embed(self, tokens: Tensor, positions: Tensor | None) -> Tensor:
         if positions is None:
@@ -137,7 +138,7 @@ def _job(world: int, layout: dict) -> dict:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     pcfg = ParallelConfig(dp_shard=1, **layout)
     counter = CommCounter()
-    mesh = Mesh(ParallelDims(pp=pcfg.pp, tp=pcfg.tp), rank, "cpu", counter)
+    mesh = Mesh(ParallelDims(pp=pcfg.pp, tp=pcfg.tp, cp=pcfg.cp), rank, "cpu", counter)
     model = TinyGPT(seed=0)
     assert isinstance(model, ModelContract)
     spec = PipelineSpec(BATCH // MICRO, SEQ, timeout_s=60.0) if pcfg.pp > 1 else None
@@ -155,9 +156,16 @@ def _job(world: int, layout: dict) -> dict:
             for i, (x, y) in enumerate(batches):
                 last = i == len(batches) - 1
                 with par.grads.no_sync() if not last else contextlib.nullcontext():
-                    loss = par.loss(par.model(x), y) / len(batches)
+                    if par.context is None:
+                        logits = par.model(x)
+                    else:  # this rank's zigzag slice, at its absolute positions
+                        x, y, positions = par.context.local(x, y)
+                        logits = par.model(x, positions)
+                    loss = par.loss(logits, y) / len(batches)
                     loss.backward()
                 total += loss.item()
+            if pcfg.cp > 1:  # each cp rank's mean over its half of the tokens
+                (total,) = all_reduce_scalars([total / pcfg.cp], mesh, "cp")
         par.grads.finish()
         if pcfg.pp > 1:  # only the last stage has the loss
             (total,) = all_reduce_scalars([total], mesh, "pp")
@@ -176,8 +184,8 @@ def reference() -> dict:
     return run_ranks(_job, 1, 1, {})[0]
 
 
-@pytest.mark.parametrize("layout", [{"pp": 2, "pp_schedule": "1f1b"}, {"tp": 2}],
-                         ids=["pp2-1f1b", "tp2"])
+@pytest.mark.parametrize("layout", [{"pp": 2, "pp_schedule": "1f1b"}, {"tp": 2}, {"cp": 2}],
+                         ids=["pp2-1f1b", "tp2", "cp2"])
 def test_a_new_family_trains_with_parity(reference, layout):
     results = run_ranks(_job, 2, 2, layout)
     for r in results:

@@ -12,6 +12,7 @@ nothing on `self` but the pieces, the `state` buffers and `cfg`.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Protocol, runtime_checkable
@@ -29,6 +30,10 @@ class Pieces:
     state: tuple[str, ...] = ()  # buffers that block_context reads (a RoPE table); every stage
     # (input parameter, output parameter) when the head shares the embedding's table
     tied: tuple[str, str] | None = None
+    # Module-name pattern (`*` = one segment) of the attention modules, e.g. "layers.*.attention":
+    # each has a `core(q, k, v)` (causal attention of [b, heads, s, head_dim] tensors) that
+    # context parallel replaces with ring attention. None: every module with a `core`.
+    attention: str | None = None
 
 
 @runtime_checkable
@@ -65,6 +70,12 @@ class ModelContract(Protocol):
     # `name` (canonical, whole shape) from (seed, name) alone, so that every rank builds the
     # same weights by itself. parallelize() broadcasts global rank 0's weights to the other
     # ranks of a model without it (a user's own: docs/library.md).
+
+
+def name_pattern(pattern: str) -> re.Pattern:
+    """A module-name pattern of the contract (TP_PLAN keys, Pieces.attention) as a regex: `*`
+    stands for one dotted segment (a layer index)."""
+    return re.compile("^" + re.escape(pattern).replace(r"\*", r"[^.]+") + "$")
 
 
 def blocks_of(model: nn.Module) -> nn.Module:

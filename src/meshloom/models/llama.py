@@ -440,7 +440,7 @@ class Llama(nn.Module):
     def pieces(self) -> Pieces:
         tied = ("tok_embeddings.weight", "output.weight") if self.cfg.tie_embeddings else None
         return Pieces(input=("tok_embeddings",), blocks="layers", output=("norm", "output"),
-                      state=("freqs_cis",), tied=tied)
+                      state=("freqs_cis",), tied=tied, attention="layers.*.attention")
 
     def embed(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
         return self.tok_embeddings(tokens)  # positions enter through RoPE, in the blocks

@@ -25,6 +25,7 @@ from torch import nn
 from meshloom import comm
 from meshloom.config import Config, ModelDims
 from meshloom.mesh import Mesh, ParallelDims
+from meshloom.models.contract import name_pattern
 
 AXIS = "cp"
 
@@ -230,16 +231,26 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 class ContextParallel:
-    """Applies context parallel to a model whose attention modules have a `core` (ours do):
-    each swaps to ring attention; the training loop feeds every cp rank its zigzag slice
-    of the tokens and targets, with their absolute positions (RoPE follows the split)."""
+    """Applies context parallel to a model's attention modules (those its `pieces().attention`
+    pattern names, else every module with a `core`): each one's `core` becomes ring attention;
+    the training loop feeds every cp rank its zigzag slice of the tokens and targets, with
+    their absolute positions (RoPE and learned positions follow the split)."""
 
     def __init__(self, model: nn.Module, mesh: Mesh):
         self.mesh, self.cp, self.rank = mesh, mesh.size(AXIS), mesh.coord(AXIS)
-        self.attentions = [m for m in model.modules() if hasattr(m, "core")
-                           and hasattr(m, "wq")]
+        pattern = model.pieces().attention if hasattr(model, "pieces") else None
+        if pattern:
+            rx = name_pattern(pattern)
+            self.attentions = [m for n, m in model.named_modules() if rx.match(n)]
+        else:
+            self.attentions = [m for m in model.modules() if callable(getattr(m, "core", None))]
         if not self.attentions:
-            raise ValueError("context parallel found no attention module with a `core`")
+            raise ValueError("context parallel found no attention module "
+                             + (f"named {pattern!r}" if pattern else "with a `core`"))
+        bare = [type(m).__name__ for m in self.attentions if not callable(getattr(m, "core", None))]
+        if bare:
+            raise ValueError(f"context parallel: {bare[0]} (pattern {pattern!r}) has no "
+                             "core(q, k, v) to replace with ring attention")
         for m in self.attentions:
             m.core = lambda q, k, v: ring_attention(q, k, v, mesh)
 

@@ -19,7 +19,6 @@ and hooks the region entries, so the model's own code never changes. Styles:
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Iterator
 
 import torch
@@ -28,6 +27,7 @@ from torch import nn
 from meshloom import comm
 from meshloom.config import Config, ModelDims
 from meshloom.mesh import Mesh, ParallelDims
+from meshloom.models.contract import name_pattern
 from meshloom.parallel.delegate import DelegatingGrads
 from meshloom.parallel.tensor import (
     AXIS,
@@ -92,11 +92,6 @@ class RegionInput:
         raise TypeError(f"{type(module).__name__} got no hidden-states input to split over tp")
 
 
-def _compile(pattern: str) -> re.Pattern:
-    # `*` stands for one dotted segment (a layer index).
-    return re.compile("^" + re.escape(pattern).replace(r"\*", r"[^.]+") + "$")
-
-
 def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
     parent, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, leaf, new)
@@ -114,7 +109,7 @@ class TensorParallel:
         self.vocab_size: int | None = None
         self.regions: list[RegionInput] = []
         self.layers: list[nn.Module] = []
-        compiled = [(_compile(p), p, style) for p, style in plan.items()]
+        compiled = [(name_pattern(p), p, style) for p, style in plan.items()]
         used = dict.fromkeys(plan, 0)
         todo = []
         for name, module in model.named_modules():
