@@ -121,7 +121,8 @@ PRESETS: dict[str, dict] = {
 class Attention(nn.Module):
     def __init__(self, cfg: GPT2Config):
         super().__init__()
-        self.head_dim, self.dropout = cfg.head_dim, cfg.dropout
+        self.head_dim = cfg.head_dim
+        self.attn_dropout = self.resid_dropout = cfg.dropout  # probabilities; output
         self.q_proj = nn.Linear(cfg.dim, cfg.dim)
         self.k_proj = nn.Linear(cfg.dim, cfg.dim)
         self.v_proj = nn.Linear(cfg.dim, cfg.dim)
@@ -133,25 +134,27 @@ class Attention(nn.Module):
                    for f in (self.q_proj, self.k_proj, self.v_proj))
         out = self.core(q, k, v) if cache is None else cached_attention(q, *cache.append(k, v))
         out = self.o_proj(out.transpose(1, 2).flatten(2))
-        return F.dropout(out, self.dropout, self.training) if self.dropout else out
+        p = self.resid_dropout
+        return F.dropout(out, p, self.training) if p else out
 
     def core(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Causal attention of q, k, v [b, h, s, d]. Context parallel replaces it (per module)
         with ring attention, which applies no attention dropout."""
-        p = self.dropout if self.training else 0.0
+        p = self.attn_dropout if self.training else 0.0
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: GPT2Config):
         super().__init__()
-        self.dropout = cfg.dropout
+        self.resid_dropout = cfg.dropout
         self.fc = nn.Linear(cfg.dim, cfg.hidden)
         self.proj = nn.Linear(cfg.hidden, cfg.dim)
 
     def forward(self, x: Tensor) -> Tensor:
         out = self.proj(F.gelu(self.fc(x), approximate="tanh"))
-        return F.dropout(out, self.dropout, self.training) if self.dropout else out
+        p = self.resid_dropout
+        return F.dropout(out, p, self.training) if p else out
 
 
 class Block(nn.Module):
