@@ -215,7 +215,7 @@ MATRIX = {
     "pp2-zb": (2, _pp("zb_h1", "parallel.dp_shard=1"), ()),
     "pp2xzero3": (4, _pp("gpipe", "parallel.dp_shard=2", "parallel.zero_stage=3"), UNTIED),
     "pp2xtp2-sp": (4, _pp("1f1b", "parallel.tp=2", "parallel.dp_shard=1",
-                          "parallel.sequence_parallel=true"), ()),
+                          "parallel.sequence_parallel=true"), UNTIED),
     "cp2-untied": (2, ["parallel.cp=2", "parallel.dp_shard=1"], UNTIED),
     "cp2xtp2": (4, ["parallel.cp=2", "parallel.tp=2", "parallel.dp_shard=1"], ()),
     "cp2xzero3": (4, ["parallel.cp=2", "parallel.dp_shard=2", "parallel.zero_stage=3"], ()),
@@ -360,3 +360,25 @@ def _small_cpu_job(run_dir, cache):
                        "train.eval_every=0", "train.eval_sequences=0", "train.sample_tokens=0"])
     assert cfg.parallel.zero_stage == 3 and cfg.parallel.dp_shard == 2
     return train(cfg).losses
+
+
+# ------------------------------------------------------------------ the planner's configs
+
+
+@pytest.mark.parametrize("model", ["gpt2-xl", "megatron-1.7b"])
+def test_plan_writes_a_gpt2_config_that_validates(tmp_path, model, capsys):
+    """`meshloom plan --write-config` for a GPT shape: a GPT-2 preset by name, any other GPT
+    shape written out; the config passes validation and builds the planned model, whatever the
+    tokenizer's vocabulary."""
+    from meshloom.config import load_config
+    from meshloom.plan.models import PRESETS as SHAPES
+    from meshloom.validation import model_config, validate
+
+    path = tmp_path / "plan.toml"
+    assert cli_main(["plan", "--model", model, "--gpus", "2", "--gpu", "titan-rtx-24g",
+                     "--seq", "1024", "--global-batch", "8", "--write-config", str(path)]) == 0
+    cfg = load_config(path)
+    validate(cfg, 2, check_data=False)
+    built = model_config(cfg, vocab_size=257)  # the byte tokenizer's vocabulary
+    assert families.family_of(built).name == "gpt2"
+    assert built.num_params() == SHAPES[model].params
