@@ -80,14 +80,15 @@ def logits_of(model, x: torch.Tensor) -> torch.Tensor:
     return getattr(out, "logits", out)
 
 
-def step(model, x: torch.Tensor, y: torch.Tensor) -> float:
-    """One forward + backward, timed; gradients are dropped first (as an optimizer loop's
-    zero_grad(set_to_none=True) would)."""
+def step(model, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """One forward + backward: (wall seconds, CPU seconds of this process). Gradients are
+    dropped first (as an optimizer loop's zero_grad(set_to_none=True) would). On a shared
+    machine the CPU time is the steadier measure: waiting for a core is not counted."""
     model.zero_grad(set_to_none=True)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     loss = F.cross_entropy(logits_of(model, x).flatten(0, 1), y.flatten())
     loss.backward()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -102,18 +103,21 @@ def main(argv: list[str] | None = None) -> dict:
     with torch.no_grad():
         diff = float((logits_of(ours, x) - logits_of(theirs, x)).abs().max())
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for i in range(args.warmup + args.steps):
         for v in round_order(list(VARIANTS), i):
-            t = step(models[v], x, y)
+            wall, used = step(models[v], x, y)
             if i >= args.warmup:
-                times[v].append(t)
+                times[v].append(wall)
+                cpu[v].append(used)
     # Same gradients (first layer's query weight, and the token table), as a sanity check.
     grad_diff = max(
         float((ours.layers[0].attn.q_proj.weight.grad
                - theirs.transformer.h[0].attn.c_attn.weight.grad[:, :args.dim].t()).abs().max()),
         float((ours.wte.weight.grad - theirs.transformer.wte.weight.grad).abs().max()))
-    runs = {v: summary(t) for v, t in times.items()}
+    runs = {v: {**summary(t), "cpu": summary(cpu[v])} for v, t in times.items()}
     ratio = runs["ours"]["median_s"] / runs["transformers"]["median_s"]
+    cpu_ratio = runs["ours"]["cpu"]["median_s"] / runs["transformers"]["cpu"]["median_s"]
     result = {
         "config": {"layers": args.layers, "dim": args.dim, "heads": args.heads,
                    "vocab": args.vocab, "batch": args.batch, "seq": args.seq,
@@ -125,18 +129,23 @@ def main(argv: list[str] | None = None) -> dict:
         "runs": runs,
         "ratio_ours_to_transformers": ratio,
         "paired_ratio_ours_to_transformers": paired(times["ours"], times["transformers"]),
+        "cpu_ratio_ours_to_transformers": cpu_ratio,
+        "paired_cpu_ratio_ours_to_transformers": paired(cpu["ours"], cpu["transformers"]),
         "check": {"max_abs_logit_diff": diff, "max_abs_grad_diff": grad_diff,
                   "ok": diff <= 1e-4 and grad_diff <= 1e-4},
         "time_note": "forward + backward of one batch per step, rounds interleaved (the order "
                      "rotates each round); ratio: median ours / median transformers; paired: "
-                     "median of the per-round ratios",
+                     "median of the per-round ratios; cpu_*: the same from the process's CPU "
+                     "time, which does not count waiting for a core on a shared machine",
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{args.layers} layers, dim {args.dim}, batch {args.batch} x {args.seq}: ours "
           f"{runs['ours']['median_s'] * 1e3:.0f} ms, transformers "
           f"{runs['transformers']['median_s'] * 1e3:.0f} ms, ratio {ratio:.3f} (paired "
-          f"{result['paired_ratio_ours_to_transformers']:.3f}); logits agree to {diff:.1g}")
+          f"{result['paired_ratio_ours_to_transformers']:.3f}); CPU time ratio {cpu_ratio:.3f} "
+          f"(paired {result['paired_cpu_ratio_ours_to_transformers']:.3f}); logits agree to "
+          f"{diff:.1g}")
     return result
 
 

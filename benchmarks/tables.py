@@ -214,11 +214,14 @@ def gpt2_vs_transformers(results: Path) -> list[str]:
     r = _load(results, "gpt2_vs_transformers")
     c, ours, theirs = r["config"], r["runs"]["ours"], r["runs"]["transformers"]
     shape = f"{c['layers']} x dim {c['dim']}, vocab {c['vocab']}, {c['batch']} x {c['seq']}"
-    rows = [[shape, len(ours["times_s"]), _ms(ours["median_s"]), _ms(theirs["median_s"]),
+    rows = [[shape, c["threads"], len(ours["times_s"]), _ms(ours["median_s"]),
+             _ms(theirs["median_s"]),
              f"{r['ratio_ours_to_transformers']:.3f} "
-             f"({r['paired_ratio_ours_to_transformers']:.3f})"]]
-    head = ["model", "timed steps", "ours (median)", "transformers (median)",
-            "ours / transformers (paired)"]
+             f"({r['paired_ratio_ours_to_transformers']:.3f})",
+             f"{r['cpu_ratio_ours_to_transformers']:.3f} "
+             f"({r['paired_cpu_ratio_ours_to_transformers']:.3f})"]]
+    head = ["model", "threads", "timed steps", "ours (median)", "transformers (median)",
+            "ours / transformers, wall (paired)", "CPU time (paired)"]
     ch = r["check"]
     return [*_table(head, rows), "",
             f"Same logits: {ch['ok']} (max difference {ch['max_abs_logit_diff']:.1g}, "

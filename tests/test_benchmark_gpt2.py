@@ -27,5 +27,7 @@ def test_gpt2_vs_transformers_smoke(tmp_path):
     assert result["ratio_ours_to_transformers"] == \
         runs["ours"]["median_s"] / runs["transformers"]["median_s"]
     assert result["paired_ratio_ours_to_transformers"] > 0
+    assert result["cpu_ratio_ours_to_transformers"] == \
+        runs["ours"]["cpu"]["median_s"] / runs["transformers"]["cpu"]["median_s"]
     assert result["check"]["ok"]
     assert result["check"]["max_abs_logit_diff"] <= 1e-5
