@@ -382,3 +382,45 @@ def test_plan_writes_a_gpt2_config_that_validates(tmp_path, model, capsys):
     built = model_config(cfg, vocab_size=257)  # the byte tokenizer's vocabulary
     assert families.family_of(built).name == "gpt2"
     assert built.num_params() == SHAPES[model].params
+
+
+# ------------------------------------------------------------------ from HF weights, generate
+
+
+def _hf_train_job(run_dir, cache, overrides):
+    cfg = tiny_config(run_dir, cache, "train.eval_every=0", "train.eval_sequences=0",
+                      "train.sample_tokens=0", "train.steps=1", *overrides)
+    return train(cfg).losses
+
+
+def test_init_from_hf_then_generate(tmp_path, token_cache, capfd):
+    """`model.init_from=hf:DIR` under tp 2 with sequence parallel starts from the HF weights
+    (the first loss is transformers' on the same batch), and `meshloom generate` runs the
+    checkpoint with the KV cache, on one process and under tp 2, greedy tokens alike."""
+    from meshloom.data import BatchLoader, TokenDataset
+    from meshloom.train import prepare_data
+
+    model = _hf_model(True)
+    model.save_pretrained(tmp_path / "hf")
+    init = [f"model.init_from=hf:{tmp_path / 'hf'}", "parallel.tp=2", "parallel.dp_shard=1",
+            "parallel.sequence_parallel=true"]
+    losses = run_ranks(_hf_train_job, 2, tmp_path / "run", token_cache, init)[0]
+    cfg = tiny_config(tmp_path / "run", token_cache, *init)
+    data = TokenDataset(prepare_data(cfg), cfg.data.seq_len, "train", cfg.data.val_fraction)
+    loader = BatchLoader(data, global_batch=cfg.train.global_batch,
+                         micro_batch=cfg.train.global_batch, dp_rank=0, dp_size=1,
+                         seed=cfg.train.seed)
+    ((x, y),) = loader.micro_batches(0)
+    with torch.no_grad():
+        want = torch.nn.functional.cross_entropy(model(x).logits.flatten(0, 1),
+                                                 y.flatten()).item()
+    assert losses[0] == pytest.approx(want, rel=1e-5)
+    outs = []
+    for tp in ("1", "2"):
+        capfd.readouterr()
+        assert cli_main(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "def ",
+                         "--max-new-tokens", "8", "--temperature", "0", "--tp", tp,
+                         "--json"]) == 0
+        outs.append(json.loads(capfd.readouterr().out.strip().splitlines()[-1]))
+    assert [o["tp"] for o in outs] == [1, 2] and len(outs[0]["new_ids"]) == 8
+    assert outs[0]["new_ids"] == outs[1]["new_ids"]
