@@ -15,6 +15,9 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from _launch import provenance  # noqa: E402
+
 MODELS = ("gpt2-large", "gpt2-xl")
 STRATEGIES = {"ddp": 0, "fsdp": 3}
 GB = 1e9
@@ -63,7 +66,9 @@ def main(argv: list[str] | None = None) -> dict:
                     best[f"{model} {strategy}"] = micro
             best.setdefault(f"{model} {strategy}", 0)
     result = {"config": {"gpus": 2, "gpu": args.gpu, "seq": args.seq, "dtype": "bf16",
-                         "recompute": "none", "models": list(MODELS)},
+                         "recompute": "none", "models": list(MODELS), **provenance(),
+                         "command": "python benchmarks/gpt2_fsdp_plan.py " + " ".join(
+                             argv if argv is not None else sys.argv[1:])},
               "largest_micro_batch_that_fits": best, "rows": rows,
               "note": "analytical: the planner's memory model (docs/plan.md), no hardware "
                       "measured; micro_batch is sequences per GPU per forward pass"}
