@@ -58,6 +58,8 @@ JOBS: list[tuple[str, str, list[str]]] = [
     ("tp_vs_dtensor_small", "tp_vs_dtensor.py", ["--preset", "small", "--steps", "20"]),
     ("tp_generate_long_prompt", "tp_generate.py",
      ["--tps", "1,2", "--prompt-len", "512", "--new-tokens", "32", "--repeats", "3"]),
+    ("gpt2_vs_transformers", "gpt2_vs_transformers.py",
+     ["--layers", "2", "--steps", "12", "--threads", "1"]),
 ]
 
 

@@ -210,6 +210,25 @@ def tp_generate_long_prompt(results: Path) -> list[str]:
     return _tp_generate(results, "tp_generate_long_prompt")
 
 
+def gpt2_vs_transformers(results: Path) -> list[str]:
+    r = _load(results, "gpt2_vs_transformers")
+    c, ours, theirs = r["config"], r["runs"]["ours"], r["runs"]["transformers"]
+    shape = f"{c['layers']} x dim {c['dim']}, vocab {c['vocab']}, {c['batch']} x {c['seq']}"
+    rows = [[shape, c["threads"], len(ours["times_s"]), _ms(ours["median_s"]),
+             _ms(theirs["median_s"]),
+             f"{r['ratio_ours_to_transformers']:.3f} "
+             f"({r['paired_ratio_ours_to_transformers']:.3f})",
+             f"{r['cpu_ratio_ours_to_transformers']:.3f} "
+             f"({r['paired_cpu_ratio_ours_to_transformers']:.3f})"]]
+    head = ["model", "threads", "timed steps", "ours (median)", "transformers (median)",
+            "ours / transformers, wall (paired)", "CPU time (paired)"]
+    ch = r["check"]
+    return [*_table(head, rows), "",
+            f"Same logits: {ch['ok']} (max difference {ch['max_abs_logit_diff']:.1g}, "
+            f"gradients {ch['max_abs_grad_diff']:.1g}).",
+            _source(results, ["gpt2_vs_transformers"])]
+
+
 def planner_validation(results: Path) -> list[str]:
     r = json.loads(planner_file(results).read_text())
     m = r["megatron_table1"]
@@ -227,7 +246,7 @@ def planner_validation(results: Path) -> list[str]:
 TABLES: dict[str, Callable[[Path], list[str]]] = {
     f.__name__: f for f in (ddp_vs_torch, dp_vs_ddp, zero_vs_fsdp2, tp_vs_dtensor, pp_vs_torch,
                             pp_schedules, cp_memory, tp_generate, tp_generate_long_prompt,
-                            planner_validation)}
+                            gpt2_vs_transformers, planner_validation)}
 
 
 def readme_results(text: str) -> Path:

@@ -381,8 +381,8 @@ def test_bad_input_is_one_line_and_exit_2(hf, tmp_path, capsys):
     out = str(tmp_path / "out")
     assert "no such folder" in _cli_error(capsys, "hf-to-meshloom", str(tmp_path / "nope"), out)
     assert "no such folder" in _cli_error(capsys, "meshloom-to-hf", str(tmp_path / "nope"), out)
-    gpt2 = _edited_copy(single, tmp_path / "gpt2", model_type="gpt2")
-    assert "model_type='gpt2'" in _cli_error(capsys, "hf-to-meshloom", str(gpt2), out)
+    gpt2 = _edited_copy(single, tmp_path / "gpt2", model_type="bert")
+    assert "model_type='bert'" in _cli_error(capsys, "hf-to-meshloom", str(gpt2), out)
     for i, kind in enumerate(("dynamic", "yarn", "longrope")):
         scaled = _edited_copy(single, tmp_path / f"scaled{i}", rope_parameters={
             "rope_type": kind, "rope_theta": 5e5, "factor": 8.0})
@@ -427,7 +427,7 @@ def test_init_from_config_errors_name_the_key(hf, tmp_path, token_cache):
     assert check(f"model.init_from={single}").startswith("model.init_from: ")  # no hf: prefix
     assert "no such folder" in check(f"model.init_from=hf:{tmp_path / 'nope'}")
     assert "model.dim" in check(f"model.init_from=hf:{single}", "model.dim=128")
-    gpt2 = _edited_copy(single, tmp_path / "gpt2", model_type="gpt2")
+    gpt2 = _edited_copy(single, tmp_path / "gpt2", model_type="bert")
     assert "model_type" in check(f"model.init_from=hf:{gpt2}")
     assert "parallel.tp" in check(f"model.init_from=hf:{single}", "parallel.tp=3", world=3)
     assert "data.seq_len" in check(f"model.init_from=hf:{single}", "data.seq_len=256")

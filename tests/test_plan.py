@@ -175,7 +175,7 @@ def test_cli_hf_config_and_explicit_dims(tmp_path):
     (["--arch", "llama", "--hidden", "64"], "needs --layers"),
     (["--model", "tiny", "--gpus", "0"], "--gpus=0"),
     (["--model", "tiny", "--fix", "tp=3"], "does not divide"),
-    (["--model", "gpt2", "--write-config", "/nonexistent/x.toml"], "meshloom trains Llama"),
+    (["--model", "gpt2", "--write-config", "/nonexistent/x.toml"], "does not exist"),
     (["--model", "tiny", "--write-config", "/nonexistent/x.toml"], "does not exist"),
 ])
 def test_cli_bad_input_one_line_exit_2(args, msg, capsys):

@@ -81,6 +81,14 @@ def is_duplicate(t: torch.Tensor) -> bool:
     return getattr(source(t), _DUPLICATE, False)
 
 
+def carry_tags(old: nn.Parameter, new: nn.Parameter) -> None:
+    """`new` replaces `old` (its tensor-parallel slice): keep the name it is saved under and
+    whether it is a duplicate (a pipeline stage's copy of a tied table stays counted once)."""
+    for attr in (_NAME, _DUPLICATE):
+        if hasattr(old, attr):
+            setattr(new, attr, getattr(old, attr))
+
+
 def global_shape(param: torch.Tensor) -> tuple[int, ...]:
     split = tp_split(param)
     return split.global_shape if split else tuple(param.shape)

@@ -21,7 +21,7 @@ from torch import nn
 from meshloom.models.contract import Family
 
 # Family modules, in the order `meshloom plan` and the docs list them.
-_MODULES = ("meshloom.models.llama",)
+_MODULES = ("meshloom.models.llama", "meshloom.models.gpt2")
 
 FAMILIES: dict[str, Family] = {}
 for _module in _MODULES:

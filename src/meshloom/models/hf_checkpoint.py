@@ -10,7 +10,9 @@ embedding table.
 A family's HF module provides: ``config_from_hf(raw) -> config`` (ValueError for what meshloom
 cannot run), ``hf_config(cfg, dtype, eos_token_id) -> dict``, ``meshloom_name(hf_name) -> name``
 (None for a tensor to skip, ValueError for an unknown one), ``hf_name(name)``, and
-``to_meshloom(name, w, cfg)`` / ``to_hf(name, w, cfg)`` for tensors whose layout differs.
+``to_meshloom(name, w, cfg)`` / ``to_hf(name, w, cfg)`` for tensors whose layout differs. A format
+whose tensors are not one to one with meshloom's (GPT-2's fused c_attn) provides instead
+``split_hf(hf_name, w, cfg) -> [(name, w), ...]`` and ``join_hf({name: w}, cfg) -> {hf_name: w}``.
 """
 
 from __future__ import annotations
@@ -130,21 +132,28 @@ def iter_hf_weights(folder: str | Path, cfg: Any) -> Iterator[tuple[str, Tensor]
     for path in weight_files(folder):
         with open_safetensors(path) as f:
             for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                split = hasattr(fmt, "split_hf")  # several meshloom tensors in one HF tensor
                 try:
-                    name = fmt.meshloom_name(key)
+                    if split:
+                        pairs = fmt.split_hf(key, f.get_tensor(key), cfg)
+                    else:
+                        name = fmt.meshloom_name(key)
+                        pairs = [] if name is None else [(name, None)]
                 except ValueError as e:
                     raise HFCheckpointError(f"{path.name}: {e}") from None
-                if name is None or name == tied:
-                    continue
-                if name not in expected:
-                    raise HFCheckpointError(f"{path.name}: tensor {key!r} does not fit the "
-                                            f"config ({cfg.n_layers} layers)")
-                w = f.get_tensor(key)
-                if tuple(w.shape) != expected[name]:
-                    raise HFCheckpointError(f"{path.name}: {key} has shape {tuple(w.shape)}, "
-                                            f"the config implies {expected[name]}")
-                seen.add(name)
-                yield name, fmt.to_meshloom(name, w, cfg)
+                for name, w in pairs:
+                    if name == tied:
+                        continue
+                    if name not in expected:
+                        raise HFCheckpointError(f"{path.name}: tensor {key!r} does not fit the "
+                                                f"config ({cfg.n_layers} layers)")
+                    w = f.get_tensor(key) if w is None else w
+                    if tuple(w.shape) != expected[name]:
+                        raise HFCheckpointError(f"{path.name}: {key} has shape "
+                                                f"{tuple(w.shape)}, the config implies "
+                                                f"{expected[name]}")
+                    seen.add(name)
+                    yield name, w if split else fmt.to_meshloom(name, w, cfg)
     missing = sorted(set(expected) - seen)
     if missing:
         raise HFCheckpointError(f"{folder}: {len(missing)} weight(s) missing, e.g. "
@@ -163,11 +172,13 @@ def write_hf_folder(folder: str | Path, cfg: Any, weights: dict[str, Tensor], *,
     fmt, tied = _format(cfg), families.tied_head(cfg)
     # The model's own order (input part, blocks, output part): a shard holds neighbouring layers.
     order = {n: i for i, n in enumerate(families.parameter_shapes(cfg))}
-    tensors = {}
-    for name in sorted(weights, key=lambda n: (order.get(n, len(order)), n)):
-        if name == tied:
-            continue
-        tensors[fmt.hf_name(name)] = fmt.to_hf(name, weights[name], cfg).contiguous()
+    ordered = [n for n in sorted(weights, key=lambda n: (order.get(n, len(order)), n))
+               if n != tied]
+    if hasattr(fmt, "join_hf"):
+        joined = fmt.join_hf({n: weights[n] for n in ordered}, cfg)
+        tensors = {k: t.contiguous() for k, t in joined.items()}
+    else:
+        tensors = {fmt.hf_name(n): fmt.to_hf(n, weights[n], cfg).contiguous() for n in ordered}
     dtype = next(iter(tensors.values())).dtype
     shards: list[dict[str, Tensor]] = [{}]
     size = 0

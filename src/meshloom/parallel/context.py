@@ -243,7 +243,10 @@ class ContextParallel:
             rx = name_pattern(pattern)
             self.attentions = [m for n, m in model.named_modules() if rx.match(n)]
         else:
-            self.attentions = [m for m in model.modules() if callable(getattr(m, "core", None))]
+            # The class defines `core`: a wrapper that forwards attribute reads to the module it
+            # wraps (activation checkpointing's) is not a second attention.
+            self.attentions = [m for m in model.modules()
+                               if callable(getattr(type(m), "core", None))]
         if not self.attentions:
             raise ValueError("context parallel found no attention module "
                              + (f"named {pattern!r}" if pattern else "with a `core`"))

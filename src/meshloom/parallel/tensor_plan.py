@@ -38,7 +38,7 @@ from meshloom.parallel.tensor import (
     padded_vocab,
     vocab_parallel_cross_entropy,
 )
-from meshloom.placement import is_sp_partial, mark_sp_partial, tp_split
+from meshloom.placement import carry_tags, is_sp_partial, mark_sp_partial, tp_split
 
 STYLES = ("vocab", "colwise", "rowwise", "colwise_vocab", "input", "sequence")
 
@@ -154,6 +154,7 @@ class TensorParallel:
                 padded_out=padded_vocab(module.out_features, mesh.size(AXIS)))
         else:
             new = RowParallelLinear.from_module(module, mesh, sequence_parallel=sp)
+        carry_tags(module.weight, new.weight)
         if module.weight in shared:  # tied: both slices are the same padded rows
             new.weight = shared[module.weight]
         else:

@@ -92,19 +92,20 @@ def layout_fields() -> list[str]:
 
 
 def config_toml(layout: Layout, shape, seq: int, global_batch: int, dtype: str) -> str:
-    """A meshloom training config for this layout. meshloom trains Llama blocks: a preset of
-    its own is named, any other Llama shape is written out; a GPT shape cannot be trained."""
-    from meshloom.models.llama import PRESETS as LLAMA_PRESETS
-    if shape.arch != "llama":
-        raise PlanError(f"--write-config: meshloom trains Llama models; {shape.name} is a "
-                        f"{shape.arch} model")
-    if shape.name in LLAMA_PRESETS:
-        model = [f'preset = "{shape.name}"', f"max_seq_len = {seq}"]
+    """A meshloom training config for this layout. A preset of meshloom's own is named (a GPT
+    shape with its vocabulary, which the tokenizer would otherwise set); any other shape is
+    written out: a Llama shape as such, a GPT shape on the gpt2 preset."""
+    if shape.arch == "gpt":
+        model = _gpt_model(shape, seq)
     else:
-        model = [f"dim = {shape.hidden}", f"n_layers = {shape.layers}",
-                 f"n_heads = {shape.heads}", f"n_kv_heads = {shape.kv_heads}",
-                 f"ffn_hidden = {shape.ffn_hidden}", f"vocab_size = {shape.vocab}",
-                 f"max_seq_len = {seq}", f"tie_embeddings = {str(shape.tied).lower()}"]
+        from meshloom.models.llama import PRESETS as LLAMA_PRESETS
+        if shape.name in LLAMA_PRESETS:
+            model = [f'preset = "{shape.name}"', f"max_seq_len = {seq}"]
+        else:
+            model = [f"dim = {shape.hidden}", f"n_layers = {shape.layers}",
+                     f"n_heads = {shape.heads}", f"n_kv_heads = {shape.kv_heads}",
+                     f"ffn_hidden = {shape.ffn_hidden}", f"vocab_size = {shape.vocab}",
+                     f"max_seq_len = {seq}", f"tie_embeddings = {str(shape.tied).lower()}"]
     lines = [
         f"# Written by `meshloom plan`: the fastest predicted layout ({layout.short()}).",
         f'name = "plan-{shape.name}"', "", "[model]", *model, "",
@@ -120,3 +121,19 @@ def config_toml(layout: Layout, shape, seq: int, global_batch: int, dtype: str) 
     if layout.pp > 1:
         lines += [f'pp_schedule = "{layout.schedule}"', f"pp_virtual_stages = {layout.v}"]
     return "\n".join(lines) + "\n"
+
+
+def _gpt_model(shape, seq: int) -> list[str]:
+    """The [model] lines of a GPT shape: meshloom's GPT-2 family (models/gpt2.py)."""
+    from meshloom.models.gpt2 import PRESETS as GPT2_PRESETS
+    positions = max(shape.positions, seq)  # the learned table must cover the sequence
+    preset = GPT2_PRESETS.get(shape.name)
+    if preset is not None and preset["vocab_size"] == shape.vocab and shape.tied \
+            and shape.ffn_hidden == 4 * shape.hidden:
+        model = [f'preset = "{shape.name}"', f"vocab_size = {shape.vocab}"]
+        return model + ([f"max_seq_len = {positions}"] if positions != preset["max_seq_len"]
+                        else [])
+    return ['preset = "gpt2"', f"dim = {shape.hidden}", f"n_layers = {shape.layers}",
+            f"n_heads = {shape.heads}", f"ffn_hidden = {shape.ffn_hidden}",
+            f"vocab_size = {shape.vocab}", f"max_seq_len = {positions}",
+            f"tie_embeddings = {str(shape.tied).lower()}"]

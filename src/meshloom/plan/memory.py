@@ -191,12 +191,17 @@ def _buffers(shape: ModelShape, lay: Layout, s: int, b: int, dtype: str) -> floa
 def predict_run_memory(llama_cfg, cfg, dims, micro_batch: int) -> Memory:
     """The planner's memory per GPU for a training run's own config and mesh (written to the
     run's summary; on a GPU, next to the CUDA allocator's peaks)."""
-    from meshloom.plan.models import from_llama_config
+    from meshloom.plan.models import from_dims, from_llama_config
     p = cfg.parallel
     lay = Layout(tp=dims.tp, pp=dims.pp, dp=dims.dp_replicate * dims.dp_shard, cp=dims.cp,
                  dp_replicate=dims.dp_replicate, micro_batch=micro_batch, zero=p.zero_stage,
                  recompute=cfg.train.activation_checkpointing,
                  schedule=p.pp_schedule, v=p.pp_virtual_stages, sp=p.sequence_parallel)
     dtype = "fp32" if cfg.train.dtype == "fp32" else "bf16"
-    return memory_per_gpu(from_llama_config(llama_cfg, "run"), lay, cfg.data.seq_len,
-                          cfg.train.global_batch, dtype)
+    if getattr(llama_cfg, "family", "llama") == "gpt2":  # learned positions, biases, LayerNorm
+        m = llama_cfg
+        shape = from_dims("gpt", m.dim, m.n_layers, m.n_heads, m.vocab_size, name="run",
+                          ffn_hidden=m.hidden, positions=m.max_seq_len, tied=m.tie_embeddings)
+    else:
+        shape = from_llama_config(llama_cfg, "run")
+    return memory_per_gpu(shape, lay, cfg.data.seq_len, cfg.train.global_batch, dtype)
