@@ -92,6 +92,15 @@ def is_duplicate(t: torch.Tensor) -> bool:
     return getattr(source(t), _DUPLICATE, False)
 
 
+def carry_marks(old: nn.Parameter, new: nn.Parameter) -> None:
+    """Give `new` (a strategy's replacement of `old`, e.g. its tp slice) the marks an earlier
+    strategy put on `old`: the checkpoint name and duplicate mark of a pipeline stage's copy
+    of a tied table."""
+    for mark in (_NAME, _DUPLICATE):
+        if hasattr(old, mark):
+            setattr(new, mark, getattr(old, mark))
+
+
 def global_shape(param: torch.Tensor) -> tuple[int, ...]:
     split = tp_split(param)
     return split.global_shape if split else tuple(param.shape)

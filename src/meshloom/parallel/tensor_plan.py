@@ -42,6 +42,7 @@ from meshloom.parallel.tensor import (
     vocab_parallel_cross_entropy,
 )
 from meshloom.placement import (
+    carry_marks,
     is_sp_partial,
     is_tp_partial,
     mark_sp_partial,
@@ -173,6 +174,9 @@ class TensorParallel:
             new.weight = shared[module.weight]
         else:
             shared[module.weight] = new.weight
+            # A pipeline stage's copy of a tied table stays a copy: saved under the table's
+            # name, counted once in the grad norm.
+            carry_marks(module.weight, new.weight)
         _set_submodule(model, name, new)
         self.layers.append(new)
 
