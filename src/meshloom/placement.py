@@ -92,13 +92,12 @@ def is_duplicate(t: torch.Tensor) -> bool:
     return getattr(source(t), _DUPLICATE, False)
 
 
-def carry_marks(old: nn.Parameter, new: nn.Parameter) -> None:
-    """Give `new` (a strategy's replacement of `old`, e.g. its tp slice) the marks an earlier
-    strategy put on `old`: the checkpoint name and duplicate mark of a pipeline stage's copy
-    of a tied table."""
-    for mark in (_NAME, _DUPLICATE):
-        if hasattr(old, mark):
-            setattr(new, mark, getattr(old, mark))
+def carry_tags(old: nn.Parameter, new: nn.Parameter) -> None:
+    """`new` replaces `old` (its tensor-parallel slice): keep the name it is saved under and
+    whether it is a duplicate (a pipeline stage's copy of a tied table stays counted once)."""
+    for attr in (_NAME, _DUPLICATE):
+        if hasattr(old, attr):
+            setattr(new, attr, getattr(old, attr))
 
 
 def global_shape(param: torch.Tensor) -> tuple[int, ...]:

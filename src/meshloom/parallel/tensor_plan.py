@@ -42,7 +42,7 @@ from meshloom.parallel.tensor import (
     vocab_parallel_cross_entropy,
 )
 from meshloom.placement import (
-    carry_marks,
+    carry_tags,
     is_sp_partial,
     is_tp_partial,
     mark_sp_partial,
@@ -170,13 +170,11 @@ class TensorParallel:
                 padded_out=padded_vocab(module.out_features, mesh.size(AXIS)))
         else:
             new = RowParallelLinear.from_module(module, mesh, sequence_parallel=sp)
+        carry_tags(module.weight, new.weight)
         if module.weight in shared:  # tied: both slices are the same padded rows
             new.weight = shared[module.weight]
         else:
             shared[module.weight] = new.weight
-            # A pipeline stage's copy of a tied table stays a copy: saved under the table's
-            # name, counted once in the grad norm.
-            carry_marks(module.weight, new.weight)
         _set_submodule(model, name, new)
         self.layers.append(new)
 
