@@ -6,7 +6,7 @@ step for step like one process (losses, first-step gradients, gradient norms, fi
 context parallel refuses a window shorter than the sequence; the planner counts them exactly.
 
 The default run covers each layout once (spread over the families); the whole families x layouts
-matrix runs with `-m families_matrix`.
+matrix runs with `-m families_matrix` (pyproject's addopts deselect it otherwise).
 """
 
 from __future__ import annotations
@@ -47,14 +47,6 @@ def _single_threaded():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture(autouse=True)
-def _matrix_only_when_asked(request):
-    """The families x layouts matrix is long: it runs only when `-m` names it."""
-    if request.node.get_closest_marker("families_matrix") and \
-            "families_matrix" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("the families x layouts matrix runs with -m families_matrix")
 
 
 # ---------------------------------------------------------------- Hugging Face, per family
