@@ -6,7 +6,9 @@ Strategies tag what they create, and everything that must see the layout-indepen
 - a tensor the sharded optimizer updates (a ZeRO piece) points at the model parameter it is a
   piece of (`source`);
 - a replicated parameter whose gradient is only partial per tp rank under sequence parallel (norm
-  gains, row-parallel biases: they see a slice of the sequence) is marked `sp_partial`;
+  gains, row-parallel biases: they see a slice of the sequence) is marked `sp_partial`; one whose
+  gradient is partial per tp rank always (a gain all heads share, each rank applying it to its
+  own heads) is marked `tp_partial`;
 - a pipeline stage's copy of a tied table is saved under the embedding's name and marked as a
   duplicate (counted once in the grad norm).
 
@@ -26,6 +28,7 @@ from meshloom.mesh import Mesh
 
 _TP, _SOURCE, _SP_PARTIAL = "_meshloom_tp", "_meshloom_source", "_meshloom_sp_partial"
 _NAME, _DUPLICATE = "_meshloom_checkpoint_name", "_meshloom_duplicate"
+_TP_PARTIAL = "_meshloom_tp_partial"
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,10 @@ def mark_sp_partial(p: nn.Parameter) -> None:
     setattr(p, _SP_PARTIAL, True)
 
 
+def mark_tp_partial(p: nn.Parameter) -> None:
+    setattr(p, _TP_PARTIAL, True)
+
+
 def set_source(t: torch.Tensor, param: nn.Parameter) -> None:
     setattr(t, _SOURCE, param)
 
@@ -61,6 +68,10 @@ def tp_split(t: torch.Tensor) -> TPSplit | None:
 
 def is_sp_partial(t: torch.Tensor) -> bool:
     return getattr(source(t), _SP_PARTIAL, False)
+
+
+def is_tp_partial(t: torch.Tensor) -> bool:
+    return getattr(source(t), _TP_PARTIAL, False)
 
 
 def set_checkpoint_name(p: nn.Parameter, name: str) -> None:

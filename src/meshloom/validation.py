@@ -61,7 +61,10 @@ def layout_problem(cfg: Config, dims: ParallelDims, model: ModelDims) -> str | N
         problem = rule(cfg, dims, model)
         if problem:
             return problem
-    return None
+    # A model may know layouts it cannot run exactly (a sliding window under context parallel):
+    # its config says why, `layout_problem(dims, seq_len)`; the planner's shapes have none.
+    own = getattr(model, "layout_problem", None)
+    return own(dims, cfg.data.seq_len) if own is not None else None
 
 
 def validate(cfg: Config, world_size: int, *, check_data: bool = True) -> ParallelDims:

@@ -2,7 +2,8 @@
 
 A family is a module that defines its config dataclass, its model (honouring the model contract,
 models/contract.py), its presets and, optionally, its Hugging Face format, and exports them as
-`FAMILY` (a contract.Family). Adding one is a new module and one line in `_MODULES`; nothing in
+`FAMILY` (a contract.Family; closely related families may share a module, which then exports
+them as `FAMILIES`). Adding one is a new module and one line in `_MODULES`; nothing in
 `parallel/` changes. Preset names are unique across families, so `model.preset` alone names the
 family; a stored config carries its family's name (`config_to_dict`).
 """
@@ -21,12 +22,14 @@ from torch import nn
 from meshloom.models.contract import Family
 
 # Family modules, in the order `meshloom plan` and the docs list them.
-_MODULES = ("meshloom.models.llama", "meshloom.models.gpt2")
+_MODULES = ("meshloom.models.llama", "meshloom.models.gpt2", "meshloom.models.mistral",
+            "meshloom.models.qwen")
 
 FAMILIES: dict[str, Family] = {}
 for _module in _MODULES:
-    _family: Family = importlib.import_module(_module).FAMILY
-    FAMILIES[_family.name] = _family
+    _mod = importlib.import_module(_module)
+    for _family in getattr(_mod, "FAMILIES", None) or (_mod.FAMILY,):  # one module, several
+        FAMILIES[_family.name] = _family
 
 DEFAULT = "llama"  # what a stored config without a family name was written by
 

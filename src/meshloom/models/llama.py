@@ -21,6 +21,24 @@ from torch import Tensor, nn
 from meshloom.models.contract import Family, Pieces
 
 
+class _HeadDim:
+    """``LlamaConfig.head_dim``: the width of one attention head. Unset (None) it follows
+    ``dim // n_heads``; set, q and k have ``n_heads * head_dim`` features whatever ``dim`` is
+    (Qwen3). Reading it always gives the resolved width, so a stored config (dataclasses.asdict)
+    holds it explicitly: change it with ``dim`` or ``n_heads`` when replacing those."""
+
+    # A data descriptor wins over the instance's __dict__, so the value as set can live there
+    # under the field's own name (vars(cfg) then lists the fields as given).
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return None  # the dataclass field's default
+        explicit = obj.__dict__.get("head_dim")
+        return obj.dim // obj.n_heads if explicit is None else explicit
+
+    def __set__(self, obj, value) -> None:
+        obj.__dict__["head_dim"] = value
+
+
 @dataclass
 class LlamaConfig:
     family: ClassVar[str] = "llama"  # models/families.py
@@ -43,10 +61,12 @@ class LlamaConfig:
     # {"rope_type": "linear", "factor": F}, or {"rope_type": "llama3", "factor": F,
     # "low_freq_factor": L, "high_freq_factor": H, "original_max_position_embeddings": N}.
     rope_scaling: dict | None = None
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    # Options of the variants built on this decoder (models/mistral.py, models/qwen.py); their
+    # defaults are Llama's, which they leave unchanged.
+    head_dim: int | None = _HeadDim()  # None: dim // n_heads
+    attention_bias: bool = False  # a bias on q, k and v (Qwen2)
+    qk_norm: bool = False  # RMSNorm of each head's q and k before RoPE, one gain per dim (Qwen3)
+    sliding_window: int | None = None  # each query sees the last N keys, itself included (Mistral)
 
     @property
     def kv_heads(self) -> int:
@@ -62,9 +82,37 @@ class LlamaConfig:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return -(-hidden // self.multiple_of) * self.multiple_of
 
+    @property
+    def explicit_head_dim(self) -> int | None:
+        """``head_dim`` as set, None when it follows dim // n_heads."""
+        return self.__dict__.get("head_dim")
+
+    @property
+    def q_dim(self) -> int:
+        """Width of q and of the attention output (equals dim unless head_dim is set apart)."""
+        return self.n_heads * self.head_dim
+
     def _layer_matmul_params(self) -> int:
         kv_dim = self.kv_heads * self.head_dim
-        return 2 * self.dim * self.dim + 2 * self.dim * kv_dim + 3 * self.dim * self.hidden
+        return 2 * self.dim * self.q_dim + 2 * self.dim * kv_dim + 3 * self.dim * self.hidden
+
+    def _layer_params(self) -> int:
+        """Every parameter of one block: matmuls, the two norms, q/k/v biases, q/k norms."""
+        n = self._layer_matmul_params() + 2 * self.dim
+        if self.attention_bias:
+            n += self.q_dim + 2 * self.kv_heads * self.head_dim
+        if self.qk_norm:
+            n += 2 * self.head_dim
+        return n
+
+    def attended_keys(self, seq_len: int) -> float:
+        """Twice the mean number of keys a query attends to over a sequence of ``seq_len``: the
+        whole length under the plain causal mask (the convention below), less under a window
+        shorter than it (W keys each, but the first W queries see 1..W)."""
+        w = self.sliding_window
+        if w is None or w >= seq_len:
+            return float(seq_len)
+        return 2.0 * w - w * w / seq_len
 
     def num_params(self, include_embeddings: bool = True) -> int:
         """Exact parameter count of ``Llama(self)``; a tied head is counted once.
@@ -72,7 +120,7 @@ class LlamaConfig:
         ``include_embeddings=False`` drops the token-embedding table only. An untied output head
         is a real matmul, so it stays counted; a tied one *is* the table, so it goes with it.
         """
-        n = self.n_layers * (self._layer_matmul_params() + 2 * self.dim) + self.dim
+        n = self.n_layers * self._layer_params() + self.dim
         table = self.vocab_size * self.dim
         if include_embeddings:
             n += table
@@ -88,30 +136,36 @@ class LlamaConfig:
         the embedding lookup are not matmuls and are ignored. The second term is attention: QK^T
         and AV cost 2*s*d multiply-adds per token per layer = 4*s*d forward FLOPs, 12*L*s*d for
         training without a mask (PaLM's convention); we halve it to 6*L*s*d for the causal mask.
+        With head_dim set apart, d there is the width of q (n_heads * head_dim); with a sliding
+        window shorter than the sequence, s is ``attended_keys(s)`` (the pairs really attended).
         """
         # Halved because causal kernels (flash/SDPA) skip the masked upper triangle, so this is
         # the work actually done; MFU from PaLM's unhalved 12*L*s*d would flatter long contexts.
         matmul = self.n_layers * self._layer_matmul_params() + self.vocab_size * self.dim
-        return 6.0 * matmul + 6.0 * self.n_layers * seq_len * self.dim
+        return 6.0 * matmul + 6.0 * self.n_layers * self.attended_keys(seq_len) * self.q_dim
 
     def layer_costs(self, seq_len: int) -> tuple[list[float], float]:
         """Training FLOPs per token of each block, and of the head (its matmul over the
         vocabulary); they add up to ``flops_per_token(seq_len)``."""
-        block = 6.0 * self._layer_matmul_params() + 6.0 * seq_len * self.dim
+        block = 6.0 * self._layer_matmul_params() + 6.0 * self.attended_keys(seq_len) * self.q_dim
         return [block] * self.n_layers, 6.0 * self.vocab_size * self.dim
 
     def validate(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"model.{name}={getattr(self, name)} must be positive")
-        for name in ("n_kv_heads", "ffn_hidden", "ffn_dim_multiplier"):
-            value = getattr(self, name)
+        for name in ("n_kv_heads", "ffn_hidden", "ffn_dim_multiplier", "head_dim",
+                     "sliding_window"):
+            value = self.explicit_head_dim if name == "head_dim" else getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"model.{name}={value} must be positive (or unset)")
         for name in ("rope_theta", "norm_eps", "init_std"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"model.{name}={getattr(self, name)} must be positive")
-        if self.dim % self.n_heads:
+        for name in ("attention_bias", "qk_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"model.{name}={getattr(self, name)!r} must be true or false")
+        if self.explicit_head_dim is None and self.dim % self.n_heads:
             raise ValueError(
                 f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}"
             )
@@ -119,13 +173,22 @@ class LlamaConfig:
             raise ValueError(f"model.n_heads={self.n_heads} must be divisible by "
                              f"model.n_kv_heads={self.kv_heads}")
         if self.head_dim % 2:
-            raise ValueError(
-                f"model.dim={self.dim} / model.n_heads={self.n_heads} gives head_dim="
-                f"{self.head_dim}, which must be even for RoPE"
-            )
+            source = ("model.head_dim" if self.explicit_head_dim is not None else
+                      f"model.dim={self.dim} / model.n_heads={self.n_heads} gives head_dim")
+            raise ValueError(f"{source}={self.head_dim}, which must be even for RoPE")
         problem = rope_scaling_problem(self.rope_scaling)
         if problem:
             raise ValueError(f"model.rope_scaling: {problem}")
+
+    def layout_problem(self, dims, seq_len: int) -> str | None:
+        """Why this model cannot train exactly in the layout ``dims`` (a mesh.ParallelDims) at
+        ``seq_len`` tokens, as one line; or None. validation.layout_problem asks it."""
+        w = self.sliding_window
+        if dims.cp > 1 and w is not None and w < seq_len:
+            return (f"model.sliding_window={w} is shorter than data.seq_len={seq_len}: context "
+                    f"parallel (parallel.cp={dims.cp}) runs full causal ring attention and "
+                    "cannot apply the window; use parallel.cp=1 or a window >= data.seq_len")
+        return None
 
 
 # The keys each supported RoPE scaling type needs besides "rope_type"; all are positive numbers.
@@ -258,12 +321,16 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.head_dim = cfg.head_dim
+        self.head_dim, self.sliding_window = cfg.head_dim, cfg.sliding_window
         q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, q_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, kv_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, kv_dim, bias=False)
+        self.wq = nn.Linear(cfg.dim, q_dim, bias=cfg.attention_bias)
+        self.wk = nn.Linear(cfg.dim, kv_dim, bias=cfg.attention_bias)
+        self.wv = nn.Linear(cfg.dim, kv_dim, bias=cfg.attention_bias)
         self.wo = nn.Linear(q_dim, cfg.dim, bias=False)
+        # One gain per dim of a head, shared by every head (no class-level default: a class
+        # attribute would hide the submodule, which nn.Module keeps outside __dict__).
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: Tensor, rope: Tensor, cache: LayerKV | None = None) -> Tensor:
         # Head counts come from the projected shapes, never from the config: a tensor-parallel
@@ -271,23 +338,46 @@ class Attention(nn.Module):
         q = self.wq(x).unflatten(-1, (-1, self.head_dim))
         k = self.wk(x).unflatten(-1, (-1, self.head_dim))
         v = self.wv(x).unflatten(-1, (-1, self.head_dim))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if cache is None:
             out = self.core(q, k, v)
         else:  # incremental decoding: attend over every token cached so far
-            out = cached_attention(q, *cache.append(k, v))
+            out = cached_attention(q, *cache.append(k, v), window=self.sliding_window)
         return self.wo(out.transpose(1, 2).flatten(2))
 
-    @staticmethod
-    def core(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """Causal attention of q [b, h, s, d] over k, v [b, h_kv, s, d]. Context parallel
-        replaces it (per module) with ring attention over the cp ranks' sequence slices."""
-        n_rep = q.shape[1] // k.shape[1]
-        if n_rep > 1:
-            # Explicit repeat rather than enable_gqa: every SDPA backend (and torch 2.4) accepts it.
-            k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+    def core(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Causal attention of q [b, h, s, d] over k, v [b, h_kv, s, d], within the sliding
+        window if there is one. Context parallel replaces it (per module) with ring attention
+        over the cp ranks' sequence slices (validation refuses a window shorter than them)."""
+        return causal_attention(q, k, v, self.sliding_window)
+
+
+def visible_keys(s: int, t: int, window: int | None, device: torch.device) -> Tensor:
+    """bool [s, t]: which of t keys each of the last s queries sees. Query i sits at position
+    p = t - s + i and sees keys p - window < j <= p (all j <= p without a window)."""
+    pos = torch.arange(t - s, t, device=device).unsqueeze(1)
+    keys = torch.arange(t, device=device)
+    mask = keys <= pos
+    if window is not None:
+        mask &= keys > pos - window
+    return mask
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, window: int | None = None) -> Tensor:
+    """Causal attention of q [b, h, s, d] over k, v [b, h_kv, s, d]; with ``window``, query i
+    sees keys i - window < j <= i only (Mistral's sliding window)."""
+    n_rep = q.shape[1] // k.shape[1]
+    if n_rep > 1:
+        # Explicit repeat rather than enable_gqa: every SDPA backend (and torch 2.4) accepts it.
+        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+    s = q.shape[2]
+    if window is None or window >= s:  # the window covers every causal key
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    mask = visible_keys(s, s, window, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 class LayerKV:
@@ -337,20 +427,21 @@ class KVCache:
         return torch.arange(self.length, self.length + n, device=device)
 
 
-def cached_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+def cached_attention(q: Tensor, k: Tensor, v: Tensor, window: int | None = None) -> Tensor:
     """Attention of the newest s tokens, q [b, h, s, d], over all t cached ones, k, v
-    [b, h_kv, t, d] (the queries are the last s of them): query i sees keys 0 .. t - s + i."""
+    [b, h_kv, t, d] (the queries are the last s of them): query i sees keys 0 .. t - s + i
+    (with ``window``, only the last ``window`` of those)."""
     b, h, s, d = q.shape
     h_kv, t = k.shape[1], k.shape[2]
     if s == t:  # the prefill: exactly the training path's causal attention
-        return Attention.core(q, k, v)
+        return causal_attention(q, k, v, window)
     # A decode step (s = 1, or a few tokens): fold each KV head's group of query heads into
     # query rows instead of repeating the whole cached K/V for every query head.
     q = q.reshape(b, h_kv, (h // h_kv) * s, d)
     mask = None
-    if s > 1:  # row r * s + i is query i of some head: the same causal row for every head
-        mask = torch.ones(s, t, dtype=torch.bool, device=q.device).tril(t - s)
-        mask = mask.repeat(h // h_kv, 1)
+    if s > 1 or (window is not None and window < t):
+        # Row r * s + i is query i of some head: the same row of the mask for every head.
+        mask = visible_keys(s, t, window, q.device).repeat(h // h_kv, 1)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return out.reshape(b, h, s, d)
 
@@ -403,9 +494,17 @@ class Llama(nn.Module):
         "output": "colwise_vocab",
     }
 
+    # With cfg.qk_norm: each tp rank applies the q/k norms to its own heads (see __init__).
+    QK_NORM_PLAN: ClassVar[dict[str, str]] = {
+        "layers.*.attention.q_norm": "head_shared",
+        "layers.*.attention.k_norm": "head_shared",
+    }
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.cfg = cfg
+        if cfg.qk_norm:  # this model's plan: the class's, plus the modules only it has
+            self.TP_PLAN = {**Llama.TP_PLAN, **Llama.QK_NORM_PLAN}
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -522,6 +621,7 @@ class Llama(nn.Module):
         return embed + self.pipeline_cut_points() + [""]
 
 
+_BIASES = ("attention.wq.bias", "attention.wk.bias", "attention.wv.bias")
 _RESIDUAL_OUT = ("attention.wo.weight", "feed_forward.w2.weight")
 _PLAIN = ("tok_embeddings.weight", "output.weight", "attention.wq.weight", "attention.wk.weight",
           "attention.wv.weight", "feed_forward.w1.weight", "feed_forward.w3.weight")
@@ -548,8 +648,10 @@ def init_tensor(name: str, shape: Sequence[int], cfg: LlamaConfig, seed: int) ->
     Sharded strategies call this with the global shape and keep their slice; drawing on CPU keeps
     values identical whatever device the parameter finally lives on.
     """
-    if name.endswith("norm.weight"):
+    if name.endswith("norm.weight"):  # the q/k norms' too
         return torch.ones(tuple(shape))
+    if name.endswith(_BIASES):
+        return torch.zeros(tuple(shape))
     if name.endswith(_RESIDUAL_OUT):
         # 2*n_layers branches add into the residual stream; shrinking their outputs keeps the
         # stream's variance at init from growing with depth (the GPT-2 scheme).
@@ -569,9 +671,10 @@ def init_weights(model: Llama, seed: int) -> None:
     """Initialise every materialised parameter from its own (seed, name)-seeded generator.
 
     Embedding, q/k/v, w1/w3 and an untied head: normal(0, init_std); wo and w2: normal(0,
-    init_std / sqrt(2 * n_layers)); norms: ones. Meta parameters are skipped, so a process holding
-    any subset gets the same values as one holding them all. A tied head is initialised once,
-    under the embedding's name. Also recomputes the RoPE table.
+    init_std / sqrt(2 * n_layers)); norms (the q/k norms too): ones; q/k/v biases: zeros.
+    Meta parameters are skipped, so a process holding any subset gets the same values as one
+    holding them all. A tied head is initialised once, under the embedding's name. Also
+    recomputes the RoPE table.
     """
     for name, param in model.named_parameters():
         if not param.is_meta:

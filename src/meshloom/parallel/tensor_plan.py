@@ -13,7 +13,10 @@ and hooks the region entries, so the model's own code never changes. Styles:
   one f operator (identity / all-reduce, or all-gather / reduce-scatter with sequence parallel)
   for all of its column layers;
 - `sequence`: a module (a norm) that runs replicated on every tp rank; with sequence parallel it
-  sees a slice of the sequence, so its parameters' gradients are summed over tp after backward.
+  sees a slice of the sequence, so its parameters' gradients are summed over tp after backward;
+- `head_shared`: a module inside a region whose parameters every attention head uses (a per-head
+  q or k norm): replicated on every tp rank, each applying it to its own heads, so its
+  parameters' gradients are always summed over tp after backward.
 """
 
 from __future__ import annotations
@@ -38,9 +41,16 @@ from meshloom.parallel.tensor import (
     padded_vocab,
     vocab_parallel_cross_entropy,
 )
-from meshloom.placement import carry_tags, is_sp_partial, mark_sp_partial, tp_split
+from meshloom.placement import (
+    carry_tags,
+    is_sp_partial,
+    is_tp_partial,
+    mark_sp_partial,
+    mark_tp_partial,
+    tp_split,
+)
 
-STYLES = ("vocab", "colwise", "rowwise", "colwise_vocab", "input", "sequence")
+STYLES = ("vocab", "colwise", "rowwise", "colwise_vocab", "input", "sequence", "head_shared")
 
 
 def check_tp_dims(tp: int, *, n_heads: int, kv_heads: int, ffn_hidden: int,
@@ -133,9 +143,10 @@ class TensorParallel:
             module.register_forward_pre_hook(hook, with_kwargs=True)
             self.regions.append(hook)
             return
-        if style == "sequence":
+        if style in ("sequence", "head_shared"):
+            mark = mark_sp_partial if style == "sequence" else mark_tp_partial
             for p in module.parameters():
-                mark_sp_partial(p)
+                mark(p)
             return
         kind = nn.Embedding if style == "vocab" else nn.Linear
         if not isinstance(module, kind):
@@ -182,12 +193,12 @@ class TensorParallel:
         finally:
             self.set_sequence_parallel(was)
 
-    def sync_sequence_parallel_grads(self, tensors: list[torch.Tensor]) -> None:
-        """Sum over tp the gradients that each rank computed from its slice of the sequence
-        (one all-reduce for all of them, once per step)."""
-        if not self.sequence_parallel:
-            return
-        grads = [t.grad for t in tensors if is_sp_partial(t) and t.grad is not None]
+    def sync_partial_grads(self, tensors: list[torch.Tensor]) -> None:
+        """Sum over tp the gradients of replicated parameters that each rank computed from its
+        part of the work: its slice of the sequence (sequence parallel), its heads (head_shared
+        style). One all-reduce for all of them, once per step."""
+        grads = [t.grad for t in tensors if t.grad is not None and (
+            is_tp_partial(t) or self.sequence_parallel and is_sp_partial(t))]
         if not grads:
             return
         device = torch.device("cuda", torch.cuda.current_device()) \
@@ -232,7 +243,7 @@ class GatheredLogits(nn.Module):
 
 class TensorParallelGrads(DelegatingGrads):
     """Wraps the data-parallel strategy of a tensor-parallel model: after it has reduced the
-    gradients over dp, the sequence-parallel partial ones are summed over tp; the global norm
+    gradients over dp, the partial ones (sync_partial_grads) are summed over tp; the global norm
     adds tp to its axes (slices are disjoint across tp, replicated tensors counted once)."""
 
     def __init__(self, inner, tp: TensorParallel):
@@ -243,7 +254,7 @@ class TensorParallelGrads(DelegatingGrads):
     def finish(self) -> None:
         self.inner.finish()
         decay, no_decay = self.inner.optim_param_groups()
-        self.tp.sync_sequence_parallel_grads(decay + no_decay)
+        self.tp.sync_partial_grads(decay + no_decay)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter whole and unpadded (collective over dp_shard and tp)."""

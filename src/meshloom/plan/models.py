@@ -11,7 +11,13 @@ Two block families are modelled:
   GeLU MLP (two matrices), learned position embeddings, output head tied to the token table.
 * ``"llama"``: the Llama block as in ``meshloom.models.llama``. RMSNorm, no biases, SwiGLU MLP of
   width ``ffn_hidden`` (three matrices), grouped-query attention with ``kv_heads``, RoPE (so no
-  position table), head tied or not.
+  position table), head tied or not. Its options cover the families built on it
+  (models/mistral.py, models/qwen.py): q/k/v biases (``qkv_bias``, Qwen2), per-head q/k norms
+  (``qk_norm``, Qwen3), a head width set apart from hidden / heads (``explicit_head_dim``,
+  Qwen3) and a sliding window (Mistral; no parameters, but context parallel refuses it).
+
+The parameter counts are exact for every option; the activation and time formulas (memory.py,
+timing.py) take the attention width to be ``hidden`` even where q is wider (Qwen3).
 """
 
 from __future__ import annotations
@@ -22,13 +28,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from meshloom.models import families as _families
 from meshloom.models import llama as _llama
 from meshloom.plan import PlanError
 
 ARCHS = ("gpt", "llama")
-# HF model types whose parameter layout is exactly one of ours. qwen2 is left out on purpose:
-# it has q/k/v biases, which the llama count does not include.
-_HF_LLAMA_TYPES = ("llama", "mistral")
+# HF model types whose parameter layout is exactly one of ours (with the llama options).
+_HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _HF_GPT_TYPES = ("gpt2",)
 
 
@@ -46,6 +52,11 @@ class ModelShape:
     vocab: int
     tied: bool
     positions: int  # rows of the learned position table (0 for llama: RoPE has none)
+    # The llama options (all off for gpt): see the module's docstring.
+    explicit_head_dim: int | None = None  # None: hidden // heads
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         # Checked here so that every way of building a shape (preset, HF file, flags) is covered.
@@ -62,7 +73,16 @@ class ModelShape:
                             "non-negative integer")
         if not isinstance(self.tied, bool):
             raise PlanError(f"model {self.name!r}: tied={self.tied!r} must be true or false")
-        if self.hidden % self.heads:
+        for field in ("explicit_head_dim", "sliding_window"):
+            value = getattr(self, field)
+            if value is not None and (not _is_int(value) or value <= 0):
+                raise PlanError(f"model {self.name!r}: {field}={value!r} must be a positive "
+                                "integer (or unset)")
+        for field in ("qkv_bias", "qk_norm"):
+            if not isinstance(getattr(self, field), bool):
+                raise PlanError(f"model {self.name!r}: {field}={getattr(self, field)!r} must be "
+                                "true or false")
+        if self.explicit_head_dim is None and self.hidden % self.heads:
             raise PlanError(f"model {self.name!r}: hidden={self.hidden} is not divisible by "
                             f"heads={self.heads}")
         if self.heads % self.kv_heads:
@@ -71,13 +91,24 @@ class ModelShape:
         if self.arch == "gpt" and self.kv_heads != self.heads:
             raise PlanError(f"model {self.name!r}: gpt blocks have no grouped-query attention; "
                             f"kv_heads={self.kv_heads} must equal heads={self.heads}")
+        llama_options = (self.explicit_head_dim, self.sliding_window, self.qkv_bias or None,
+                         self.qk_norm or None)
+        if self.arch == "gpt" and any(o is not None for o in llama_options):
+            raise PlanError(f"model {self.name!r}: gpt blocks take none of the llama options "
+                            "(explicit_head_dim, qkv_bias, qk_norm, sliding_window)")
         if self.arch == "llama" and self.positions:
             raise PlanError(f"model {self.name!r}: llama uses RoPE and has no position table; "
                             f"positions={self.positions} must be 0")
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.hidden // self.heads if self.explicit_head_dim is None else \
+            self.explicit_head_dim
+
+    @property
+    def q_dim(self) -> int:
+        """Width of q and of the attention output (hidden unless the head width is its own)."""
+        return self.heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:
@@ -90,7 +121,7 @@ class ModelShape:
         h, f = self.hidden, self.ffn_hidden
         if self.arch == "gpt":
             return 4 * h * h + 2 * h * f
-        return 2 * h * h + 2 * h * self.kv_dim + 3 * h * f
+        return 2 * h * self.q_dim + 2 * h * self.kv_dim + 3 * h * f
 
     @property
     def layer_params(self) -> int:
@@ -100,7 +131,12 @@ class ModelShape:
             biases = 3 * h + h + f + h  # qkv, proj, fc1, fc2
             norms = 2 * 2 * h  # two LayerNorms, weight and bias each
             return self.layer_matmul_params + biases + norms
-        return self.layer_matmul_params + 2 * h  # two RMSNorm weights
+        n = self.layer_matmul_params + 2 * h  # two RMSNorm weights
+        if self.qkv_bias:
+            n += self.q_dim + 2 * self.kv_dim
+        if self.qk_norm:  # one gain per dim of a head, for q and for k
+            n += 2 * self.head_dim
+        return n
 
     @property
     def embedding_params(self) -> int:
@@ -125,7 +161,7 @@ class ModelShape:
     def to_dict(self) -> dict[str, Any]:
         """Fields plus the derived counts, for reports and JSON output."""
         out = asdict(self)
-        for key in ("head_dim", "kv_dim", "layer_params", "layer_matmul_params",
+        for key in ("head_dim", "q_dim", "kv_dim", "layer_params", "layer_matmul_params",
                     "embedding_params", "head_params", "final_norm_params", "params"):
             out[key] = getattr(self, key)
         return out
@@ -172,15 +208,15 @@ def from_dims(
                       positions=positions)
 
 
-def _from_llama_preset(name: str) -> ModelShape:
-    return from_llama_config(_llama.config_from_preset(name), name)
-
-
 def from_llama_config(cfg: _llama.LlamaConfig, name: str = "custom") -> ModelShape:
-    """The shape of the model meshloom builds from `cfg` (e.g. a run's resolved config)."""
+    """The shape of the model meshloom builds from `cfg` (e.g. a run's resolved config): a
+    config of the llama family or of one built on its decoder (mistral, qwen2, qwen3)."""
+    head_dim = cfg.head_dim if cfg.head_dim * cfg.n_heads != cfg.dim else None
     return ModelShape(name=name, arch="llama", hidden=cfg.dim, layers=cfg.n_layers,
                       heads=cfg.n_heads, kv_heads=cfg.kv_heads, ffn_hidden=cfg.hidden,
-                      vocab=cfg.vocab_size, tied=cfg.tie_embeddings, positions=0)
+                      vocab=cfg.vocab_size, tied=cfg.tie_embeddings, positions=0,
+                      explicit_head_dim=head_dim, qkv_bias=cfg.attention_bias,
+                      qk_norm=cfg.qk_norm, sliding_window=cfg.sliding_window)
 
 
 # Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
@@ -213,8 +249,9 @@ def _build_presets() -> dict[str, ModelShape]:
                                         ("gpt2-large", 1280, 36, 20), ("gpt2-xl", 1600, 48, 25)):
         presets[name] = from_dims("gpt", hidden, layers, heads, _GPT2_VOCAB, name=name,
                                   positions=1024)
-    for name in _llama.PRESETS:
-        presets[name] = _from_llama_preset(name)
+    for name, family in _families.presets().items():  # llama and the families on its decoder
+        if issubclass(family.config, _llama.LlamaConfig):
+            presets[name] = from_llama_config(_families.config_from_preset(name), name)
     for row in MEGATRON_TABLE1:
         presets[row["name"]] = from_dims("gpt", row["hidden"], row["layers"], row["heads"],
                                          MEGATRON_VOCAB, name=row["name"],
@@ -249,9 +286,10 @@ def _require(data: dict[str, Any], key: str, path: Path) -> Any:
 def from_hf_config(path: str | Path) -> ModelShape:
     """Shape from a Hugging Face ``config.json`` (or a directory holding one).
 
-    Accepts the model types whose parameters we count exactly (llama, mistral, gpt2) and refuses
-    anything that would be miscounted (e.g. an explicit head_dim that does not tile hidden, or
-    biased llama projections) rather than guess.
+    Accepts the model types whose parameters we count exactly (llama, mistral, qwen2, qwen3,
+    gpt2) and refuses anything that would be miscounted or that meshloom cannot run (e.g. a
+    llama head_dim that does not tile hidden, biased llama projections, Qwen's layer-dependent
+    sliding window) rather than guess.
     """
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
@@ -261,26 +299,7 @@ def from_hf_config(path: str | Path) -> ModelShape:
     name = file.resolve().parent.name or "custom"
     model_type = _require(data, "model_type", file)
     if model_type in _HF_LLAMA_TYPES:
-        hidden = _require(data, "hidden_size", file)
-        heads = _require(data, "num_attention_heads", file)
-        head_dim = data.get("head_dim")
-        tiles = _is_int(head_dim) and (not _is_int(heads) or head_dim * heads == hidden)
-        if head_dim is not None and not tiles:
-            raise PlanError(f"model config {file}: head_dim={head_dim} x num_attention_heads="
-                            f"{heads} != hidden_size={hidden} is not supported")
-        for key in ("attention_bias", "mlp_bias"):
-            if data.get(key):
-                raise PlanError(f"model config {file}: {key}=true is not supported (llama "
-                                "shapes have no biases)")
-        kv_heads = data.get("num_key_value_heads")
-        return ModelShape(
-            name=name, arch="llama", hidden=hidden,
-            layers=_require(data, "num_hidden_layers", file), heads=heads,
-            kv_heads=heads if kv_heads is None else kv_heads,
-            ffn_hidden=_require(data, "intermediate_size", file),
-            vocab=_require(data, "vocab_size", file),
-            tied=bool(data.get("tie_word_embeddings", False)), positions=0,
-        )
+        return _llama_shape(data, file, name, model_type)
     if model_type in _HF_GPT_TYPES:
         if data.get("add_cross_attention"):
             raise PlanError(f"model config {file}: add_cross_attention=true is not supported")
@@ -297,6 +316,40 @@ def from_hf_config(path: str | Path) -> ModelShape:
         )
     supported = ", ".join(_HF_LLAMA_TYPES + _HF_GPT_TYPES)
     raise PlanError(f"unsupported model_type {model_type!r} in {file}; supported: {supported}")
+
+
+def _llama_shape(data: dict[str, Any], file: Path, name: str, model_type: str) -> ModelShape:
+    """The shape of a llama, mistral, qwen2 or qwen3 config.json (transformers' defaults for the
+    keys it leaves out)."""
+    hidden = _require(data, "hidden_size", file)
+    heads = _require(data, "num_attention_heads", file)
+    # Qwen3's head width is its own (transformers' default 128); Mistral's may be (Nemo).
+    head_dim = data.get("head_dim", 128 if model_type == "qwen3" else None)
+    tiles = _is_int(head_dim) and (not _is_int(heads) or head_dim * heads == hidden)
+    if head_dim is not None and not tiles and model_type == "llama":
+        raise PlanError(f"model config {file}: head_dim={head_dim} x num_attention_heads="
+                        f"{heads} != hidden_size={hidden} is not supported")
+    refused = ["mlp_bias"]
+    if model_type in ("llama", "qwen3"):  # a bias there would sit on o too
+        refused.append("attention_bias")
+    if model_type in ("qwen2", "qwen3"):  # a window on the upper layers only
+        refused.append("use_sliding_window")
+    for key in refused:
+        if data.get(key):
+            raise PlanError(f"model config {file}: {key}=true is not supported (meshloom's "
+                            f"{model_type} has none)")
+    window = data.get("sliding_window", 4096) if model_type == "mistral" else None
+    kv_heads = data.get("num_key_value_heads")
+    return ModelShape(
+        name=name, arch="llama", hidden=hidden,
+        layers=_require(data, "num_hidden_layers", file), heads=heads,
+        kv_heads=heads if kv_heads is None else kv_heads,
+        ffn_hidden=_require(data, "intermediate_size", file),
+        vocab=_require(data, "vocab_size", file),
+        tied=bool(data.get("tie_word_embeddings", False)), positions=0,
+        explicit_head_dim=None if head_dim is None or tiles else head_dim,
+        qkv_bias=model_type == "qwen2", qk_norm=model_type == "qwen3", sliding_window=window,
+    )
 
 
 def resolve_model(spec: str) -> ModelShape:

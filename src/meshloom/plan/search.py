@@ -141,7 +141,8 @@ def _model(shape: ModelShape) -> LlamaConfig:
     """The shape as the rules read it (a GPT shape too: they only look at its sizes)."""
     return LlamaConfig(dim=shape.hidden, n_layers=shape.layers, n_heads=shape.heads,
                        n_kv_heads=shape.kv_heads, ffn_hidden=shape.ffn_hidden,
-                       vocab_size=shape.vocab, tie_embeddings=shape.tied)
+                       vocab_size=shape.vocab, tie_embeddings=shape.tied,
+                       sliding_window=shape.sliding_window)  # its layout_problem reads it
 
 
 def evaluate(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global_batch: int,
