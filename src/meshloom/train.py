@@ -45,7 +45,7 @@ from meshloom.models.families import build_model
 from meshloom.models.generate import generate
 from meshloom.optim import LossScaler, build_optimizer, clip_grads, grad_norm, lr_at, set_lr
 from meshloom.parallel import TORCH_DTYPES, PipelineSpec, parallelize
-from meshloom.parallel.step import micro_batches
+from meshloom.parallel.step import micro_batch_split
 from meshloom.plan.memory import predict_run_memory
 from meshloom.validation import model_config, validate
 
@@ -140,7 +140,7 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
     train_ds = TokenDataset(token_file, cfg.data.seq_len, "train", cfg.data.val_fraction)
     val_ds = TokenDataset(token_file, cfg.data.seq_len, "val", cfg.data.val_fraction)
     dp_rank, dp_size = mesh.coord("dp"), mesh.size("dp")
-    micro, n_micro = micro_batches(cfg, dims)
+    micro, n_micro = micro_batch_split(cfg, dims)
     loader = BatchLoader(train_ds, global_batch=cfg.train.global_batch, micro_batch=micro,
                          dp_rank=dp_rank, dp_size=dp_size, seed=cfg.train.seed)
     evals = eval_batches(val_ds, n_sequences=cfg.train.eval_sequences, micro_batch=micro,

@@ -26,6 +26,7 @@ import time
 import types
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,9 @@ from meshloom.parallel.delegate import DelegatingGrads
 from meshloom.parallel.pipeline_schedule import Action, build_schedule
 from meshloom.parallel.pipeline_stage import PipelineStageModel
 from meshloom.parallel.step import Batch, Step, local_batch, micro_share
+
+if TYPE_CHECKING:
+    from meshloom.parallel import GradSync
 
 AXIS = "pp"
 STEP_HISTORY = 100  # steps whose per-rank span and busy time the run keeps for the report
@@ -309,7 +313,7 @@ class PipelineStep(Step):
     """The pipeline executor as the model's step (parallel/step.py): the schedule runs the
     micro-batches; the loss is the last stage's, the other stages add 0 to it."""
 
-    def __init__(self, runner: PipelineRunner, grads, mesh: Mesh):
+    def __init__(self, runner: PipelineRunner, grads: GradSync, mesh: Mesh):
         super().__init__(runner.model, grads, mesh)
         self.runner = runner
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -25,12 +26,16 @@ from meshloom.config import Config
 from meshloom.mesh import Mesh, ParallelDims
 from meshloom.parallel.pipeline_schedule import pipeline_microbatches
 
+if TYPE_CHECKING:
+    from meshloom.parallel import GradSync
+    from meshloom.parallel.context import ContextParallel
+
 Batch = tuple[torch.Tensor, torch.Tensor]  # tokens, targets: whole sequences
 # Tokens and targets on the device, and their positions in the whole sequence (None: all of it).
 LocalBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
-def micro_batches(cfg: Config, dims: ParallelDims) -> tuple[int, int]:
+def micro_batch_split(cfg: Config, dims: ParallelDims) -> tuple[int, int]:
     """(sequences per micro-batch, micro-batches per step) of a rank's share of the global
     batch: the pipeline's micro-batch count (parallel.pp_microbatches or what it implies), or
     train.micro_batch sequences each (0: the whole share in one)."""
@@ -43,9 +48,9 @@ def micro_batches(cfg: Config, dims: ParallelDims) -> tuple[int, int]:
 
 
 def local_batch(x: torch.Tensor, y: torch.Tensor, device: torch.device,
-                context=None) -> LocalBatch:
-    """A micro-batch on `device`; under context parallel (`context`, a ContextParallel) this
-    rank's zigzag slice of its sequences, with the positions of those tokens."""
+                context: ContextParallel | None = None) -> LocalBatch:
+    """A micro-batch on `device`; under context parallel (`context`) this rank's zigzag slice of
+    its sequences, with the positions of those tokens."""
     if context is None:
         return x.to(device), y.to(device), None
     return context.local(x.to(device), y.to(device))
@@ -72,7 +77,7 @@ class Step:
     rank's part: `_forward_backward` (the sum of its micro-batch shares of the loss, gradients
     accumulated in `.grad`) and `_eval_sum` (the sum of its micro-batch mean losses)."""
 
-    def __init__(self, model: nn.Module, grads, mesh: Mesh):
+    def __init__(self, model: nn.Module, grads: GradSync, mesh: Mesh):
         self.model, self.grads, self.mesh = model, grads, mesh
 
     def forward_backward(self, batches: list[Batch], device: torch.device,
@@ -115,8 +120,9 @@ class AccumulationStep(Step):
     """Plain gradient accumulation: the micro-batches one after the other, every one but the
     last inside the data-parallel strategy's `no_sync()`, so that a step communicates once."""
 
-    def __init__(self, model: nn.Module, grads, mesh: Mesh,
-                 loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], context=None):
+    def __init__(self, model: nn.Module, grads: GradSync, mesh: Mesh,
+                 loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 context: ContextParallel | None = None):
         super().__init__(model, grads, mesh)
         self.loss, self.context = loss, context
 
