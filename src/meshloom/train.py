@@ -44,8 +44,8 @@ from meshloom.models import families
 from meshloom.models.families import build_model
 from meshloom.models.generate import generate
 from meshloom.optim import LossScaler, build_optimizer, clip_grads, grad_norm, lr_at, set_lr
-from meshloom.parallel import TORCH_DTYPES, Parallelized, PipelineSpec, parallelize, rank_devices
-from meshloom.parallel.pipeline_schedule import pipeline_microbatches
+from meshloom.parallel import TORCH_DTYPES, PipelineSpec, parallelize, rank_devices
+from meshloom.parallel.step import micro_batch_split
 from meshloom.plan.memory import predict_run_memory
 from meshloom.validation import model_config, validate
 
@@ -83,51 +83,6 @@ def _init_distributed(cfg: Config, local_rank: int) -> torch.device:
     launch.join_group(resolve_backend(cfg.run), faults.process_group_timeout(cfg.run.timeout_s),
                       device)
     return device
-
-
-def _forward_backward(par: Parallelized, batches: list, device: torch.device, autocast,
-                      loss_scale: float) -> float:
-    """One optimizer step's micro-batches: the mean loss of the global batch is the mean of the
-    micro-batch means, so each is divided by their count; only the last one communicates."""
-    if par.pipeline is not None:
-        return par.pipeline.train_step(batches, par.grads, device, autocast, loss_scale)
-    total = 0.0
-    for i, (x, y) in enumerate(batches):
-        last = i == len(batches) - 1
-        with par.grads.no_sync() if not last else contextlib.nullcontext():
-            with autocast:
-                loss = _micro_loss(par, x, y, device) / len(batches)
-            (loss * loss_scale).backward()
-        total += loss.item()
-    return total
-
-
-@torch.no_grad()
-def evaluate(par: Parallelized, batches: list, mesh: Mesh, device: torch.device) -> float | None:
-    if not batches:
-        return None
-    model = par.model
-    was_training = model.training
-    model.eval()
-    if par.pipeline is not None:  # the last stage's sum; the pipeline's other ranks add 0
-        total = par.pipeline.forward_only(batches, device, contextlib.nullcontext())
-        (total,) = comm.all_reduce_scalars([total], mesh, "pp")
-    else:
-        total = sum(_micro_loss(par, x, y, device).item() for x, y in batches)
-    model.train(was_training)
-    # Every rank (data- and context-parallel) holds the same number of equal-sized batches and
-    # tokens, so the mean of the means is exact.
-    (total,) = comm.all_reduce_scalars([total / len(batches)], mesh, mesh.replica_axis)
-    return total / mesh.size(mesh.replica_axis)
-
-
-def _micro_loss(par: Parallelized, x: torch.Tensor, y: torch.Tensor,
-                device: torch.device) -> torch.Tensor:
-    """Mean loss of a micro-batch over this rank's tokens (its zigzag slice under cp)."""
-    if par.context is None:
-        return par.loss(par.model(x.to(device)), y.to(device))
-    x, y, positions = par.context.local(x.to(device), y.to(device))
-    return par.loss(par.model(x, positions), y)
 
 
 class NonFiniteError(RuntimeError):
@@ -186,9 +141,7 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
     train_ds = TokenDataset(token_file, cfg.data.seq_len, "train", cfg.data.val_fraction)
     val_ds = TokenDataset(token_file, cfg.data.seq_len, "val", cfg.data.val_fraction)
     dp_rank, dp_size = mesh.coord("dp"), mesh.size("dp")
-    local = cfg.train.global_batch // dp_size
-    microbatches = pipeline_microbatches(cfg, dims) if dims.pp > 1 else None
-    micro = local // microbatches if microbatches else (cfg.train.micro_batch or local)
+    micro, n_micro = micro_batch_split(cfg, dims)
     loader = BatchLoader(train_ds, global_batch=cfg.train.global_batch, micro_batch=micro,
                          dp_rank=dp_rank, dp_size=dp_size, seed=cfg.train.seed)
     evals = eval_batches(val_ds, n_sequences=cfg.train.eval_sequences, micro_batch=micro,
@@ -200,8 +153,7 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
         from meshloom.weights import load_init_weights  # a resumed run has its own weights
 
         load_init_weights(model, cfg.model.init_from)  # whole: parallelize slices it as usual
-    spec = PipelineSpec(microbatches, cfg.data.seq_len, cfg.parallel.pp_timeout_s) \
-        if microbatches else None
+    spec = PipelineSpec(n_micro, cfg.data.seq_len, cfg.parallel.pp_timeout_s)  # used under pp
     par = parallelize(model, mesh, cfg.parallel, cfg.train.dtype, pipeline=spec,
                       activation_checkpointing=cfg.train.activation_checkpointing,
                       compile_blocks=cfg.train.compile, compile_backend=cfg.train.compile_backend,
@@ -261,15 +213,10 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
             before = counter.snapshot()
             lr = lr_at(step, cfg.train)
             set_lr(optimizer, lr)
-            local_loss = _forward_backward(par, loader.micro_batches(step), device, autocast,
-                                           scaler.scale)
-            par.grads.finish()
+            step_loss = par.step.forward_backward(loader.micro_batches(step), device, autocast,
+                                                  scaler.scale)
             faults.gradients_ready(rank, step, params)
             norm = grad_norm(params, mesh, par.grads.norm_axes)
-            if dims.pp > 1:  # only the last stage has the loss
-                (local_loss,) = comm.all_reduce_scalars([local_loss], mesh, "pp")
-            (loss_sum,) = comm.all_reduce_scalars([local_loss], mesh, mesh.replica_axis)
-            step_loss = loss_sum / mesh.size(mesh.replica_axis)
             done = step + 1
             finite = math.isfinite(step_loss) and (math.isfinite(norm) or scaler.enabled)
             # Every rank takes the same branch below and stops at the same step.
@@ -308,7 +255,7 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
                 record["skipped"] = "non-finite"
             last = done == cfg.train.steps
             if (cfg.train.eval_every and done % cfg.train.eval_every == 0) or last:
-                eval_loss = evaluate(par, evals, mesh, device)
+                eval_loss = par.step.eval_loss(evals, device)
                 if eval_loss is not None:
                     record["eval_loss"] = eval_loss
                     result.eval_losses[done] = eval_loss
@@ -331,8 +278,7 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
                 result.summary["preempted_at_step"] = done
                 break
 
-    if par.pipeline is not None:
-        _write_timeline(run_dir, rank, mesh, par.pipeline, cfg)
+    par.step.write_timeline(run_dir)
     sample = None
     if cfg.train.sample_tokens:
         # Every rank generates (same seed, same tokens): a sharded model's forward is collective.
@@ -374,21 +320,6 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
     if keep_model:
         result.model, result.strategy, result.optimizer = model, par.grads, optimizer
     return result
-
-
-def _write_timeline(run_dir: Path, rank: int, mesh: Mesh, runner, cfg: Config) -> None:
-    """The last step's measured pipeline timeline of this rank (read by `meshloom report`)."""
-    folder = run_dir / "pipeline"
-    folder.mkdir(parents=True, exist_ok=True)
-    data = {"rank": rank, "pp_rank": mesh.coord("pp"), "pp": mesh.size("pp"),
-            "schedule": cfg.parallel.pp_schedule, "virtual_stages": runner.v,
-            "microbatches": runner.m, "peak_alive": runner.peak_alive,
-            "coords": mesh.dims.coordinates(rank), "t0": runner.t0_wall,
-            "spans": [list(span) for span in runner.timeline],
-            "steps": [list(st) for st in runner.step_stats]}
-    tmp = folder / f".timeline_rank{rank}.json"
-    tmp.write_text(json.dumps(data))
-    tmp.replace(folder / f"timeline_rank{rank}.json")
 
 
 def _sample(model: nn.Module, tokenizer, cfg: Config, device: torch.device) -> str:

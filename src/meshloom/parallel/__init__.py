@@ -28,10 +28,16 @@ from meshloom.parallel.activation_checkpointing import apply_block_options
 from meshloom.parallel.context import ContextParallel, PlainAttention
 from meshloom.parallel.ddp import DataParallel
 from meshloom.parallel.fsdp import FullyShardedDataParallel
-from meshloom.parallel.pipeline import PipelinedLogits, PipelineGrads, PipelineRunner
+from meshloom.parallel.pipeline import (
+    PipelinedLogits,
+    PipelineGrads,
+    PipelineRunner,
+    PipelineStep,
+)
 from meshloom.parallel.pipeline_stage import PipelineStageModel, split_layers
 from meshloom.parallel.rank_devices import RankDevices
 from meshloom.parallel.single_process_dp import ReplicaGrads, ReplicatedModule, resolve_devices
+from meshloom.parallel.step import AccumulationStep, Step
 from meshloom.parallel.tensor_plan import GatheredLogits, TensorParallel, TensorParallelGrads
 from meshloom.parallel.zero import ShardPrecision, ZeroDataParallel
 
@@ -105,6 +111,9 @@ def compiled_loss(backend: str = "inductor") -> Callable[[torch.Tensor, torch.Te
 class Parallelized:
     model: nn.Module
     grads: GradSync
+    # What the training loop calls: forward-backward over a step's micro-batches and evaluation
+    # (gradient accumulation, or the pipeline schedule; parallel/step.py).
+    step: Step
     # Mean cross-entropy from what `model` returns (vocabulary-split logits under tp).
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = plain_loss
     # The model as a plain one (whole logits, any length) for sampling; every rank calls it.
@@ -173,22 +182,24 @@ def parallelize(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig,
     if tp is not None:
         grads = TensorParallelGrads(grads, tp)
     if placed is not None:  # the loss on the last device, sampling on the first
-        first = placed.devices[0]
-        return Parallelized(model, grads, loss=rank_devices.loss_beside_logits(loss),
+        first, loss = placed.devices[0], rank_devices.loss_beside_logits(loss)
+        return Parallelized(model, grads, AccumulationStep(model, grads, mesh, loss), loss=loss,
                             inference_model=rank_devices.LogitsOnFirst(model, first),
                             devices=len(set(placed.devices)), rank_devices=placed)
     if pp == 1:
         inference = GatheredLogits(model, tp) if tp else model
         if cp is not None:
             inference = PlainAttention(inference, cp)
-        return Parallelized(model, grads, loss=loss, inference_model=inference, tp=tp,
+        step = AccumulationStep(model, grads, mesh, loss, context=cp)
+        return Parallelized(model, grads, step, loss=loss, inference_model=inference, tp=tp,
                             context=cp)
     runner = PipelineRunner(
         model, mesh, schedule=pcfg.pp_schedule, microbatches=pipeline.microbatches,
         virtual_stages=pcfg.pp_virtual_stages, loss=loss, timeout_s=pipeline.timeout_s,
         sequence_split=lambda: mesh.size("tp") if tp and tp.sequence_parallel else 1,
         context=cp)
-    return Parallelized(model, PipelineGrads(grads, model, mesh), loss=loss,
+    grads = PipelineGrads(grads, model, mesh)
+    return Parallelized(model, grads, PipelineStep(runner, grads, mesh), loss=loss,
                         inference_model=PipelinedLogits(runner, tp), tp=tp, pipeline=runner,
                         context=cp)
 
@@ -229,8 +240,9 @@ def _replicated(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig,
     every micro-batch (single_process_dp.py); each replica gets its own checkpoint wrappers."""
     devices = resolve_devices(pcfg.dp_devices, mesh.device_type)
     replicated = ReplicatedModule(model, devices, mesh.counter, activation_checkpointing)
-    return Parallelized(replicated, ReplicaGrads(replicated, mesh), inference_model=model,
-                        devices=len(set(devices)))
+    grads = ReplicaGrads(replicated, mesh)
+    return Parallelized(replicated, grads, AccumulationStep(replicated, grads, mesh, plain_loss),
+                        inference_model=model, devices=len(set(devices)))
 
 
 def _data_parallel(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig,

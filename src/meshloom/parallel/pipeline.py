@@ -21,9 +21,12 @@ from __future__ import annotations
 import bisect
 import collections
 import contextlib
+import json
 import time
 import types
 from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +37,10 @@ from meshloom.mesh import Mesh
 from meshloom.parallel.delegate import DelegatingGrads
 from meshloom.parallel.pipeline_schedule import Action, build_schedule
 from meshloom.parallel.pipeline_stage import PipelineStageModel
+from meshloom.parallel.step import Batch, Step, local_batch, micro_share
+
+if TYPE_CHECKING:
+    from meshloom.parallel import GradSync
 
 AXIS = "pp"
 STEP_HISTORY = 100  # steps whose per-rank span and busy time the run keeps for the report
@@ -169,10 +176,7 @@ class PipelineRunner:
         return self._wait(a, self._post(a, shape, dtype, device))
 
     def _localise(self, batches: list, device) -> list:
-        """(tokens, targets, positions) per micro-batch: this cp rank's slice, or all of it."""
-        if self.context is None:
-            return [(x, y, None) for x, y in batches]
-        return [self.context.local(x.to(device), y.to(device)) for x, y in batches]
+        return [local_batch(x, y, device, self.context) for x, y in batches]
 
     # -- one training step
 
@@ -251,7 +255,7 @@ class PipelineRunner:
         with autocast:
             out = self.model(x, chunk, seq, positions)
             if s == self.n_stages - 1:
-                out = self.loss(out, y.to(device)) / self.m
+                out = micro_share(self.loss(out, y), self.m)
         held[(s, k)] = (x, out)
         return out.item() if s == self.n_stages - 1 else 0.0
 
@@ -296,13 +300,45 @@ class PipelineRunner:
                 if logits:
                     outs.append(out)
                 else:
-                    total += self.loss(out, y.to(device)).item()
+                    total += self.loss(out, y).item()
             else:
                 sends.append(comm.send(out, self.mesh, AXIS, self._rank_of(s + 1),
                                        _tag("SEND_F", s, k)))
         for w in sends:
             w.wait()
         return outs if logits else total
+
+
+class PipelineStep(Step):
+    """The pipeline executor as the model's step (parallel/step.py): the schedule runs the
+    micro-batches; the loss is the last stage's, the other stages add 0 to it."""
+
+    def __init__(self, runner: PipelineRunner, grads: GradSync, mesh: Mesh):
+        super().__init__(runner.model, grads, mesh)
+        self.runner = runner
+
+    def _forward_backward(self, batches: list[Batch], device: torch.device, autocast,
+                          loss_scale: float) -> float:
+        return self.runner.train_step(batches, self.grads, device, autocast, loss_scale)
+
+    def _eval_sum(self, batches: list[Batch], device: torch.device) -> float:
+        return self.runner.forward_only(batches, device, contextlib.nullcontext())
+
+    def write_timeline(self, run_dir: Path) -> None:
+        """This rank's measured timelines of the last steps: RUN_DIR/pipeline/timeline_rankR.json
+        (read by `meshloom report`), written whole or not at all."""
+        r, mesh, rank = self.runner, self.mesh, self.mesh.rank
+        folder = run_dir / "pipeline"
+        folder.mkdir(parents=True, exist_ok=True)
+        data = {"rank": rank, "pp_rank": mesh.coord(AXIS), "pp": r.pp,
+                "schedule": r.schedule_name, "virtual_stages": r.v,
+                "microbatches": r.m, "peak_alive": r.peak_alive,
+                "coords": mesh.dims.coordinates(rank), "t0": r.t0_wall,
+                "spans": [list(span) for span in r.timeline],
+                "steps": [list(st) for st in r.step_stats]}
+        tmp = folder / f".timeline_rank{rank}.json"
+        tmp.write_text(json.dumps(data))
+        tmp.replace(folder / f"timeline_rank{rank}.json")
 
 
 class PipelinedLogits(nn.Module):
