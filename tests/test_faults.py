@@ -22,7 +22,7 @@ from fault_injection import env, injected
 from meshloom import checkpoint
 from meshloom.checkpoint import CheckpointError, read_metadata, read_tensors
 from meshloom.commands import main as cli_main
-from meshloom.faults import axis_groups, stall_message
+from meshloom.faults import axis_groups, stall_message, waiting_for
 from meshloom.train import NonFiniteError, train
 
 TINY = str(ROOT / "configs" / "tiny.toml")
@@ -270,6 +270,11 @@ def test_stall_message_names_the_stalled_rank():
     gone = {**everyone, 3: {**p3, "beat": now - 60}}
     assert "stalled rank: 3 (not responding" in stall_message(2, p2, 30.0, 20.0, gone, groups,
                                                               10.0)
+    # Only the stalled rank waits for others before exiting: for those blocked on it (rank 2 on
+    # tp; ranks 0 and 1 on dp are ahead of it too), so that they name it before it goes.
+    assert waiting_for(3, p3, everyone, groups, 10.0) == [0, 1, 2]
+    assert waiting_for(2, p2, everyone, groups, 10.0) == []
+    assert waiting_for(0, p0, everyone, groups, 10.0) == []
 
 
 def test_stalled_rank_times_out_naming_rank_and_operation(tmp_path, token_cache):

@@ -154,15 +154,39 @@ class Watchdog:
         return out
 
     def _fire(self, idle: float, me: dict[str, Any]) -> None:
-        message = stall_message(self.rank, me, idle, self.timeout_s, self._others(),
-                                self.groups, stale_after=3 * self.interval + 2)
+        others, stale_after = self._others(), 3 * self.interval + 2
+        message = stall_message(self.rank, me, idle, self.timeout_s, others, self.groups,
+                                stale_after)
         rank_failed(message)
         if self.run_dir is not None:
             try:
                 (self.run_dir / f"error_rank{self.rank}.txt").write_text(message + "\n")
             except OSError:
                 pass
+        self._say_fired()
+        # The stalled rank itself lets the ranks blocked on it speak first: once it exits, their
+        # collectives fail with "connection closed" instead of their watchdogs naming it. They
+        # entered those collectives at most a step's compute after it stalled.
+        waiting = waiting_for(self.rank, me, others, self.groups, stale_after)
+        self._await_fired(waiting, time.monotonic() + self.timeout_s + 2 * self.interval + 2)
         os._exit(EXIT_STALLED)
+
+    def _say_fired(self) -> None:
+        if self._store is not None:
+            try:
+                self._store.set(f"meshloom/fired/{self.rank}", "1")
+            except Exception:  # noqa: BLE001 - the store's host may be gone
+                self._store = None
+
+    def _await_fired(self, ranks: list[int], deadline: float) -> None:
+        keys = [f"meshloom/fired/{r}" for r in ranks]
+        while keys and self._store is not None and time.monotonic() < deadline:
+            try:
+                if self._store.check(keys):
+                    return
+            except Exception:  # noqa: BLE001
+                return
+            time.sleep(0.2)
 
 
 def axis_groups(dims: Any) -> dict[str, list[list[int]]]:
@@ -183,6 +207,40 @@ def _peers(rank: int, axis: str, groups: dict[str, list[list[int]]]) -> list[int
     return next((g for g in groups.get(axis, []) if rank in g), [])
 
 
+def _silent(rank: int, others: dict[int, dict[str, Any]], groups: dict[str, list[list[int]]],
+            stale_after: float) -> set[int]:
+    """Peers whose heartbeat stopped (or never came)."""
+    now = time.time()
+    return {r for r in range(len(groups["world"][0])) if r != rank
+            and (r not in others or now - others[r]["beat"] > stale_after)}
+
+
+def _ahead_of(rank: int, me: dict[str, Any], others: dict[int, dict[str, Any]],
+              groups: dict[str, list[list[int]]], silent: set[int]) -> list[int]:
+    """Live peers that issued more collectives than this rank on an axis they share: they wait
+    for it."""
+    mine = me.get("counts", {})
+    return sorted({r for r, p in others.items() if r != rank and r not in silent
+                   for axis, n in p.get("counts", {}).items()
+                   if rank in _peers(r, axis, groups) and n > mine.get(axis, 0)})
+
+
+def _behind(rank: int, me: dict[str, Any], others: dict[int, dict[str, Any]],
+            groups: dict[str, list[list[int]]]) -> list[int]:
+    """Peers of the axis this rank waits on that have not reached its collective."""
+    axis, mine = me.get("axis", ""), me.get("counts", {})
+    return sorted(r for r in _peers(rank, axis, groups) if r != rank and r in others
+                  and others[r].get("counts", {}).get(axis, 0) < mine.get(axis, 0))
+
+
+def waiting_for(rank: int, me: dict[str, Any], others: dict[int, dict[str, Any]],
+                groups: dict[str, list[list[int]]], stale_after: float) -> list[int]:
+    """The ranks blocked on this one, when this one is the stalled rank (none behind it)."""
+    if _behind(rank, me, others, groups):
+        return []
+    return _ahead_of(rank, me, others, groups, _silent(rank, others, groups, stale_after))
+
+
 def stall_message(rank: int, me: dict[str, Any], idle: float, timeout_s: float,
                   others: dict[int, dict[str, Any]], groups: dict[str, list[list[int]]],
                   stale_after: float) -> str:
@@ -192,19 +250,11 @@ def stall_message(rank: int, me: dict[str, Any], idle: float, timeout_s: float,
     counts on that axis say who is behind: a peer with fewer collectives on the axis this rank
     waits in has not reached it (it stalled); a peer with more is waiting for this rank."""
     now = time.time()
-    world = len(groups["world"][0])
     others = {r: p for r, p in others.items() if r != rank}
-    silent = {r for r in range(world) if r != rank
-              and (r not in others or now - others[r]["beat"] > stale_after)}
-    mine = me.get("counts", {})
-    waiting_for_me = sorted(
-        r for r, p in others.items() if r not in silent
-        for axis, n in p.get("counts", {}).items()
-        if rank in _peers(r, axis, groups) and n > mine.get(axis, 0))
+    silent = _silent(rank, others, groups, stale_after)
+    waiting_for_me = _ahead_of(rank, me, others, groups, silent)
     axis = me.get("axis", "")
-    behind = sorted(r for r in _peers(rank, axis, groups)
-                    if r in others and others[r].get("counts", {}).get(axis, 0)
-                    < mine.get(axis, 0))
+    behind = _behind(rank, me, others, groups)
     if waiting_for_me and not behind:
         return (f"rank {rank} stalled: no progress for {idle:.0f} s (run.timeout_s="
                 f"{timeout_s:g}) at {_where(me)}; rank(s) "
