@@ -32,9 +32,10 @@ def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="predict memory and speed of layouts; find the best one",
                        epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("model (a preset or config.json, or explicit dimensions)")
-    m.add_argument("--model", help="a preset (gpt2, gpt2-medium/large/xl, llama3-1b/8b/70b/405b, "
-                   "meshloom's tiny/demo/small, megatron-1.7b ... megatron-1t) or an HF "
-                   "config.json path")
+    m.add_argument("--model", help="a preset of any family (gpt2 ... gpt2-xl, llama3-1b ... "
+                   "llama3-405b, mistral-7b, qwen2.5-0.5b/7b, qwen3-0.6b/8b, meshloom's small "
+                   "ones; docs/model.md), megatron-1.7b ... megatron-1t, or an HF config.json "
+                   "path")
     m.add_argument("--arch", choices=ARCHS)
     for flag in ("--hidden", "--layers", "--heads", "--kv-heads", "--ffn-hidden", "--vocab"):
         m.add_argument(flag, type=int)
