@@ -339,6 +339,12 @@ def test_config_refusals_and_presets():
     assert families.presets()["gpt2-xl"].name == "gpt2"
     cfg = families.config_from_preset("gpt2-tiny", dropout=0.1)
     assert families.config_from_dict(families.config_to_dict(cfg)) == cfg
+    # Ring attention has no attention dropout: context parallel with dropout is refused.
+    from meshloom.mesh import ParallelDims
+    assert "ring attention applies no" in cfg.layout_problem(ParallelDims.resolve(2, cp=2), 64)
+    assert cfg.layout_problem(ParallelDims.resolve(2), 64) is None
+    assert families.config_from_preset("gpt2-tiny").layout_problem(
+        ParallelDims.resolve(2, cp=2), 64) is None
 
 
 # ------------------------------------------------------------------ the CPU config

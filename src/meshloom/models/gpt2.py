@@ -103,6 +103,15 @@ class GPT2Config:
             raise ValueError(
                 f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}")
 
+    def layout_problem(self, dims, seq_len: int) -> str | None:
+        """Why this model cannot train as configured in the layout ``dims``, as one line; or
+        None (validation.layout_problem asks it)."""
+        if dims.cp > 1 and self.dropout > 0:
+            return (f"model.dropout={self.dropout:g} with context parallel (parallel.cp="
+                    f"{dims.cp}): ring attention applies no attention-probability dropout; "
+                    "use parallel.cp=1 or model.dropout=0")
+        return None
+
 
 _GPT2 = dict(vocab_size=50257, max_seq_len=1024)
 
