@@ -36,6 +36,8 @@ LAYOUTS = {  # name -> (ranks, overrides)
     "cp2": (2, ["parallel.cp=2", "parallel.dp_shard=1"]),
     "dp2 x tp2 x pp2": (8, ["parallel.pp=2", "parallel.tp=2", "parallel.dp_shard=2",
                             "parallel.zero_stage=1"]),
+    "dp2 x tp2 x pp2 x cp2": (16, ["parallel.pp=2", "parallel.tp=2", "parallel.cp=2",
+                                   "parallel.dp_shard=2", "parallel.zero_stage=1"]),
 }
 COMMON = ["train.steps=3", "train.eval_every=0", "train.eval_sequences=0",
           "train.sample_tokens=0", "train.global_batch=8", "train.warmup_steps=1",
@@ -56,7 +58,8 @@ def _run(run_dir: str, cache: str, overrides: list[str]) -> dict:
 
 def _model(family: str, layout: str) -> list[str]:
     ov = [f"model.preset={FAMILIES[family]}"]
-    if family == "mistral" and layout.startswith("cp"):  # a window the ring can apply exactly
+    if family == "mistral" and any(o.startswith("parallel.cp=") for o in LAYOUTS[layout][1]):
+        # a window the ring attention can apply exactly (>= data.seq_len)
         ov.append("model.sliding_window=64")
     return ov
 
