@@ -75,3 +75,45 @@ def test_ranks_get_a_clean_interpreter_and_this_environment(monkeypatch):
             [(0, 2, True, "now"), (1, 2, True, "now")]
     finally:
         _set_in_this_process.clear()
+
+
+_CALLER = """
+import os, sys, time
+from meshloom.launch import run_ranks
+
+def sleeper(folder):
+    open(os.path.join(folder, os.environ["RANK"]), "w").write(str(os.getpid()))
+    time.sleep(3600)
+
+if __name__ == "__main__":
+    run_ranks(sleeper, 2, sys.argv[1], timeout=3600)
+"""
+
+
+def test_ranks_die_with_a_killed_caller(tmp_path):
+    """SIGKILL of the process that called run_ranks (a CI job's time-out, say): its ranks are
+    the fork server's children, not its own, and die through the lifeline. Without it they
+    slept on for an hour, and this test waited for them until pytest's time-out."""
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "caller.py"
+    script.write_text(_CALLER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    caller = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env)
+    try:
+        while not all((tmp_path / r).exists() and (tmp_path / r).read_text() for r in "01"):
+            assert caller.poll() is None, f"the caller ended (exit {caller.returncode})"
+            time.sleep(0.05)
+    finally:
+        caller.send_signal(signal.SIGKILL)
+        caller.wait()
+    for r in "01":
+        pid = int((tmp_path / r).read_text())
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)

@@ -282,3 +282,36 @@ def test_a_dead_process_fails_the_run_fast(tmp_path, capfd, victim, overrides):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
             pytest.fail(f"{name} (pid {pid}) is still running")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # A zombie child of this process is gone too; servers and trainers are not our children.
+    return False
+
+
+def test_processes_die_with_the_launcher(tmp_path):
+    """SIGKILL of the launcher itself (the `meshloom train` process, which can run no clean-up):
+    its fork server ends, and every server and trainer dies with it (PR_SET_PDEATHSIG). The run
+    has no end of its own, so a process that survived would keep this test waiting until
+    pytest's time-out."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "meshloom", "train", str(CONFIG),
+                             "--set", "train.steps=100000", "--set", f"run.dir={run_dir}"],
+                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics, pids = run_dir / "metrics.jsonl", run_dir / "processes.json"
+    try:
+        while not (pids.exists() and metrics.exists()
+                   and len(metrics.read_text().splitlines()) >= 2):
+            assert proc.poll() is None, f"the run ended by itself (exit {proc.returncode})"
+            time.sleep(0.05)
+        children = json.loads(pids.read_text())
+        assert set(children) == {"ps0", "trainer0", "trainer1"}
+    finally:
+        proc.kill()
+        proc.wait()
+    while not all(_gone(pid) for pid in children.values()):
+        time.sleep(0.05)

@@ -426,7 +426,7 @@ class RankError(RuntimeError):
     """A forked rank raised (its traceback is in the message) or died."""
 
 
-class _CallerStdio:
+class CallerStdio:
     """Stands for the caller's stdout and stderr as they are now (pytest's capture files, say):
     pickled for a fork-server or spawned rank, it arrives as duplicates of the caller's fds."""
 
@@ -448,8 +448,63 @@ class _Stdio:
             os.close(fd)
 
 
+class Lifeline:
+    """A pipe whose write end only the launching process holds. A fork-server (or spawned) child
+    given `end()` dies as soon as the launcher ends, however it ends, SIGKILL included. Such a
+    child is the fork server's, not the launcher's, so PR_SET_PDEATHSIG cannot do this, and the
+    fork server itself lives as long as any child it forked."""
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe()  # both close-on-exec: no other program inherits them
+
+    def end(self) -> Any:
+        """For a child's arguments: arrives there as a _LifelineEnd holding a duplicate of the
+        read end (only while the child is being started)."""
+        return _LifelineHandOver(self._read)
+
+    def started(self) -> None:
+        """Every child has its duplicate: the launcher's read end is no longer needed."""
+        if self._read >= 0:
+            os.close(self._read)
+            self._read = -1
+
+    def close(self) -> None:
+        """The children are done: any still running now die."""
+        self.started()
+        if self._write >= 0:
+            os.close(self._write)
+            self._write = -1
+
+
+class _LifelineHandOver:
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple:
+        from multiprocessing import reduction
+
+        return (_LifelineEnd, (reduction.DupFd(self.fd),))
+
+
+class _LifelineEnd:
+    def __init__(self, fd: Any) -> None:
+        self.fd = fd.detach()
+
+    def hold(self) -> None:
+        """Die (SIGKILL) when the launcher's end closes: a thread waits for end-of-file."""
+        import threading
+
+        def watch() -> None:
+            while os.read(self.fd, 1):
+                pass
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=watch, name="meshloom-lifeline", daemon=True).start()
+
+
 def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, kwargs: dict,
-            results: Any, threads: int, env: dict[str, str], stdio: Any) -> None:
+            results: Any, threads: int, env: dict[str, str], stdio: Any,
+            lifeline: Any) -> None:
     import torch
     import torch.distributed as dist
 
@@ -457,6 +512,8 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, kwargs:
     # started with; a forked rank has them already).
     if isinstance(stdio, _Stdio):
         stdio.use()
+    if isinstance(lifeline, _LifelineEnd):
+        lifeline.hold()
     os.environ.clear()
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
@@ -476,7 +533,10 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, kwargs:
 
 
 # What a fork server imports once, so that each rank forked from it starts in milliseconds.
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "meshloom.train"]
+# torch._dynamo is what the first torch.optim optimizer imports (0.5 s here); the parameter
+# server's processes come from the same server.
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "meshloom.train",
+                      "meshloom.ps.server", "meshloom.ps.trainer"]
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
@@ -503,10 +563,14 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
     results = ctx.Queue()
     port = free_port()
     threads = max(1, len(os.sched_getaffinity(0)) // world_size)
+    # Forked ranks are the caller's own children and inherit everything, the lifeline's write
+    # end included; the others get the caller's stdio and a lifeline passed explicitly.
+    forked = start_method == "fork"
+    lifeline = Lifeline()
     procs = [ctx.Process(target=_worker, daemon=True,
                          args=(r, world_size, port, fn, args, kwargs, results, threads,
-                               dict(os.environ),
-                               None if start_method == "fork" else _CallerStdio()))
+                               dict(os.environ), None if forked else CallerStdio(),
+                               None if forked else lifeline.end()))
              for r in range(world_size)]
     # Garbage left by earlier in-process work (process groups, stores, tensors of a previous
     # run) is collected here, not by the garbage collector of a freshly forked child, where
@@ -514,6 +578,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
     gc.collect()
     for p in procs:
         p.start()
+    lifeline.started()
     out: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
     try:
@@ -544,4 +609,5 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
             if p.is_alive():
                 p.kill()
                 p.join()
+        lifeline.close()
     return [out[r] for r in range(world_size)]

@@ -1,22 +1,23 @@
 """Start the servers and trainers of a parameter-server run, watch them, and report.
 
-Processes are forked from the launcher, which has already imported torch: a forked process is
-ready in a fraction of a second (a fresh interpreter spends seconds importing torch), and RPC is
-only initialised after the fork, in each child, which TensorPipe is fine with. RPC ranks: servers
+Processes are forked from a fork server that has imported torch and nothing else of the
+launcher's state (launch.run_ranks' server): a process is ready in a fraction of a second (a fresh
+interpreter spends seconds importing torch), and it carries none of what the launcher has run
+(forked from a pytest process that had run hundreds of tests, a child once hung for good). RPC is
+only initialised in each child, which TensorPipe is fine with. RPC ranks: servers
 0..S-1 (ps0, ps1, ...), trainers S..S+T-1 (trainer0, ...); RPC and the trainers' Gloo group
 rendezvous on two free loopback ports.
 
 Failure: a process that fails prints one line naming itself (a trainer whose servers stop
 answering names them) and exits 1; its full log is in RUN_DIR/logs/NAME.log. Once anything has
 failed, the launcher gives the other processes a few seconds to end by themselves and then kills
-them, so a dead server never leaves a run hanging. Children also die with the launcher
-(PR_SET_PDEATHSIG), and RUN_DIR/processes.json lists their pids.
+them, so a dead server never leaves a run hanging. Children also die with the launcher, however
+it ends (launch.Lifeline), and RUN_DIR/processes.json lists their pids.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import json
 import logging
@@ -24,7 +25,6 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import signal
 import sys
 import time
 import traceback
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from meshloom.config import ConfigError
-from meshloom.launch import EXIT_BAD_INPUT, ended
+from meshloom.launch import EXIT_BAD_INPUT, FORKSERVER_PRELOAD, CallerStdio, Lifeline, ended
 from meshloom.ps.config import PSConfig, dump_ps_toml, load_ps_config, validate_ps
 from meshloom.ps.placement import Piece, dense_widths, draw, place, server_name, trainer_name
 
@@ -44,23 +44,20 @@ class LaunchError(RuntimeError):
     """The run failed; the message is one line naming the processes."""
 
 
-def _die_with_parent() -> None:
-    """Linux: this process gets SIGKILL when the launcher dies, whatever kills the launcher."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def _one_line(e: BaseException) -> str:
     text = " ".join(str(e).split()) or "(no message)"
     return f"{type(e).__name__}: {text[:300]}"
 
 
 def _process(role: str, index: int, cfg: PSConfig, pieces: list[Piece], ports: tuple[int, int],
-             run_dir: Path, results: mp.Queue, collect: bool, threads: int) -> None:
+             run_dir: Path, results: mp.Queue, collect: bool, threads: int,
+             env: dict[str, str], stdio: Any, lifeline: Any) -> None:
     """The body of one server or trainer process."""
-    _die_with_parent()
+    lifeline.hold()
+    # The launcher's output files and environment as they are now, not the fork server's.
+    stdio.use()
+    os.environ.clear()
+    os.environ.update(env)
     name = server_name(index) if role == "server" else trainer_name(index)
     log_path = run_dir / "logs" / f"{name}.log"
     terminal = os.fdopen(os.dup(2), "w")  # our one-line messages go to the launcher's stderr
@@ -122,13 +119,7 @@ def _process(role: str, index: int, cfg: PSConfig, pieces: list[Piece], ports: t
 def launch(cfg: PSConfig, run_dir: Path, *, collect: bool = False) -> dict[str, Any]:
     """Run servers and trainers to the end; trainer 0's result (see trainer.run_trainer).
     Raises LaunchError after every process has ended or been killed."""
-    # Imported before forking, so that children start with them loaded. torch._dynamo is what
-    # the first torch.optim optimizer imports (seconds, on this machine): once here, not per child.
-    import torch._dynamo  # noqa: F401
     from torch.distributed import TCPStore
-
-    import meshloom.ps.server  # noqa: F401
-    import meshloom.ps.trainer  # noqa: F401
 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
@@ -150,8 +141,10 @@ def launch(cfg: PSConfig, run_dir: Path, *, collect: bool = False) -> dict[str, 
 
 def _run(cfg: PSConfig, run_dir: Path, pieces: list[Piece], ports: tuple[int, int],
          collect: bool, threads: int) -> dict[str, Any]:
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # no effect once the server runs
     results = ctx.Queue()
+    lifeline = Lifeline()
     roles = [("server", i) for i in range(cfg.ps.servers)]
     roles += [("trainer", i) for i in range(cfg.ps.trainers)]
     procs = {}
@@ -159,9 +152,11 @@ def _run(cfg: PSConfig, run_dir: Path, pieces: list[Piece], ports: tuple[int, in
         name = server_name(i) if role == "server" else trainer_name(i)
         procs[name] = ctx.Process(target=_process, name=name, daemon=True,
                                   args=(role, i, cfg, pieces, ports, run_dir, results, collect,
-                                        threads))
+                                        threads, dict(os.environ), CallerStdio(),
+                                        lifeline.end()))
     for p in procs.values():
         p.start()
+    lifeline.started()
     (run_dir / "processes.json").write_text(json.dumps({n: p.pid for n, p in procs.items()}))
     try:
         result, failures = _watch(procs, results)
@@ -170,6 +165,8 @@ def _run(cfg: PSConfig, run_dir: Path, pieces: list[Piece], ports: tuple[int, in
             p.kill()
             p.join()
         raise
+    finally:
+        lifeline.close()
     if failures:
         raise LaunchError("; ".join(f"{n} {text}" for n, text in failures.items()))
     if result is None:
