@@ -73,6 +73,17 @@ class ModelConfig:
     qk_norm: bool | None = None  # Qwen3: RMSNorm of q and k per head
     sliding_window: int | None = None  # Mistral: attend to the last N tokens only
     dropout: float | None = None  # GPT-2: embedding, attention and residual dropout
+    # Mixture of experts (Llama-derived families; docs/moe.md): n_experts > 0 routes each token
+    # to top_k of n_experts SwiGLU experts of width moe_hidden in every block.
+    n_experts: int | None = None
+    top_k: int | None = None
+    moe_hidden: int | None = None
+    shared_hidden: int | None = None  # a shared expert's width (0: none)
+    shared_gate: bool | None = None  # shared expert gated by sigmoid(linear(x)) (Qwen2-MoE)
+    router_score: str | None = None  # "softmax" or "sigmoid"
+    router_norm: bool | None = None  # renormalise the top-k weights to sum to 1
+    aux_loss_coef: float | None = None  # load-balancing loss coefficient
+    capacity_factor: float | None = None  # unset: dropless; else a per-sequence capacity
     # "hf:PATH" (a Hugging Face Llama folder) or "meshloom:PATH" (weights, checkpoint or run
     # folder): start from those weights; the shape then comes from there. "" = random init.
     init_from: str = ""

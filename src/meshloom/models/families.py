@@ -23,7 +23,7 @@ from meshloom.models.contract import Family
 
 # Family modules, in the order `meshloom plan` and the docs list them.
 _MODULES = ("meshloom.models.llama", "meshloom.models.gpt2", "meshloom.models.mistral",
-            "meshloom.models.qwen")
+            "meshloom.models.qwen", "meshloom.models.mixtral")
 
 FAMILIES: dict[str, Family] = {}
 for _module in _MODULES:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from meshloom.models.contract import Family, Pieces
+from meshloom.models.moe import MoE, MoESettings, moe_problem
 
 
 class _HeadDim:
@@ -67,6 +68,17 @@ class LlamaConfig:
     attention_bias: bool = False  # a bias on q, k and v (Qwen2)
     qk_norm: bool = False  # RMSNorm of each head's q and k before RoPE, one gain per dim (Qwen3)
     sliding_window: int | None = None  # each query sees the last N keys, itself included (Mistral)
+    # Mixture of experts (models/moe.py): n_experts > 0 makes every block's feed-forward a
+    # router over n_experts SwiGLU experts of width moe_hidden (default: hidden), top_k per token.
+    n_experts: int = 0
+    top_k: int = 2
+    moe_hidden: int | None = None
+    shared_hidden: int = 0  # a shared expert every token goes through (0: none)
+    shared_gate: bool = False  # its output times sigmoid(linear(x)) (Qwen2-MoE)
+    router_score: str = "softmax"  # "softmax" or "sigmoid"
+    router_norm: bool = True  # the top-k weights renormalised to sum to 1
+    aux_loss_coef: float = 0.01  # load-balancing loss coefficient (0: none)
+    capacity_factor: float | None = None  # None: dropless; else tokens over capacity dropped
 
     @property
     def kv_heads(self) -> int:
@@ -92,13 +104,35 @@ class LlamaConfig:
         """Width of q and of the attention output (equals dim unless head_dim is set apart)."""
         return self.n_heads * self.head_dim
 
-    def _layer_matmul_params(self) -> int:
+    def moe(self) -> MoESettings | None:
+        """The mixture-of-experts settings, None for a dense feed-forward."""
+        if not self.n_experts:
+            return None
+        return MoESettings(n_experts=self.n_experts, top_k=self.top_k,
+                           hidden=self.moe_hidden or self.hidden,
+                           shared_hidden=self.shared_hidden, shared_gate=self.shared_gate,
+                           score=self.router_score, normalize=self.router_norm,
+                           aux_loss_coef=self.aux_loss_coef,
+                           capacity_factor=self.capacity_factor)
+
+    def _ffn_matmul_params(self, active: bool) -> int:
+        """The feed-forward's matmul weights: all of them, or (`active`) those one token uses
+        (its top_k experts, the router and the shared expert)."""
+        m = self.moe()
+        if m is None:
+            return 3 * self.dim * self.hidden
+        routed = 3 * self.dim * m.hidden * (m.top_k if active else m.n_experts)
+        return routed + self.dim * m.n_experts + 3 * self.dim * m.shared_hidden \
+            + (self.dim if m.shared_gate else 0)
+
+    def _layer_matmul_params(self, active: bool = True) -> int:
         kv_dim = self.kv_heads * self.head_dim
-        return 2 * self.dim * self.q_dim + 2 * self.dim * kv_dim + 3 * self.dim * self.hidden
+        return (2 * self.dim * self.q_dim + 2 * self.dim * kv_dim
+                + self._ffn_matmul_params(active))
 
     def _layer_params(self) -> int:
         """Every parameter of one block: matmuls, the two norms, q/k/v biases, q/k norms."""
-        n = self._layer_matmul_params() + 2 * self.dim
+        n = self._layer_matmul_params(active=False) + 2 * self.dim
         if self.attention_bias:
             n += self.q_dim + 2 * self.kv_heads * self.head_dim
         if self.qk_norm:
@@ -119,6 +153,7 @@ class LlamaConfig:
 
         ``include_embeddings=False`` drops the token-embedding table only. An untied output head
         is a real matmul, so it stays counted; a tied one *is* the table, so it goes with it.
+        With experts, every expert counts (``active_params`` counts what one token uses).
         """
         n = self.n_layers * self._layer_params() + self.dim
         table = self.vocab_size * self.dim
@@ -127,6 +162,15 @@ class LlamaConfig:
         if not self.tie_embeddings:
             n += table
         return n
+
+    def active_params(self) -> int:
+        """Parameters one token's forward uses: as num_params, but top_k routed experts per
+        block instead of all of them (equal to num_params for a dense model)."""
+        routed_idle = 0
+        m = self.moe()
+        if m is not None:
+            routed_idle = 3 * self.dim * m.hidden * (m.n_experts - m.top_k) * self.n_layers
+        return self.num_params() - routed_idle
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs (forward + backward = 3x forward) per token at context ``seq_len``.
@@ -162,7 +206,16 @@ class LlamaConfig:
         for name in ("rope_theta", "norm_eps", "init_std"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"model.{name}={getattr(self, name)} must be positive")
-        for name in ("attention_bias", "qk_norm"):
+        problem = moe_problem(self.n_experts, self.top_k, self.router_score,
+                              self.capacity_factor, self.aux_loss_coef)
+        if problem:
+            raise ValueError(problem)
+        for name in ("moe_hidden",):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"model.{name}={getattr(self, name)} must be positive (or unset)")
+        if self.shared_hidden < 0:
+            raise ValueError(f"model.shared_hidden={self.shared_hidden} must be >= 0")
+        for name in ("attention_bias", "qk_norm", "shared_gate", "router_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"model.{name}={getattr(self, name)!r} must be true or false")
         if self.explicit_head_dim is None and self.dim % self.n_heads:
@@ -463,7 +516,9 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.hidden)
+        moe = cfg.moe()
+        self.feed_forward = FeedForward(cfg.dim, cfg.hidden) if moe is None else \
+            MoE(cfg.dim, moe)
 
     def forward(self, x: Tensor, rope: Tensor, cache: LayerKV | None = None) -> Tensor:
         # Without a cache the attention gets exactly (x, rope): module-input hooks (torch's
@@ -553,6 +608,15 @@ class Llama(nn.Module):
     def layer_costs(self, seq_len: int) -> tuple[list[float], float]:
         return self.cfg.layer_costs(seq_len)
 
+    def active_params(self) -> int:
+        """Parameters one token's forward uses: as num_params, but top_k routed experts per
+        block instead of all of them (equal to num_params for a dense model)."""
+        routed_idle = 0
+        m = self.moe()
+        if m is not None:
+            routed_idle = 3 * self.dim * m.hidden * (m.n_experts - m.top_k) * self.n_layers
+        return self.num_params() - routed_idle
+
     def flops_per_token(self, seq_len: int) -> float:
         return self.cfg.flops_per_token(seq_len)
 
@@ -622,9 +686,13 @@ class Llama(nn.Module):
 
 
 _BIASES = ("attention.wq.bias", "attention.wk.bias", "attention.wv.bias")
-_RESIDUAL_OUT = ("attention.wo.weight", "feed_forward.w2.weight")
+_RESIDUAL_OUT = ("attention.wo.weight", "feed_forward.w2.weight", "feed_forward.experts.w2",
+                 "feed_forward.shared.w2.weight")
 _PLAIN = ("tok_embeddings.weight", "output.weight", "attention.wq.weight", "attention.wk.weight",
-          "attention.wv.weight", "feed_forward.w1.weight", "feed_forward.w3.weight")
+          "attention.wv.weight", "feed_forward.w1.weight", "feed_forward.w3.weight",
+          "feed_forward.router.weight", "feed_forward.experts.w1", "feed_forward.experts.w3",
+          "feed_forward.shared.w1.weight", "feed_forward.shared.w3.weight",
+          "feed_forward.shared_gate.weight")
 # Segments that wrappers (activation checkpointing, torch.compile, FSDP1) insert into names.
 _WRAPPER_SEGMENTS = {"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"}
 
