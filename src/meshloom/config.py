@@ -143,6 +143,9 @@ class ParallelConfig:
     pp_layers: list[int] = field(default_factory=list)  # layers per stage; [] = balanced
     pp_timeout_s: float = 300.0  # a pipeline receive that waits longer fails, naming the stage
     cp: int = 1
+    # Expert parallel (docs/moe.md): each MoE block's experts split over ep ranks, taken from
+    # dp_shard x cp; tokens travel to their experts' ranks and back by all-to-all.
+    ep: int = 1
     ddp_bucket_mb: float = 25.0
     reshard_after_forward: bool = True  # ZeRO-3: free gathered parameters after each forward
     reduce_dtype: str = "fp32"  # dtype gradients are reduced in (DDP and the sharded stages)

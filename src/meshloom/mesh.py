@@ -23,6 +23,12 @@ AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # of a tensor-parallel parameter sharded by ZeRO (a checkpoint entry's group).
 FLAT_AXES = {"dp": ("dp_replicate", "dp_shard"), "dp_cp": ("dp_replicate", "dp_shard", "cp"),
              "dp_shard_tp": ("dp_shard", "tp")}
+# Expert parallel (parallel/expert.py) takes its ranks from the data x context ranks (dp_shard x
+# cp, flattened, ep innermost): "ep" holds one copy of every expert between its ranks;
+# "edp_shard" are the ranks holding the same experts within a dp_replicate group (ZeRO shards
+# experts over them) and "edp" all the ranks holding the same experts (their gradients are summed
+# over them). Without experts ep = 1, and "edp_shard"/"edp" are dp_shard x cp / dp x cp.
+EXPERT_AXES = ("ep", "edp_shard", "edp")
 
 
 @dataclass(frozen=True)
@@ -32,10 +38,11 @@ class ParallelDims:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1  # not a factor of the world size: ep ranks are data x context ranks
 
     @classmethod
     def resolve(cls, world_size: int, *, pp: int = 1, dp_replicate: int = 1, dp_shard: int = -1,
-                cp: int = 1, tp: int = 1) -> ParallelDims:
+                cp: int = 1, tp: int = 1, ep: int = 1) -> ParallelDims:
         """Fill in dp_shard=-1 from the world size; ValueError naming the key if inconsistent."""
         given = {"pp": pp, "dp_replicate": dp_replicate, "cp": cp, "tp": tp}
         for name, deg in {**given, "dp_shard": dp_shard}.items():
@@ -49,12 +56,16 @@ class ParallelDims:
                     f"parallel.dp_shard=-1 cannot be inferred: {world_size} processes do not "
                     f"divide by pp*dp_replicate*cp*tp = {others}")
             dp_shard = world_size // others
-        dims = cls(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp)
+        dims = cls(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=1)
         if dims.world_size != world_size:
             raise ValueError(
                 f"parallel: pp*dp_replicate*dp_shard*cp*tp = {dims.world_size} "
                 f"({dims.describe()}) but {world_size} processes are launched (--nproc)")
-        return dims
+        if ep < 1 or (dp_shard * cp) % ep:
+            raise ValueError(f"parallel.ep={ep} must be >= 1 and divide parallel.dp_shard x "
+                             f"parallel.cp = {dp_shard} x {cp} (expert-parallel ranks are taken "
+                             "from the data and context ranks)")
+        return cls(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep)
 
     @property
     def world_size(self) -> int:
@@ -65,6 +76,12 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     def degree(self, axis: str) -> int:
+        if axis == "ep":
+            return self.ep
+        if axis == "edp_shard":
+            return self.dp_shard * self.cp // self.ep
+        if axis == "edp":
+            return self.dp_replicate * self.dp_shard * self.cp // self.ep
         if axis in FLAT_AXES:
             n = 1
             for a in FLAT_AXES[axis]:
@@ -81,7 +98,16 @@ class ParallelDims:
         return tuple(getattr(self, a) for a in AXES)
 
     def describe(self) -> str:
-        return " x ".join(f"{a}={getattr(self, a)}" for a in AXES)
+        text = " x ".join(f"{a}={getattr(self, a)}" for a in AXES)
+        return text + (f" (ep={self.ep} of dp_shard x cp)" if self.ep > 1 else "")
+
+    def _expert_coords(self, rank: int) -> dict[str, int]:
+        """(ep, edp_shard, edp) coordinates: dp_shard x cp flattened, ep innermost."""
+        c = self.coordinates(rank)
+        flat = c["dp_shard"] * self.cp + c["cp"]
+        shard = flat // self.ep
+        return {"ep": flat % self.ep, "edp_shard": shard,
+                "edp": c["dp_replicate"] * self.degree("edp_shard") + shard}
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """Axis coordinates of a global rank (row-major over AXES, tp fastest)."""
@@ -92,6 +118,8 @@ class ParallelDims:
         return {a: coords[a] for a in AXES}
 
     def coordinate(self, rank: int, axis: str) -> int:
+        if axis in EXPERT_AXES:
+            return self._expert_coords(rank)[axis]
         c = self.coordinates(rank)
         if axis in FLAT_AXES:
             idx = 0
@@ -107,6 +135,15 @@ class ParallelDims:
         members = FLAT_AXES.get(axis, (axis,))
         if axis == "world":
             return [list(range(self.world_size))]
+        if axis in EXPERT_AXES:  # grouped by everything but the axis's own coordinate
+            groups_e: dict[tuple, list[int]] = {}
+            for rank in range(self.world_size):
+                c, e = self.coordinates(rank), self._expert_coords(rank)
+                key = (c["pp"], c["tp"], e["edp_shard"], c["dp_replicate"]) if axis == "ep" \
+                    else (c["pp"], c["tp"], e["ep"], c["dp_replicate"]) if axis == "edp_shard" \
+                    else (c["pp"], c["tp"], e["ep"])
+                groups_e.setdefault(key, []).append(rank)
+            return list(groups_e.values())
         fixed = [a for a in AXES if a not in members]
         groups: dict[tuple[int, ...], list[int]] = {}
         for rank in range(self.world_size):
@@ -134,6 +171,12 @@ class Mesh:
                 g = dist.new_group(ranks)
                 if rank in ranks:
                     self._groups[name] = g
+        if dims.ep > 1:
+            for name in EXPERT_AXES:
+                for ranks in dims.group_ranks(name):
+                    g = dist.new_group(ranks)
+                    if rank in ranks:
+                        self._groups[name] = g
         # The first and last pipeline stage of each pipeline (a tied embedding's two copies).
         if dims.pp > 1:
             for ranks in dims.group_ranks("pp"):
@@ -190,7 +233,7 @@ def init_mesh(parallel: ParallelConfig, *, device: str = "auto", backend: str = 
     rank, world, local_rank, _ = launch.rank_env()
     p = parallel
     dims = ParallelDims.resolve(world, pp=p.pp, dp_replicate=p.dp_replicate,
-                                dp_shard=p.dp_shard, cp=p.cp, tp=p.tp)
+                                dp_shard=p.dp_shard, cp=p.cp, tp=p.tp, ep=p.ep)
     run = RunConfig(device=device, backend=backend)
     kind = resolve_device(run)
     dev = torch.device(kind, local_rank) if kind == "cuda" else torch.device(kind)

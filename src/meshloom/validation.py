@@ -82,7 +82,7 @@ def validate(cfg: Config, world_size: int, *, check_data: bool = True) -> Parall
         _raise_if(check_dp_config(cfg, world_size))
     try:
         dims = ParallelDims.resolve(world_size, pp=p.pp, dp_replicate=p.dp_replicate,
-                                    dp_shard=p.dp_shard, cp=p.cp, tp=p.tp)
+                                    dp_shard=p.dp_shard, cp=p.cp, tp=p.tp, ep=p.ep)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     _check_environment(cfg.run)
