@@ -109,6 +109,43 @@ def all_reduce_scalars(values: list[float], mesh: Mesh, axis: str, *, op=dist.Re
     return t.tolist()
 
 
+def all_to_all(x: torch.Tensor, mesh: Mesh, axis: str, send_rows: list[int],
+               recv_rows: list[int], *, label: str = "all_to_all") -> torch.Tensor:
+    """Rows of `x` [n, ...] to the ranks of the axis: the first send_rows[0] to coordinate 0,
+    the next send_rows[1] to coordinate 1, ...; returns what arrives, recv_rows[r] rows from
+    coordinate r, in coordinate order. Counted as the payload sent (x), so a dispatch and its
+    combine count the same bytes. `label` keeps bookkeeping (split sizes) apart."""
+    out = x.new_empty((sum(recv_rows), *x.shape[1:]))
+    if _skip(mesh, axis):
+        out.copy_(x)
+        return out
+    mesh.counter.record(axis, label, x)
+    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv_rows,
+                           input_split_sizes=send_rows, group=mesh.group(axis))
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all forward; backward sends each gradient row back where its row came from."""
+
+    @staticmethod
+    def forward(ctx, x, mesh, axis, send_rows, recv_rows):
+        ctx.args = (mesh, axis, send_rows, recv_rows)
+        return all_to_all(x, mesh, axis, send_rows, recv_rows)
+
+    @staticmethod
+    def backward(ctx, g):
+        mesh, axis, send_rows, recv_rows = ctx.args
+        return all_to_all(g.contiguous(), mesh, axis, recv_rows, send_rows), None, None, None, \
+            None
+
+
+def all_to_all_rows(x: torch.Tensor, mesh: Mesh, axis: str, send_rows: list[int],
+                    recv_rows: list[int]) -> torch.Tensor:
+    """`all_to_all`, differentiable (expert parallel's dispatch and combine)."""
+    return _AllToAll.apply(x, mesh, axis, send_rows, recv_rows)
+
+
 # ---------------------------------------------------------------- autograd-aware pairs
 # Tensor (and sequence) parallel layers are built from these. Each is its own adjoint's
 # partner: what one does in forward, the other does in backward, so gradients come out right

@@ -28,7 +28,7 @@ FLAT_AXES = {"dp": ("dp_replicate", "dp_shard"), "dp_cp": ("dp_replicate", "dp_s
 # "edp_shard" are the ranks holding the same experts within a dp_replicate group (ZeRO shards
 # experts over them) and "edp" all the ranks holding the same experts (their gradients are summed
 # over them). Without experts ep = 1, and "edp_shard"/"edp" are dp_shard x cp / dp x cp.
-EXPERT_AXES = ("ep", "edp_shard", "edp")
+EXPERT_AXES = ("ep", "edp_shard", "edp", "edp_shard_ep")  # the last: one copy of the experts
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,8 @@ class ParallelDims:
             return self.dp_shard * self.cp // self.ep
         if axis == "edp":
             return self.dp_replicate * self.dp_shard * self.cp // self.ep
+        if axis == "edp_shard_ep":
+            return self.dp_shard * self.cp
         if axis in FLAT_AXES:
             n = 1
             for a in FLAT_AXES[axis]:
@@ -107,7 +109,7 @@ class ParallelDims:
         flat = c["dp_shard"] * self.cp + c["cp"]
         shard = flat // self.ep
         return {"ep": flat % self.ep, "edp_shard": shard,
-                "edp": c["dp_replicate"] * self.degree("edp_shard") + shard}
+                "edp": c["dp_replicate"] * self.degree("edp_shard") + shard, "edp_shard_ep": flat}
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """Axis coordinates of a global rank (row-major over AXES, tp fastest)."""
@@ -139,9 +141,10 @@ class ParallelDims:
             groups_e: dict[tuple, list[int]] = {}
             for rank in range(self.world_size):
                 c, e = self.coordinates(rank), self._expert_coords(rank)
-                key = (c["pp"], c["tp"], e["edp_shard"], c["dp_replicate"]) if axis == "ep" \
-                    else (c["pp"], c["tp"], e["ep"], c["dp_replicate"]) if axis == "edp_shard" \
-                    else (c["pp"], c["tp"], e["ep"])
+                key = {"ep": (c["pp"], c["tp"], e["edp_shard"], c["dp_replicate"]),
+                       "edp_shard": (c["pp"], c["tp"], e["ep"], c["dp_replicate"]),
+                       "edp": (c["pp"], c["tp"], e["ep"]),
+                       "edp_shard_ep": (c["pp"], c["tp"], c["dp_replicate"])}[axis]
                 groups_e.setdefault(key, []).append(rank)
             return list(groups_e.values())
         fixed = [a for a in AXES if a not in members]

@@ -11,7 +11,7 @@ from torch import nn
 from meshloom import comm
 from meshloom.config import TrainConfig
 from meshloom.mesh import Mesh
-from meshloom.placement import is_duplicate, tp_split
+from meshloom.placement import ep_split, is_duplicate, tp_split
 
 
 def named_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -58,28 +58,40 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 
 def grad_norm(params: Iterable[nn.Parameter], mesh: Mesh | None = None,
-              sharded_axes: Sequence[str] = ()) -> float:
+              sharded_axes: Sequence[str] = (),
+              expert_axes: Sequence[str] | None = None) -> float:
     """Global L2 norm of the gradients.
 
     Each rank sums the squares of the gradient elements it owns; `sharded_axes` are the mesh axes
     over which those elements are disjoint (sharded or split parameters), whose partial sums are
     added up. Over tp only the tensor-parallel slices are disjoint: a tensor replicated on every
     tp rank (a norm gain) enters each rank's sum divided by tp, so it is counted once. Replicated
-    gradients (plain DDP) need no communication.
+    gradients (plain DDP) need no communication. Under expert parallel (`expert_axes` given)
+    the experts' squares are summed over their own axes (ep, and edp_shard when sharded), so
+    each expert is counted once, and added to the rest.
     """
     # A pipeline stage's copy of a tied table is counted on the stage that owns the original.
     params = [p for p in params if p.grad is not None and not is_duplicate(p)]
     if not params:
         return 0.0
-    tp = mesh.size("tp") if mesh is not None and "tp" in sharded_axes else 1
-    # .to(): under parallel.rank_devices a rank's gradients live on several devices.
-    sq = torch.stack([(p.grad.detach().float().pow(2).sum()
-                       / (1 if tp == 1 or tp_split(p) is not None else tp)).to(params[0].device)
-                      for p in params]).sum()
-    for axis in sharded_axes:
-        if mesh is not None and mesh.size(axis) > 1:
-            comm.all_reduce(sq, mesh, axis, label="all_reduce_scalars")
-    return float(sq.sqrt())
+    groups = [(params, sharded_axes)]
+    if expert_axes is not None:
+        groups = [([p for p in params if ep_split(p) is None], sharded_axes),
+                  ([p for p in params if ep_split(p) is not None], expert_axes)]
+    device = params[0].device
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for group, axes in groups:
+        tp = mesh.size("tp") if mesh is not None and "tp" in axes else 1
+        # .to(): under parallel.rank_devices a rank's gradients live on several devices.
+        sq = torch.stack([(p.grad.detach().float().pow(2).sum()
+                           / (1 if tp == 1 or tp_split(p) is not None else tp)).to(device)
+                          for p in group]).sum() if group else \
+            torch.zeros((), dtype=torch.float32, device=device)
+        for axis in axes:
+            if mesh is not None and mesh.size(axis) > 1:
+                comm.all_reduce(sq, mesh, axis, label="all_reduce_scalars")
+        total = total + sq
+    return float(total.sqrt())
 
 
 def clip_grads(params: Sequence[nn.Parameter], max_norm: float, norm: float) -> None:

@@ -29,6 +29,7 @@ from meshloom.mesh import Mesh
 _TP, _SOURCE, _SP_PARTIAL = "_meshloom_tp", "_meshloom_source", "_meshloom_sp_partial"
 _NAME, _DUPLICATE = "_meshloom_checkpoint_name", "_meshloom_duplicate"
 _TP_PARTIAL = "_meshloom_tp_partial"
+_EP = "_meshloom_ep"
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,15 @@ class TPSplit:
 
 def set_tp_split(p: nn.Parameter, split: TPSplit) -> None:
     setattr(p, _TP, split)
+
+
+def set_ep_split(p: nn.Parameter, split: TPSplit) -> None:
+    """An expert-parallel slice: this rank's experts along dim 0 (parallel/expert.py)."""
+    setattr(p, _EP, split)
+
+
+def ep_split(t: torch.Tensor) -> TPSplit | None:
+    return getattr(source(t), _EP, None)
 
 
 def mark_sp_partial(p: nn.Parameter) -> None:
@@ -101,7 +111,7 @@ def carry_tags(old: nn.Parameter, new: nn.Parameter) -> None:
 
 
 def global_shape(param: torch.Tensor) -> tuple[int, ...]:
-    split = tp_split(param)
+    split = tp_split(param) or ep_split(param)
     return split.global_shape if split else tuple(param.shape)
 
 
@@ -110,16 +120,15 @@ Rect = tuple[tuple[int, ...], tuple[int, ...], int, int]  # global offsets, size
 
 def rects(param: torch.Tensor, lo: int, hi: int) -> list[Rect]:
     """Rectangles of the global tensor covered by elements [lo, hi) of `param`'s flattened local
-    tensor (row-major), each with the flat sub-range [a, b) holding it. At most three per range
-    (a partial first row, whole rows, a partial last row); padding is clipped away."""
+    tensor (row-major), each with the flat sub-range [a, b) holding it: per dimension a partial
+    first slice, whole slices and a partial last slice; padding is clipped away."""
     shape = tuple(param.shape)
+    local = _rects(shape, lo, hi)
+    experts = ep_split(param)
+    if experts is not None:  # this rank's experts start at `offset` of the global dim 0
+        local = [((offs[0] + experts.offset, *offs[1:]), sizes, a, b)
+                 for offs, sizes, a, b in local]
     split = tp_split(param)
-    if len(shape) == 1:
-        local = [((lo,), (hi - lo,), lo, hi)] if hi > lo else []
-    elif len(shape) == 2:
-        local = _rects_2d(shape[1], lo, hi)
-    else:
-        raise ValueError(f"parameters of {len(shape)} dimensions are not supported here")
     if split is None:
         return local
     out = []
@@ -139,19 +148,32 @@ def rects(param: torch.Tensor, lo: int, hi: int) -> list[Rect]:
     return out
 
 
-def _rects_2d(cols: int, lo: int, hi: int) -> list[Rect]:
-    out = []
-    r0, c0 = divmod(lo, cols)
-    r1, c1 = divmod(hi, cols)
+def _rects(shape: tuple[int, ...], lo: int, hi: int) -> list[Rect]:
+    if hi <= lo:
+        return []
+    if len(shape) == 1:
+        return [((lo,), (hi - lo,), lo, hi)]
+    inner = 1
+    for d in shape[1:]:
+        inner *= d
+    r0, c0 = divmod(lo, inner)
+    r1, c1 = divmod(hi, inner)
+
+    def within(r: int, a: int, b: int) -> list[Rect]:  # part of slice r of dim 0
+        return [((r, *offs), (1, *sizes), r * inner + x, r * inner + y)
+                for offs, sizes, x, y in _rects(shape[1:], a, b)]
+
     if r0 == r1:
-        return [((r0, c0), (1, c1 - c0), lo, hi)] if c1 > c0 else []
+        return within(r0, c0, c1)
+    out = []
     if c0:
-        out.append(((r0, c0), (1, cols - c0), lo, (r0 + 1) * cols))
+        out += within(r0, c0, inner)
         r0 += 1
     if r1 > r0:
-        out.append(((r0, 0), (r1 - r0, cols), r0 * cols, r1 * cols))
+        out.append(((r0,) + (0,) * (len(shape) - 1), (r1 - r0, *shape[1:]), r0 * inner,
+                    r1 * inner))
     if c1:
-        out.append(((r1, 0), (1, c1), r1 * cols, hi))
+        out += within(r1, 0, c1)
     return out
 
 
@@ -164,7 +186,9 @@ def checkpoint_entry(param: torch.Tensor, values: torch.Tensor, lo: int, mesh: M
     over that group."""
     shape = global_shape(param)
     split = tp_split(param)
-    axes = [a for a in (shard_axis, "tp" if split else None) if a and mesh.size(a) > 1]
+    experts = "ep" if ep_split(param) is not None else None
+    axes = [a for a in (shard_axis, experts, "tp" if split else None)
+            if a and mesh.size(a) > 1]
     if not axes:
         return values.view(shape)
     from torch.distributed._shard.metadata import ShardMetadata

@@ -216,7 +216,8 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
             step_loss = par.step.forward_backward(loader.micro_batches(step), device, autocast,
                                                   scaler.scale)
             faults.gradients_ready(rank, step, params)
-            norm = grad_norm(params, mesh, par.grads.norm_axes)
+            norm = grad_norm(params, mesh, par.grads.norm_axes,
+                             getattr(par.grads, "expert_norm_axes", None))
             done = step + 1
             finite = math.isfinite(step_loss) and (math.isfinite(norm) or scaler.enabled)
             # Every rank takes the same branch below and stops at the same step.

@@ -45,13 +45,14 @@ def layout_rules() -> tuple[Rule, ...]:
     top: they load torch, and `meshloom --help` or a config dump should not wait for it."""
     from meshloom.data import check_batch_config
     from meshloom.parallel.context import check_cp_config
+    from meshloom.parallel.expert import check_ep_config
     from meshloom.parallel.pipeline_schedule import check_pp_config
     from meshloom.parallel.rank_devices import check_rank_devices_config
     from meshloom.parallel.tensor_plan import check_tp_config
     from meshloom.parallel.zero import check_zero_config
 
     return (check_batch_config, check_zero_config, check_tp_config, check_cp_config,
-            check_pp_config, check_rank_devices_config)
+            check_pp_config, check_rank_devices_config, check_ep_config)
 
 
 def layout_problem(cfg: Config, dims: ParallelDims, model: ModelDims) -> str | None:

@@ -560,6 +560,9 @@ class Llama(nn.Module):
         self.cfg = cfg
         if cfg.qk_norm:  # this model's plan: the class's, plus the modules only it has
             self.TP_PLAN = {**Llama.TP_PLAN, **Llama.QK_NORM_PLAN}
+        if cfg.n_experts:  # experts are whole on every tp rank: the MoE runs replicated
+            self.TP_PLAN = {k: v for k, v in self.TP_PLAN.items()
+                            if not k.startswith("layers.*.feed_forward")}
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)

@@ -1,9 +1,9 @@
 """`parallelize()`: apply the layout's strategies to a plain model, always in the same order.
 
-Order (DESIGN.md): pipeline split -> tensor (+ sequence) parallel -> context parallel ->
-(parallel.rank_devices: the blocks spread over the rank's devices) -> activation checkpointing
-(and torch.compile) per block -> data parallel (DDP, ZeRO-1/2/3, HSDP) over what the earlier
-steps left on this rank.
+Order (DESIGN.md): pipeline split -> tensor (+ sequence) parallel -> context parallel -> expert
+parallel -> (parallel.rank_devices: the blocks spread over the rank's devices) -> activation
+checkpointing (and torch.compile) per block -> data parallel (DDP, ZeRO-1/2/3, HSDP) over what
+the earlier steps left on this rank.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from meshloom.parallel import rank_devices
 from meshloom.parallel.activation_checkpointing import apply_block_options
 from meshloom.parallel.context import ContextParallel, PlainAttention
 from meshloom.parallel.ddp import DataParallel
+from meshloom.parallel.expert import apply_expert_parallel
+from meshloom.parallel.expert_dp import expert_data_parallel
 from meshloom.parallel.fsdp import FullyShardedDataParallel
 from meshloom.parallel.pipeline import (
     PipelinedLogits,
@@ -173,6 +175,8 @@ def parallelize(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig,
         tp = TensorParallel(model, tp_plan or model.TP_PLAN, mesh,
                             sequence_parallel=pcfg.sequence_parallel, strict=pp == 1)
     cp = ContextParallel(model, mesh) if mesh.size("cp") > 1 else None
+    if mesh.size("ep") > 1:  # this rank's experts; tokens reach them by all-to-all
+        apply_expert_parallel(model, mesh)
     placed = _place_on_rank_devices(model, mesh, pcfg, seq_len) \
         if rank_devices.in_use(pcfg) else None
     apply_block_options(model, activation_checkpointing, compile_blocks, compile_backend)
@@ -249,6 +253,9 @@ def _data_parallel(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig,
                    compute_dtype: str) -> GradSync:
     prec = ShardPrecision(param_dtype=TORCH_DTYPES[compute_dtype],
                           reduce_dtype=TORCH_DTYPES[pcfg.reduce_dtype], offload=pcfg.cpu_offload)
+    if mesh.size("ep") > 1:  # the experts over their own ranks, the rest as below
+        return expert_data_parallel(model, mesh, pcfg, prec, TORCH_DTYPES[pcfg.reduce_dtype],
+                                    mesh.replica_axis)
     if pcfg.zero_stage in (1, 2):
         return ZeroDataParallel(model, mesh, stage=pcfg.zero_stage, bucket_mb=pcfg.ddp_bucket_mb,
                                 precision=prec)

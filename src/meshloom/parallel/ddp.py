@@ -58,14 +58,20 @@ class DataParallel:
 
     def __init__(self, model: nn.Module, mesh: Mesh, *, axis: str = "dp",
                  bucket_mb: float = 25.0, broadcast_params: bool = True,
-                 reduce_dtype: torch.dtype | None = None):
+                 reduce_dtype: torch.dtype | None = None,
+                 named: list[tuple[str, nn.Parameter]] | None = None,
+                 divisor: int | None = None):
+        """`named`: the parameters to handle (default: all trainable ones; expert parallel
+        gives the dense ones to one instance and the experts to another, parallel/expert_dp.py).
+        `divisor`: what the summed gradients are divided by (default: the axis's size)."""
         self.model, self.mesh, self.axis = model, mesh, axis
         # parallel.reduce_dtype: gradients travel (and are summed) in this dtype, e.g. bf16 to
         # halve the traffic; accumulation and the average stay in the parameters' dtype.
         self.reduce_dtype = reduce_dtype
-        self.size = mesh.size(axis)
-        # model.parameters() already de-duplicates tied weights.
-        params = [p for p in model.parameters() if p.requires_grad]
+        self.size = divisor or mesh.size(axis)
+        # named_trainable() already de-duplicates tied weights.
+        self.named = named if named is not None else named_trainable(model)
+        params = [p for _, p in self.named]
         self.params = params
         if broadcast_params:
             with torch.no_grad():
@@ -92,10 +98,10 @@ class DataParallel:
         pass
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
-        return whole_state(named_trainable(self.model), self.mesh, optimizer)
+        return whole_state(self.named, self.mesh, optimizer)
 
     def model_state(self) -> dict:
-        return whole_state(named_trainable(self.model), self.mesh)
+        return whole_state(self.named, self.mesh)
 
     @property
     def grad_bytes(self) -> int:

@@ -25,6 +25,7 @@ from torch import nn
 
 from meshloom import comm
 from meshloom.mesh import Mesh
+from meshloom.parallel.dp_axes import DENSE, DPAxes
 from meshloom.parallel.flat import FlatGroup
 from meshloom.parallel.zero import (
     FP32,
@@ -41,8 +42,8 @@ def _free(t: torch.Tensor) -> None:
 
 class _Unit:
     def __init__(self, name: str, module: nn.Module, named: list[tuple[str, nn.Parameter]],
-                 n: int, rank: int, prec: ShardPrecision):
-        self.name, self.module, self.prec = name, module, prec
+                 n: int, rank: int, prec: ShardPrecision, axis: str = "dp_shard"):
+        self.name, self.module, self.prec, self.axis = name, module, prec, axis
         self.group = g = FlatGroup([a for a, _ in named], [p for _, p in named], n, rank)
         fp32 = g.pack([p.detach().float() for p in g.params], g.new_flat(torch.float32))
         # The fp32 shard is the only lasting copy of the parameters: what the optimizer updates.
@@ -88,7 +89,7 @@ class _Unit:
         self.full.untyped_storage().resize_(self.nbytes)
         # The working dtype on the device; kept referenced until the gather completes.
         src = self.shard.to(self.full.device, self.full.dtype)
-        work = comm.all_gather_into(self.full, src, mesh, "dp_shard", async_op=True)
+        work = comm.all_gather_into(self.full, src, mesh, self.axis, async_op=True)
         self.work = (work, src)
         if work is None:  # a group of one: already complete
             self.work, self.gathered = None, True
@@ -117,25 +118,33 @@ def units_of(model: nn.Module) -> list[str]:
 class FullyShardedDataParallel:
     """ZeRO-3 over a model's units: its `fsdp_units()`, else those its `pieces()` imply."""
 
-    norm_axes = ("dp_shard",)
-
     def __init__(self, model: nn.Module, mesh: Mesh, *, reshard_after_forward: bool = True,
-                 precision: ShardPrecision = FP32):
+                 precision: ShardPrecision = FP32,
+                 named: list[tuple[str, nn.Parameter]] | None = None,
+                 units: list[str] | None = None, axes: DPAxes = DENSE):
+        """`named`/`units`: the parameters and units to shard (default: all of them, in the
+        model's units) over `axes`; expert parallel shards the experts apart, each MoE's
+        `experts` a unit (parallel/expert_dp.py)."""
         # Gradients are averaged over data- and context-parallel ranks.
         self.model, self.mesh, self.dp, self.prec = model, mesh, mesh.size("dp_cp"), precision
+        self.axes = axes
+        self.norm_axes = (axes.shard, *axes.split)
         self.reshard_after_forward = reshard_after_forward
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if named is None:
+            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         with torch.no_grad():
             for _, p in named:
-                comm.broadcast(p.data, mesh, "dp", src_coord=0)
-        owner = self._owners(model, named)
-        n, rank = mesh.size("dp_shard"), mesh.coord("dp_shard")
+                comm.broadcast(p.data, mesh, axes.whole, src_coord=0)
+        unit_names = units if units is not None else units_of(model)
+        owner = self._owners(model, named, unit_names)
+        n, rank = mesh.size(axes.shard), mesh.coord(axes.shard)
         self.units: list[_Unit] = []
-        for unit_name in units_of(model):
+        for unit_name in unit_names:
             mine = [(a, p) for a, p in named if owner[a] == unit_name]
             if mine:
                 module = model.get_submodule(unit_name) if unit_name else model
-                self.units.append(_Unit(unit_name, module, mine, n, rank, precision))
+                self.units.append(_Unit(unit_name, module, mine, n, rank, precision,
+                                        axes.shard))
         self.root = next((u for u in self.units if u.name == ""), None)
         self._unit_of = {p: u for u in self.units for p in u.group.params}
         # Forward order of the units: the last complete forward's (for forward prefetch) and the
@@ -162,10 +171,11 @@ class FullyShardedDataParallel:
             u.free_grads()
 
     @staticmethod
-    def _owners(model: nn.Module, named: list[tuple[str, nn.Parameter]]) -> dict[str, str]:
+    def _owners(model: nn.Module, named: list[tuple[str, nn.Parameter]],
+                unit_names: list[str]) -> dict[str, str]:
         """Each parameter belongs to the deepest declared unit that contains it; a parameter
         used under names in different units (tied embeddings) and the rest go to the root."""
-        units = sorted((u for u in units_of(model) if u), key=len, reverse=True)
+        units = sorted((u for u in unit_names if u), key=len, reverse=True)
 
         def unit_of(name: str) -> str:
             return next((u for u in units if name.startswith(u + ".")), "")
@@ -241,7 +251,8 @@ class FullyShardedDataParallel:
         direct = (not u.grad_live and self.prec.reduce_dtype == torch.float32
                   and u.grad_shard.device == g.device)
         out = u.live_grads() if direct else g.new_shard(self.prec.reduce_dtype, empty=True)
-        work = comm.reduce_scatter_into(out, packed, self.mesh, "dp_shard", async_op=True)
+        work = comm.reduce_scatter_into(out, packed, self.mesh, self.axes.shard,
+                                        async_op=True)
         u.inflight = (work, packed, out, direct)
         u.pending = len(g.params)
         self._reduced.add(u)
@@ -282,7 +293,7 @@ class FullyShardedDataParallel:
     def finish(self) -> None:
         self._drain()
         for u in self.units:
-            all_reduce_replicas(u.grad_shard, self.mesh, u.group.device)
+            all_reduce_replicas(u.grad_shard, self.mesh, u.group.device, self.axes.replicas)
             u.grad_shard.div_(self.dp)
 
     def after_step(self) -> None:
@@ -293,10 +304,12 @@ class FullyShardedDataParallel:
             u.free_grads()
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
-        return pieces_state(self.mesh, [u.group for u in self.units], self._masters, optimizer)
+        return pieces_state(self.mesh, [u.group for u in self.units], self._masters, optimizer,
+                            self.axes.shard)
 
     def model_state(self) -> dict:
-        return pieces_state(self.mesh, [u.group for u in self.units], self._masters, None)
+        return pieces_state(self.mesh, [u.group for u in self.units], self._masters, None,
+                            self.axes.shard)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter whole, from the fp32 shards (collective over dp_shard)."""
@@ -304,7 +317,8 @@ class FullyShardedDataParallel:
         for u in self.units:
             g = u.group
             full = g.new_flat(torch.float32)
-            comm.all_gather_into(full, u.shard.to(g.device, copy=True), self.mesh, "dp_shard")
+            comm.all_gather_into(full, u.shard.to(g.device, copy=True), self.mesh,
+                                 self.axes.shard)
             for name, view in zip(g.names, g.views(full), strict=True):
                 out[name] = view.clone()
         return out

@@ -379,6 +379,8 @@ class PipelineGrads(DelegatingGrads):
         super().__init__(inner)
         self.model, self.mesh = model, mesh
         self.norm_axes = (*inner.norm_axes, AXIS)
+        if hasattr(inner, "expert_norm_axes"):  # expert parallel's own part of the norm
+            self.expert_norm_axes = (*inner.expert_norm_axes, AXIS)
         self.tied = model.tied_parameter()
         # ZeRO-1 reduce-scatters the whole gradients in finish(): sum the ends before; DDP's
         # gradients are whole (and maybe still in flight) until finish(): sum them after.

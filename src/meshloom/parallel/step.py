@@ -24,6 +24,7 @@ from torch import nn
 from meshloom import comm
 from meshloom.config import Config
 from meshloom.mesh import Mesh, ParallelDims
+from meshloom.models.moe import set_aux_grad_scale
 from meshloom.parallel.pipeline_schedule import pipeline_microbatches
 
 if TYPE_CHECKING:
@@ -86,6 +87,8 @@ class Step:
         """Forward and backward of the step's micro-batches (the loss multiplied by
         `loss_scale` before backward); the gradients are then synchronised. Returns the global
         mean loss (unscaled), the same on every rank."""
+        # An MoE's load-balancing loss gets the gradient factor its micro-batch's loss gets.
+        set_aux_grad_scale(loss_scale / max(1, len(batches)))
         local = self._forward_backward(batches, device, autocast or contextlib.nullcontext(),
                                        loss_scale)
         self.grads.finish()

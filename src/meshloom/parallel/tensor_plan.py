@@ -250,6 +250,8 @@ class TensorParallelGrads(DelegatingGrads):
         super().__init__(inner)
         self.tp = tp
         self.norm_axes = (*inner.norm_axes, AXIS)
+        if hasattr(inner, "expert_norm_axes"):  # expert parallel's own part of the norm
+            self.expert_norm_axes = (*inner.expert_norm_axes, AXIS)
 
     def finish(self) -> None:
         self.inner.finish()

@@ -27,6 +27,7 @@ from meshloom.checkpoint import ADAM_STATS
 from meshloom.config import Config, ModelDims
 from meshloom.mesh import Mesh, ParallelDims
 from meshloom.parallel.ddp import FIRST_BUCKET_BYTES
+from meshloom.parallel.dp_axes import DENSE, DPAxes
 from meshloom.parallel.flat import FlatGroup, group_parameters
 from meshloom.placement import checkpoint_entry, checkpoint_name, set_source
 
@@ -103,16 +104,22 @@ class ZeroDataParallel:
     """ZeRO-1/2 on a plain model; the training loop drives it through the GradSync protocol."""
 
     def __init__(self, model: nn.Module, mesh: Mesh, *, stage: int, bucket_mb: float = 25.0,
-                 precision: ShardPrecision = FP32):
+                 precision: ShardPrecision = FP32,
+                 named: list[tuple[str, nn.Parameter]] | None = None, axes: DPAxes = DENSE):
+        """`named`: the parameters to shard (default: every trainable one) over `axes`
+        (expert parallel's experts go over their own, parallel/expert_dp.py)."""
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel handles stages 1 and 2, not {stage}")
         self.model, self.mesh, self.stage, self.prec = model, mesh, stage, precision
+        self.axes = axes
+        self.norm_axes = (axes.shard, *axes.split)
         self.dp = mesh.size("dp_cp")  # gradients are averaged over data and context ranks
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if named is None:
+            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         with torch.no_grad():
             for _, p in named:  # replicas start identical
-                comm.broadcast(p.data, mesh, "dp", src_coord=0)
-        n, rank = mesh.size("dp_shard"), mesh.coord("dp_shard")
+                comm.broadcast(p.data, mesh, axes.whole, src_coord=0)
+        n, rank = mesh.size(axes.shard), mesh.coord(axes.shard)
         groups = group_parameters(list(reversed(named)), int(bucket_mb * 2**20),
                                   FIRST_BUCKET_BYTES)
         self.buckets = [_Bucket(FlatGroup([a for a, _ in g], [b for _, b in g], n, rank), stage,
@@ -127,8 +134,6 @@ class ZeroDataParallel:
                            for _, p in named]
         for b in self.buckets:
             b.bind_grads()
-
-    norm_axes = ("dp_shard",)
 
     def optim_param_groups(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
         """(decay, no_decay): this rank's pieces of the parameters, with .grad after finish()."""
@@ -152,7 +157,8 @@ class ZeroDataParallel:
             for p in g.params:
                 p.grad = None  # only the shard is kept
             out = g.new_shard(self.prec.reduce_dtype, empty=True)
-            work = comm.reduce_scatter_into(out, packed, self.mesh, "dp_shard", async_op=True)
+            work = comm.reduce_scatter_into(out, packed, self.mesh, self.axes.shard,
+                                            async_op=True)
             b.inflight = (work, packed, out)
             self._next += 1
             # Launching a bucket completes the one before it: that one had this bucket's
@@ -194,9 +200,9 @@ class ZeroDataParallel:
             if self.stage == 1:
                 out = b.group.new_shard(self.prec.reduce_dtype)
                 comm.reduce_scatter_into(out, b.grads.to(self.prec.reduce_dtype), self.mesh,
-                                         "dp_shard")
+                                         self.axes.shard)
                 b.grad_shard.copy_(out)
-            all_reduce_replicas(b.grad_shard, self.mesh, b.group.device)
+            all_reduce_replicas(b.grad_shard, self.mesh, b.group.device, self.axes.replicas)
             b.grad_shard.div_(self.dp)
 
     def after_step(self) -> None:
@@ -204,7 +210,7 @@ class ZeroDataParallel:
         for b in self.buckets:
             # A copy in the working dtype on the device (Gloo wants distinct input and output).
             shard = b.master.to(b.params.device, b.params.dtype, copy=True)
-            comm.all_gather_into(b.params, shard, self.mesh, "dp_shard")
+            comm.all_gather_into(b.params, shard, self.mesh, self.axes.shard)
 
     def zero_grad(self) -> None:
         for b in self.buckets:
@@ -217,21 +223,25 @@ class ZeroDataParallel:
                     p.grad = None
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
-        return pieces_state(self.mesh, [b.group for b in self.buckets], self._masters, optimizer)
+        return pieces_state(self.mesh, [b.group for b in self.buckets], self._masters, optimizer,
+                            self.axes.shard)
 
     def model_state(self) -> dict:
         """The fp32 master pieces (after a load, `after_step()` spreads them to the params)."""
-        return pieces_state(self.mesh, [b.group for b in self.buckets], self._masters, None)
+        return pieces_state(self.mesh, [b.group for b in self.buckets], self._masters, None,
+                            self.axes.shard)
 
 
 Masters = dict[tuple[int, int], tuple[nn.Parameter, int]]
 
 
-def all_reduce_replicas(shard: torch.Tensor, mesh: Mesh, device: torch.device) -> None:
+def all_reduce_replicas(shard: torch.Tensor, mesh: Mesh, device: torch.device,
+                        replicas: tuple[str, ...] = DENSE.replicas) -> None:
     """Sum a reduced gradient shard over the ranks that hold the same shard: the replicate
-    group (HSDP) and the context-parallel ranks, which saw other tokens of the same sequences
-    (on the device, where the backend can reach it, even when the shard is offloaded)."""
-    axes = [a for a in ("dp_replicate", "cp") if mesh.size(a) > 1]
+    group (HSDP) and, for dense parameters, the context-parallel ranks, which saw other tokens
+    of the same sequences (on the device, where the backend can reach it, even when the shard
+    is offloaded)."""
+    axes = [a for a in replicas if mesh.size(a) > 1]
     if not axes:
         return
     t = shard if shard.device == device else shard.to(device)
@@ -258,7 +268,7 @@ def split_pieces(groups: list[tuple[FlatGroup, torch.Tensor, torch.Tensor]]
 
 
 def pieces_state(mesh: Mesh, groups: list[FlatGroup], masters: Masters,
-                 optimizer: torch.optim.Optimizer | None) -> dict:
+                 optimizer: torch.optim.Optimizer | None, shard_axis: str = "dp_shard") -> dict:
     """This rank's pieces, keyed like whole-parameter state so that a checkpoint does not depend
     on the layout: `optim/<name>/<stat>` (or `model/<name>` when optimizer is None) in the
     parameter's global shape, as ShardedTensors over dp_shard (and tp for tensor-parallel
@@ -275,5 +285,5 @@ def pieces_state(mesh: Mesh, groups: list[FlatGroup], masters: Masters,
                 else:
                     values = master.detach() if k is None else optimizer.state[master][k]
                 key = f"model/{name}" if k is None else f"optim/{name}/{k}"
-                out[key] = checkpoint_entry(p, values, lo, mesh, "dp_shard")
+                out[key] = checkpoint_entry(p, values, lo, mesh, shard_axis)
     return out

@@ -1,0 +1,118 @@
+"""Expert parallel: the experts of every MoE block split over the `ep` ranks.
+
+Each ep rank keeps experts [c * E/ep, (c + 1) * E/ep) of every MoE block (c its ep coordinate)
+and computes them for the tokens of all the ranks of its ep group. The ep ranks are data (x
+context) parallel ranks (mesh.py, EXPERT_AXES): each routes its own tokens, then
+- dispatch: the split sizes (assignments per expert) are exchanged, then the token rows, each
+  to the rank holding its expert (one all-to-all with uneven splits);
+- the received rows are regrouped expert by expert and the local experts run as one grouped
+  computation (GroupedExperts);
+- combine: the outputs go back by the reverse all-to-all, and the source rank weights and sums
+  them (so the router's gradient stays local).
+Backward runs the same two all-to-alls in reverse (comm.all_to_all_rows). Per MoE layer and
+micro-batch that is A x dim x bytes each way forward and again backward, A the rank's kept
+assignments (tokens x top_k when dropless): what tests/test_expert_parallel.py holds the counter
+to.
+
+Gradients: an expert's gradient on its rank already sums the contributions of the whole ep
+group's tokens; it is then summed over the ranks holding the same experts ("edp") and divided by
+the data x context degree, like every dense gradient. expert_dp.py builds those strategies.
+Expert parameters carry an `EPSplit` (placement.py), so checkpoints hold them in their global
+shape [E, ...] and any ep resumes any other.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from meshloom import comm
+from meshloom.config import Config
+from meshloom.mesh import Mesh, ParallelDims
+from meshloom.models.moe import GroupedExperts, moe_blocks
+from meshloom.placement import TPSplit, carry_tags, ep_split, set_ep_split
+
+AXIS = "ep"
+
+
+def check_ep_config(cfg: Config, dims: ParallelDims, model=None) -> str | None:
+    """Why parallel.ep, or a mixture-of-experts model, cannot run on this layout (one line),
+    or None."""
+    p, ep = cfg.parallel, cfg.parallel.ep
+    experts = getattr(model, "n_experts", 0) or 0
+    if ep > 1 and not experts:
+        return f"parallel.ep={ep} needs a mixture-of-experts model (model.n_experts > 0)"
+    if ep > 1 and experts % ep:
+        return f"parallel.ep={ep} must divide model.n_experts={experts}"
+    if ep > 1 and p.mode == "dp":
+        return "parallel.ep > 1 cannot be combined with parallel.mode=dp"
+    if ep > 1 and p.rank_devices != 1:
+        return "parallel.ep > 1 cannot be combined with parallel.rank_devices"
+    if not experts:
+        return None
+    # Tokens are routed per sequence (models/moe.py); these layouts would see only part of one.
+    if p.sequence_parallel:
+        return ("parallel.sequence_parallel is not supported with a mixture-of-experts model "
+                "yet (experts are replicated over tp and route whole sequences)")
+    if dims.cp > 1 and (getattr(model, "aux_loss_coef", 0) or
+                        getattr(model, "capacity_factor", None) is not None):
+        return (f"parallel.cp={dims.cp} splits sequences, but the load-balancing loss and the "
+                "capacity limit are per sequence: set model.aux_loss_coef=0 and leave "
+                "model.capacity_factor unset, or use parallel.cp=1")
+    return None
+
+
+def is_expert(p: torch.Tensor) -> bool:
+    """A parameter (or optimizer piece of one) split over the ep ranks."""
+    return ep_split(p) is not None
+
+
+class ExpertDispatch:
+    """MoE.dispatcher under expert parallel: rows sorted by (global) expert -> the ranks
+    holding those experts -> their outputs back, in the same order."""
+
+    def __init__(self, mesh: Mesh, n_experts: int):
+        self.mesh, self.ep = mesh, mesh.size(AXIS)
+        self.local = n_experts // self.ep
+
+    def __call__(self, x: torch.Tensor, counts: torch.Tensor,
+                 experts: GroupedExperts) -> torch.Tensor:
+        ep, n_local = self.ep, self.local
+        send = counts.view(ep, n_local)
+        # How many rows each rank sends to each of my experts (a tiny all-to-all, on the device
+        # for NCCL; bookkeeping, counted apart from the token rows).
+        recv = comm.all_to_all(send.reshape(-1, 1).to(x.device), self.mesh, AXIS,
+                               [n_local] * ep, [n_local] * ep,
+                               label="all_to_all_splits").view(ep, n_local).cpu()
+        send_rows, recv_rows = send.sum(1).tolist(), recv.sum(1).tolist()
+        got = comm.all_to_all_rows(x, self.mesh, AXIS, send_rows, recv_rows)
+        # `got` is by source rank, then by my expert; the experts want it by expert.
+        sizes = recv.reshape(-1)
+        starts = (sizes.cumsum(0) - sizes).view(ep, n_local)
+        order = torch.cat([torch.arange(int(starts[r, e]), int(starts[r, e] + recv[r, e]))
+                           for e in range(n_local) for r in range(ep)]
+                          or [torch.zeros(0, dtype=torch.int64)]).to(x.device)
+        y = experts(got[order], recv.sum(0))
+        back = y[torch.argsort(order)]  # by source rank again
+        return comm.all_to_all_rows(back, self.mesh, AXIS, recv_rows, send_rows)
+
+
+@torch.no_grad()
+def apply_expert_parallel(model: nn.Module, mesh: Mesh) -> int:
+    """Keep this ep rank's experts of every MoE block (tagged with their place in the global
+    [E, ...] tensors) and route through all-to-all. Returns the number of MoE blocks."""
+    ep, me = mesh.size(AXIS), mesh.coord(AXIS)
+    blocks = moe_blocks(model)
+    for name, moe in blocks:
+        n = moe.settings.n_experts
+        if n % ep:
+            raise ValueError(f"{name}: {n} experts do not split over parallel.ep={ep}")
+        lo, size = me * (n // ep), n // ep
+        for pname in ("w1", "w3", "w2"):
+            old = getattr(moe.experts, pname)
+            new = nn.Parameter(old[lo:lo + size].clone(), requires_grad=old.requires_grad)
+            carry_tags(old, new)
+            set_ep_split(new, TPSplit(dim=0, global_shape=tuple(old.shape), offset=lo))
+            setattr(moe.experts, pname, new)
+        moe.dispatcher = ExpertDispatch(mesh, n)
+    return len(blocks)
