@@ -17,7 +17,6 @@ from conftest import (
 )
 from dist_harness import run_ranks
 
-from meshloom.models.moe import moe_blocks
 from meshloom.train import train
 
 STEPS = 3
@@ -31,7 +30,7 @@ def _job(run_dir, cache, overrides, resume=False):
     with gradient_probe() as probe:
         r = train(cfg, resume=resume, keep_model=True)
     return {"losses": r.losses, "state": whole_weights(r.strategy, r.model),
-            "bytes": dict(r.counter.bytes), **probe}
+            "bytes": dict(r.counter.bytes), "moe": r.moe, **probe}
 
 
 _refs: dict = {}
@@ -44,13 +43,19 @@ def _reference(tmp_path_factory, cache, extra: tuple[str, ...] = ()):
 
 
 def _assert_parity(ref, results):
+    """Per-step losses within 1e-5; on every rank the gradient norms, and the first step's
+    gradients and the final weights of what it holds (a pipeline rank: its stages), experts
+    made whole; together the ranks hold every parameter."""
     for step, (a, b) in enumerate(zip(ref["losses"], results[0]["losses"], strict=True), 1):
         assert abs(a - b) <= 1e-5 * abs(a), f"step {step}: {b} vs single-process {a}"
+    held = set()
     for r in results:
         assert_same_grad_norms(ref["norms"], r["norms"])
-        assert_same_gradients(ref["grads"], r["grads"])
-        for name, w in ref["state"].items():
-            torch.testing.assert_close(r["state"][name], w, rtol=1e-5, atol=1e-6, msg=name)
+        assert_same_gradients({k: ref["grads"][k] for k in r["grads"]}, r["grads"])
+        for name, w in r["state"].items():
+            torch.testing.assert_close(w, ref["state"][name], rtol=1e-5, atol=1e-6, msg=name)
+        held |= set(r["state"])
+    assert held == set(ref["state"])
 
 
 CASES = [
@@ -76,3 +81,61 @@ def test_parity(tmp_path, tmp_path_factory, token_cache, world, overrides):
     ref = _reference(tmp_path_factory, token_cache)
     results = run_ranks(_job, world, tmp_path, token_cache, overrides)
     _assert_parity(ref, results)
+
+
+def test_all_to_all_bytes_match_the_formula(tmp_path, token_cache):
+    """Dropless, each MoE layer moves every assignment (tokens x top_k rows of dim fp32 values)
+    to its expert and back, forward and again backward: over the ep group 4 x A x dim x 4
+    bytes per layer and step, A the group's assignments; the split sizes travel apart."""
+    results = run_ranks(_job, 2, tmp_path, token_cache, ["parallel.ep=2"])
+    tokens_per_rank = 16 // 2 * 64  # global batch 16 over 2 data ranks, 64 tokens each
+    assignments = 2 * tokens_per_rank * 2  # both ranks, top 2
+    layers, dim = 4, 64
+    sent = sum(r["bytes"][("ep", "all_to_all")] for r in results)
+    assert sent == STEPS * layers * 4 * assignments * dim * 4
+    # Split sizes: one int64 per (rank, expert) pair each way, forward only.
+    splits = sum(r["bytes"][("ep", "all_to_all_splits")] for r in results)
+    assert splits == STEPS * layers * 2 * 8 * 8
+    assert results[0]["moe"][0]["tokens_dropped"] == 0
+
+
+def test_capacity_drops_the_same_tokens(tmp_path, tmp_path_factory, token_cache):
+    """With a capacity factor the ep run drops exactly the single-process run's assignments
+    (the same count every step, the same expert loads) and keeps parity."""
+    cap = ("model.capacity_factor=1.0",)
+    ref = _reference(tmp_path_factory, token_cache, cap)
+    results = run_ranks(_job, 4, tmp_path, token_cache, ["parallel.ep=4", *cap])
+    assert all(m["tokens_dropped"] > 0 for m in ref["moe"])
+    for r in results:
+        for got, want in zip(r["moe"], ref["moe"], strict=True):
+            assert got["tokens_dropped"] == want["tokens_dropped"]
+            assert got["expert_load"] == want["expert_load"]
+            assert got["aux_loss"] == pytest.approx(want["aux_loss"], rel=1e-6)
+    _assert_parity(ref, results)
+
+
+def _steps_job(run_dir, cache, overrides, steps, resume):
+    cfg = tiny_config(run_dir, cache, f"train.steps={steps}", "train.eval_every=0",
+                      "train.eval_sequences=0", "train.sample_tokens=0", *WELL_CONDITIONED,
+                      *MOE, *overrides)
+    r = train(cfg, resume=resume, keep_model=True)
+    return {"losses": r.losses, "state": whole_weights(r.strategy, r.model)}
+
+
+@pytest.mark.parametrize("first,then", [
+    ((2, ["parallel.ep=2"]), (1, [])),
+    ((1, []), (4, ["parallel.ep=4", "parallel.zero_stage=3"])),
+    ((4, ["parallel.ep=2", "parallel.zero_stage=1"]), (2, ["parallel.ep=2"])),
+], ids=["ep2->ep1", "ep1->ep4-zero3", "ep2-zero1->ep2-ddp"])
+def test_checkpoint_resumes_at_another_ep(tmp_path, token_cache, first, then):
+    """Experts are saved in their global [E, ...] shape: 2 steps at one layout, 2 more resumed
+    at another, equal to 4 uninterrupted steps (losses of steps 3-4, final weights)."""
+    ref = run_ranks(_steps_job, 1, tmp_path / "ref", token_cache, [], 4, False)[0]
+    run = tmp_path / "run"
+    run_ranks(_steps_job, first[0], run, token_cache, first[1], 2, False)
+    got = run_ranks(_steps_job, then[0], run, token_cache, then[1], 4, True)[0]
+    assert len(got["losses"]) == 2
+    for a, b in zip(ref["losses"][2:], got["losses"], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(a), (got["losses"], ref["losses"])
+    for name, w in ref["state"].items():
+        torch.testing.assert_close(got["state"][name], w, rtol=1e-5, atol=1e-6, msg=name)

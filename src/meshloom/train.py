@@ -45,6 +45,7 @@ from meshloom.models.families import build_model
 from meshloom.models.generate import generate
 from meshloom.optim import LossScaler, build_optimizer, clip_grads, grad_norm, lr_at, set_lr
 from meshloom.parallel import TORCH_DTYPES, PipelineSpec, parallelize, rank_devices
+from meshloom.parallel.expert import routing_metrics
 from meshloom.parallel.step import micro_batch_split
 from meshloom.plan.memory import predict_run_memory
 from meshloom.validation import model_config, validate
@@ -60,6 +61,7 @@ class TrainResult:
     optimizer: torch.optim.Optimizer | None = None
     counter: CommCounter | None = None
     grad_bytes: int = 0
+    moe: list[dict] = field(default_factory=list)  # per step, of a mixture-of-experts model
 
 
 def default_run_dir(cfg: Config) -> Path:
@@ -254,6 +256,9 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
                       "comm_bytes": counter.by_axis(since=before), "step_time_s": dt}
             if not finite:
                 record["skipped"] = "non-finite"
+            if getattr(mcfg, "n_experts", 0):
+                record["moe"] = routing_metrics(model, mesh, mcfg.n_layers, mcfg.n_experts)
+                result.moe.append(record["moe"])
             last = done == cfg.train.steps
             if (cfg.train.eval_every and done % cfg.train.eval_every == 0) or last:
                 eval_loss = par.step.eval_loss(evals, device)

@@ -116,3 +116,32 @@ def apply_expert_parallel(model: nn.Module, mesh: Mesh) -> int:
             setattr(moe.experts, pname, new)
         moe.dispatcher = ExpertDispatch(mesh, n)
     return len(blocks)
+
+
+def routing_metrics(model: nn.Module, mesh: Mesh, n_layers: int, n_experts: int) -> dict:
+    """What the MoE blocks' routing did this step, over all the ranks: `aux_loss` (the summed
+    per-layer load-balancing losses, each the mean over micro-batches and ranks: what
+    `aux_loss_coef` multiplies), `tokens_dropped` (assignments over capacity), and
+    `expert_load` (assignments per expert per layer, before the capacity limit). Each rank
+    reports the tokens it routed; collective over the data x context ranks and the pipeline
+    (tensor-parallel ranks route the same tokens and are counted once)."""
+    loads = torch.zeros(n_layers, n_experts, dtype=torch.float64)
+    aux = torch.zeros(n_layers, dtype=torch.float64)
+    dropped = torch.zeros(n_layers, dtype=torch.float64)
+    seen = torch.zeros(n_layers, dtype=torch.float64)
+    for name, moe in moe_blocks(model):
+        layer = next(int(part) for part in name.split(".") if part.isdigit())
+        st = moe.reset_stats()
+        loads[layer] += torch.as_tensor(st.load, dtype=torch.float64).cpu()
+        aux[layer] += float(st.aux)
+        dropped[layer] += float(st.dropped)
+        seen[layer] += st.micro_batches
+    packed = torch.cat([loads.flatten(), aux, dropped, seen]).to(mesh.device)
+    for axis in (mesh.replica_axis, "pp"):
+        comm.all_reduce(packed, mesh, axis, label="all_reduce_scalars")
+    packed = packed.cpu()
+    loads = packed[:n_layers * n_experts].view(n_layers, n_experts)
+    aux, dropped, seen = packed[n_layers * n_experts:].view(3, n_layers)
+    return {"aux_loss": float((aux / seen.clamp(min=1)).sum()),
+            "tokens_dropped": int(dropped.sum()),
+            "expert_load": loads.long().tolist()}
