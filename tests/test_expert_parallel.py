@@ -139,3 +139,45 @@ def test_checkpoint_resumes_at_another_ep(tmp_path, token_cache, first, then):
         assert abs(a - b) <= 1e-5 * abs(a), (got["losses"], ref["losses"])
     for name, w in ref["state"].items():
         torch.testing.assert_close(got["state"][name], w, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _lopsided_rank():
+    """Every token of both ranks routed to experts 0 and 1, which ep rank 0 holds: rank 1's
+    experts get no row, forward or backward."""
+    import copy
+
+    from torch import nn
+
+    from meshloom.config import ParallelConfig
+    from meshloom.mesh import init_mesh
+    from meshloom.models.moe import MoE, MoESettings
+    from meshloom.parallel.expert import apply_expert_parallel
+
+    mesh = init_mesh(ParallelConfig(ep=2))
+    torch.manual_seed(0)
+    holder = nn.Module()
+    holder.moe = MoE(8, MoESettings(n_experts=4, top_k=2, hidden=8))
+    with torch.no_grad():
+        for p in holder.moe.parameters():
+            p.normal_(0, 0.3)
+        holder.moe.router.weight.zero_()
+        holder.moe.router.weight[0, 0], holder.moe.router.weight[1, 0] = 10.0, 9.0
+    local = copy.deepcopy(holder.moe)
+    torch.manual_seed(1 + mesh.rank)
+    x = torch.randn(2, 6, 8)
+    x[..., 0] = 1.0
+    xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+    apply_expert_parallel(holder, mesh)
+    outs = [local(xs[0]), holder.moe(xs[1])]
+    for out in outs:
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    return [o.detach() for o in outs], [t.grad for t in xs], mesh.rank
+
+
+def test_a_rank_whose_experts_get_no_token_still_joins_every_all_to_all():
+    """Forward and backward complete (before the fix, the rank with no rows skipped the
+    backward all-to-all of its empty input and the others waited for it forever), with the
+    outputs and input gradients of the experts computed locally."""
+    for (local, ep), (g_local, g_ep), _ in run_ranks(_lopsided_rank, 2, timeout=60):
+        torch.testing.assert_close(ep, local, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(g_ep, g_local, rtol=1e-5, atol=1e-6)

@@ -211,9 +211,12 @@ class GroupedExperts(nn.Module):
             if n:
                 outs.append(_swiglu(x[start:start + n], self.w1[e], self.w3[e], self.w2[e]))
                 start += n
-        if not outs:  # no row here: the weights stay in the graph, with zero gradients
+        if not outs:
+            # No row here. The weights and the input stay in the graph all the same (zero
+            # gradients): a data-parallel strategy waits for every weight's gradient, and under
+            # expert parallel the input's backward is an all-to-all every rank must join.
             return x.new_zeros(0, self.w2.shape[1]) + 0.0 * (
-                self.w1.sum() + self.w3.sum() + self.w2.sum())
+                x.sum() + self.w1.sum() + self.w3.sum() + self.w2.sum())
         return torch.cat(outs)
 
 
