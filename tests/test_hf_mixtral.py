@@ -176,6 +176,18 @@ def test_round_trip_back_to_transformers(hf, tmp_path):
         assert hf_checkpoint.read_hf_config(folder) == open_source(ml).cfg
 
 
+def test_reads_the_transformers_4_config_style(hf, tmp_path):
+    """transformers < 5 writes rope_theta at the top level; without it Mixtral's base is 1e6
+    (not Llama's 1e4), as transformers reads it."""
+    model, folders = hf
+    old = _edited(folders["single"], tmp_path / "old", rope_parameters=None, rope_theta=50000.0)
+    assert cli_main(["convert", "hf-to-meshloom", str(old), str(tmp_path / "ml")]) == 0
+    assert _diff(_meshloom_logits(tmp_path / "ml"), _hf_logits(model)) < TOL
+    bare = _edited(folders["single"], tmp_path / "bare", rope_parameters=None)
+    theirs = transformers.AutoConfig.from_pretrained(bare).rope_parameters["rope_theta"]
+    assert hf_checkpoint.read_hf_config(bare).rope_theta == theirs == 1e6
+
+
 def test_preset_config_round_trips_through_config_json():
     """mixtral-8x7b's config -> config.json -> the same config (no weights involved)."""
     cfg = families.config_from_preset("mixtral-8x7b")

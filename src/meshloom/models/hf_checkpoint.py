@@ -221,8 +221,8 @@ def write_hf_folder(folder: str | Path, cfg: Any, weights: dict[str, Tensor], *,
             names = stacked(n, w.shape[0]) if w.dim() else None
             if names is None:
                 tensors[fmt.hf_name(n)] = w.contiguous()
-            else:  # copies: safetensors refuses tensors that share memory
-                tensors.update(zip(names, (p.clone() for p in w.unbind(0)), strict=True))
+            else:  # disjoint views of one tensor, which safetensors writes apart
+                tensors.update(zip(names, w.unbind(0), strict=True))
     shards: list[dict[str, Tensor]] = [{}]
     size = 0
     for key, t in tensors.items():
