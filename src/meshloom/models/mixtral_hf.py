@@ -87,7 +87,7 @@ def config_from_hf(raw: dict) -> MixtralConfig:
     cfg = MixtralConfig(
         dim=dims["hidden_size"], n_layers=dims["num_hidden_layers"], n_heads=heads,
         n_kv_heads=kv, vocab_size=dims["vocab_size"],
-        max_seq_len=raw.get("max_position_embeddings", _DEFAULTS["max_position_embeddings"]),
+        max_seq_len=_int(raw, "max_position_embeddings"),
         rope_theta=theta, rope_scaling=scaling,
         norm_eps=float(raw.get("rms_norm_eps", _DEFAULTS["rms_norm_eps"])),
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
