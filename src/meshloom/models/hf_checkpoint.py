@@ -13,6 +13,11 @@ cannot run), ``hf_config(cfg, dtype, eos_token_id) -> dict``, ``meshloom_name(hf
 ``to_meshloom(name, w, cfg)`` / ``to_hf(name, w, cfg)`` for tensors whose layout differs. A format
 whose tensors are not one to one with meshloom's (GPT-2's fused c_attn) provides instead
 ``split_hf(hf_name, w, cfg) -> [(name, w), ...]`` and ``join_hf({name: w}, cfg) -> {hf_name: w}``.
+A format that stores one meshloom tensor as several (Mixtral's experts, one HF tensor each, are
+meshloom's stacked ``[E, ...]`` weights) provides as well ``stacked_part(hf_name) -> (name, i)``
+(None for a tensor that is not a slice: this one is slice ``i`` along dim 0 of ``name``) and
+``stacked_hf_names(name, n) -> [hf_name, ...]`` (None for a tensor that is not stacked: the HF
+names of its ``n`` slices, in order); ``to_meshloom`` / ``to_hf`` then see the whole stack.
 """
 
 from __future__ import annotations
@@ -123,18 +128,22 @@ def open_safetensors(path: Path):
 
 def iter_hf_weights(folder: str | Path, cfg: Any) -> Iterator[tuple[str, Tensor]]:
     """(meshloom name, tensor in meshloom's layout) for every weight of an HF folder, one tensor
-    in memory at a time. Checks names and shapes against ``cfg``; a tied head found in the file
-    is skipped (it is the embedding)."""
+    in memory at a time (the slices of a stacked one until it is whole). Checks names and shapes
+    against ``cfg``; a tied head found in the file is skipped (it is the embedding)."""
     fmt = _format(cfg)
     expected = families.parameter_shapes(cfg)
     tied = families.tied_head(cfg)
     seen = set()
+    stacks: dict[str, dict[int, Tensor]] = {}  # stacked tensors whose slices are being read
     for path in weight_files(folder):
         with open_safetensors(path) as f:
             for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
                 split = hasattr(fmt, "split_hf")  # several meshloom tensors in one HF tensor
                 try:
-                    if split:
+                    part = fmt.stacked_part(key) if hasattr(fmt, "stacked_part") else None
+                    if part is not None:
+                        pairs = _add_slice(stacks, *part, key, f.get_tensor(key), expected)
+                    elif split:
                         pairs = fmt.split_hf(key, f.get_tensor(key), cfg)
                     else:
                         name = fmt.meshloom_name(key)
@@ -153,11 +162,36 @@ def iter_hf_weights(folder: str | Path, cfg: Any) -> Iterator[tuple[str, Tensor]
                                                 f"{tuple(w.shape)}, the config implies "
                                                 f"{expected[name]}")
                     seen.add(name)
-                    yield name, w if split else fmt.to_meshloom(name, w, cfg)
+                    yield name, w if split and part is None else fmt.to_meshloom(name, w, cfg)
     missing = sorted(set(expected) - seen)
     if missing:
-        raise HFCheckpointError(f"{folder}: {len(missing)} weight(s) missing, e.g. "
-                                f"{fmt.hf_name(missing[0])!r}")
+        name = missing[0]
+        names = (fmt.stacked_hf_names(name, expected[name][0])
+                 if hasattr(fmt, "stacked_hf_names") else None)
+        if names is not None:  # the first slice not read
+            name = names[min(set(range(len(names))) - set(stacks.get(name, {})))]
+        else:
+            name = fmt.hf_name(name)
+        raise HFCheckpointError(f"{folder}: {len(missing)} weight(s) missing, e.g. {name!r}")
+
+
+def _add_slice(stacks: dict[str, dict[int, Tensor]], name: str, i: int, key: str, w: Tensor,
+               expected: dict[str, tuple[int, ...]]) -> list[tuple[str, Tensor]]:
+    """Keep ``w`` (HF tensor ``key``) as slice ``i`` of the stacked meshloom tensor ``name``;
+    returns [(name, whole tensor)] once every slice is in, else []."""
+    shape = expected.get(name)
+    if shape is None or not 0 <= i < shape[0]:
+        raise ValueError(f"tensor {key!r} does not fit the config")
+    if tuple(w.shape) != shape[1:]:
+        raise ValueError(f"{key} has shape {tuple(w.shape)}, the config implies {shape[1:]}")
+    parts = stacks.setdefault(name, {})
+    if i in parts:
+        raise ValueError(f"tensor {key!r} is stored twice")
+    parts[i] = w
+    if len(parts) < shape[0]:
+        return []
+    del stacks[name]
+    return [(name, torch.stack([parts[j] for j in range(shape[0])]))]
 
 
 def write_hf_folder(folder: str | Path, cfg: Any, weights: dict[str, Tensor], *,
@@ -174,12 +208,21 @@ def write_hf_folder(folder: str | Path, cfg: Any, weights: dict[str, Tensor], *,
     order = {n: i for i, n in enumerate(families.parameter_shapes(cfg))}
     ordered = [n for n in sorted(weights, key=lambda n: (order.get(n, len(order)), n))
                if n != tied]
+    # First, so that a model the format cannot express is refused before any tensor is named.
+    config = hf_config_dict(cfg, weights[ordered[0]].dtype, eos_token_id)
     if hasattr(fmt, "join_hf"):
         joined = fmt.join_hf({n: weights[n] for n in ordered}, cfg)
         tensors = {k: t.contiguous() for k, t in joined.items()}
     else:
-        tensors = {fmt.hf_name(n): fmt.to_hf(n, weights[n], cfg).contiguous() for n in ordered}
-    dtype = next(iter(tensors.values())).dtype
+        tensors = {}
+        stacked = getattr(fmt, "stacked_hf_names", lambda name, n: None)
+        for n in ordered:
+            w = fmt.to_hf(n, weights[n], cfg)
+            names = stacked(n, w.shape[0]) if w.dim() else None
+            if names is None:
+                tensors[fmt.hf_name(n)] = w.contiguous()
+            else:  # disjoint views of one tensor, which safetensors writes apart
+                tensors.update(zip(names, w.unbind(0), strict=True))
     shards: list[dict[str, Tensor]] = [{}]
     size = 0
     for key, t in tensors.items():
@@ -202,6 +245,5 @@ def write_hf_folder(folder: str | Path, cfg: Any, weights: dict[str, Tensor], *,
                                                 for t in tensors.values())},
                  "weight_map": {k: f.name for f, s in zip(files, shards, strict=True) for k in s}}
         (folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    config = hf_config_dict(cfg, dtype, eos_token_id)
     (folder / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return files
