@@ -49,6 +49,7 @@ JOBS: list[tuple[str, str, list[str]]] = [
     ("tp_vs_dtensor_demo", "tp_vs_dtensor.py", ["--preset", "demo", "--steps", "20"]),
     ("pp_vs_torch_demo", "pp_vs_torch.py", ["--preset", "demo", "--steps", "30"]),
     ("cp_memory", "cp_memory.py", ["--seq", "4096", "--steps", "5"]),
+    ("moe_ep", "moe_ep.py", ["--nproc", "2", "--steps", "30"]),
     ("tp_generate", "tp_generate.py", ["--repeats", "5"]),
     ("pp_schedules", "pp_schedules.py", ["--steps", "6"]),
     # Read by tests/test_plan_validation.py: the planner's bubble against this recorded run.

@@ -184,6 +184,30 @@ def cp_memory(results: Path) -> list[str]:
             f"{ch['max_rel_diff']:.1g}).", _source(results, ["cp_memory"])]
 
 
+def moe_ep(results: Path) -> list[str]:
+    r = _load(results, "moe_ep")
+    c, a2a = r["config"], r["comm"]["all_to_all"]
+    rows = [[name if name == "ep1" else f"ep{c['ep']}", len(v["times_s"]), _ms(v["median_s"]),
+             f"{v['ratio_to_ep1']:.3f} ({v['paired_ratio_to_ep1']:.3f})",
+             _mib(max(v["expert_param_bytes_per_rank"])),
+             _mib(a2a["ep1_per_step" if name == "ep1" else "measured_per_step"])]
+            for name, v in r["variants"].items()]
+    head = ["variant", "timed steps", "median step", "vs ep1 (paired)", "expert MiB/rank",
+            "all-to-all MiB/step"]
+    ch = r["check"]
+    return [f"One MoE layer: dim {c['dim']}, {c['experts']} experts of width {c['hidden']}, "
+            f"top {c['top_k']}, dropless, {c['tokens_per_rank']} tokens per rank, {c['nproc']} "
+            f"ranks x {c['threads_per_rank']} thread(s), forward + backward:", "",
+            *_table(head, rows), "",
+            f"All-to-all bytes per step over the ep group: measured {a2a['measured_per_step']}, "
+            f"formula 4 x A x dim x 4 = {a2a['formula_per_step']} (A = "
+            f"{r['comm']['assignments_per_step']} assignments): "
+            f"{'equal' if a2a['equal'] else 'not equal'} at every timed step. ep{c['ep']} agrees "
+            f"with ep1 (outputs, input, router and expert gradients): {ch['ok']} (max relative "
+            f"difference {max(ch['max_rel_diff'].values()):.1g}).",
+            _source(results, ["moe_ep"])]
+
+
 def _tp_generate(results: Path, name: str) -> list[str]:
     r = _load(results, name)
     rows = [[tp, f"{v['prefill_tokens_per_s']:.0f}", f"{v['paired_prefill_speedup']:.2f}",
@@ -245,7 +269,7 @@ def planner_validation(results: Path) -> list[str]:
 
 TABLES: dict[str, Callable[[Path], list[str]]] = {
     f.__name__: f for f in (ddp_vs_torch, dp_vs_ddp, zero_vs_fsdp2, tp_vs_dtensor, pp_vs_torch,
-                            pp_schedules, cp_memory, tp_generate, tp_generate_long_prompt,
+                            pp_schedules, cp_memory, moe_ep, tp_generate, tp_generate_long_prompt,
                             gpt2_vs_transformers, planner_validation)}
 
 
