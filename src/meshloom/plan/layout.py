@@ -52,7 +52,10 @@ class Layout:
         return " ".join(parts)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        if self.ep == 1:  # as before expert parallel existed (an MoE candidate's "moe" has it)
+            del out["ep"]
+        return out
 
 
 INT_KEYS = ("tp", "pp", "dp", "cp", "dp_replicate", "micro_batch", "zero", "v", "ep")

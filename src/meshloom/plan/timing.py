@@ -119,11 +119,13 @@ class Timing:
     model_flops: float
     hw_flops: float
     ep: float = 0.0  # all-to-all seconds (expert parallel), on the critical path
+    moe: bool = False  # the model has experts: the breakdown names ep_comm (a dense one's never)
 
     def breakdown(self) -> dict[str, float]:
-        return {"compute": self.compute, "tp_comm": self.tp, "cp_comm": self.cp,
-                "pp_comm": self.pp, "dp_comm": self.dp, "ep_comm": self.ep,
-                "bubble": self.bubble, "optimizer": self.optimizer}
+        out = {"compute": self.compute, "tp_comm": self.tp, "cp_comm": self.cp,
+               "pp_comm": self.pp, "dp_comm": self.dp, "bubble": self.bubble,
+               "optimizer": self.optimizer}
+        return out | {"ep_comm": self.ep} if self.moe else out
 
 
 def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global_batch: int,
@@ -243,7 +245,7 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     compute = m * busy_mb - m * comm_mb
     return Timing(total, compute, tp_total, cp_total, pp_comm, dp_exposed, bubble, optimizer,
                   max(0.0, 1.0 - mean_busy / span_nolat) if span_nolat else 0.0, mf, hw,
-                  ep_total)
+                  ep_total, shape.is_moe)
 
 
 def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: int,
