@@ -34,10 +34,10 @@ from meshloom.plan.layout import Layout
 from meshloom.plan.memory import act_elem_bytes, layers_on_rank, precision, rank_param_split
 from meshloom.plan.models import ModelShape
 from meshloom.plan.moe import (
-    A2A_BACKWARD,
     A2A_FORWARD,
     all_to_all_bandwidth,
     all_to_all_time,
+    all_to_alls,
     dispatch_bytes,
     expert_replicas,
     expert_shard,
@@ -176,7 +176,7 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
         a2a = all_to_all_time(dispatch_bytes(shape, tokens, e), lay.ep,
                               all_to_all_bandwidth(cluster, lay), load_factor(shape, lay))
         ep_f = A2A_FORWARD * a2a
-        ep_b = (A2A_BACKWARD + (A2A_FORWARD if lay.recompute == "full" else 0)) * a2a
+        ep_b = (all_to_alls(lay.recompute) - A2A_FORWARD) * a2a
     tp_only = tp_f + tp_b
     tp_f, tp_b = tp_f + ep_f, tp_b + ep_b  # priced like TP's: on the critical path
 
