@@ -10,6 +10,7 @@ The hand-computed figures use mixtral-tiny (dim 64, 4 layers, 4 heads / 2 KV hea
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from dataclasses import replace
@@ -22,7 +23,7 @@ from meshloom.plan.formulas import FP32, MIXED
 from meshloom.plan.hardware import LINK_EFFICIENCY, make_cluster
 from meshloom.plan.layout import Layout, config_toml, parse_fix
 from meshloom.plan.memory import layer_activation_bytes, memory_per_gpu, rank_model_states
-from meshloom.plan.models import PRESETS
+from meshloom.plan.models import PRESETS, from_hf_config
 from meshloom.plan.moe import activation_bytes_per_token, dispatch_bytes
 from meshloom.plan.search import evaluate, layouts, search
 from meshloom.plan.timing import step_time
@@ -276,3 +277,23 @@ def test_dense_searches_unchanged(name, gpu, n, seq, batch, best):
     got = [(c.layout.short(), c.timing.step_time_s, c.memory.total) for c in found]
     assert [g[0] for g in got] == [b[0] for b in best]
     assert [g[1:] for g in got] == [pytest.approx(b[1:], rel=1e-12) for b in best]
+
+
+def test_hf_mixtral_config(tmp_path):
+    # mistralai/Mixtral-8x7B-v0.1's config.json (the keys the count reads).
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336,
+        "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+        "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32000,
+        "sliding_window": None, "tie_word_embeddings": False}))
+    shape = from_hf_config(tmp_path)
+    assert (shape.params, shape.active_params) == (BIG.params, BIG.active_params)
+    assert (shape.n_experts, shape.top_k, shape.moe_hidden) == (8, 2, 14336)
+    # Four experts, one per token: 4 fewer experts and router rows per block, 3 idle per token.
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(
+        cfg | {"num_local_experts": 4, "num_experts_per_tok": 1}))
+    four = from_hf_config(tmp_path)
+    expert = 3 * 4096 * 14336
+    assert four.params == BIG.params - 32 * (4 * expert + 4 * 4096)
+    assert four.active_params == four.params - 32 * 3 * expert

@@ -43,7 +43,7 @@ from meshloom.plan import PlanError
 ARCHS = ("gpt", "llama")
 DEFAULT_IMBALANCE = 1.25  # the busiest expert rank's tokens over the mean (docs/plan.md)
 # HF model types whose parameter layout is exactly one of ours (with the llama options).
-_HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral")
 _HF_GPT_TYPES = ("gpt2",)
 
 
@@ -388,7 +388,7 @@ def from_hf_config(path: str | Path) -> ModelShape:
     """Shape from a Hugging Face ``config.json`` (or a directory holding one).
 
     Accepts the model types whose parameters we count exactly (llama, mistral, qwen2, qwen3,
-    gpt2) and refuses anything that would be miscounted or that meshloom cannot run (e.g. a
+    mixtral, gpt2) and refuses anything that would be miscounted or that meshloom cannot run (e.g. a
     llama head_dim that does not tile hidden, biased llama projections, Qwen's layer-dependent
     sliding window) rather than guess.
     """
@@ -420,8 +420,8 @@ def from_hf_config(path: str | Path) -> ModelShape:
 
 
 def _llama_shape(data: dict[str, Any], file: Path, name: str, model_type: str) -> ModelShape:
-    """The shape of a llama, mistral, qwen2 or qwen3 config.json (transformers' defaults for the
-    keys it leaves out)."""
+    """The shape of a llama, mistral, qwen2, qwen3 or mixtral config.json (transformers' defaults
+    for the keys it leaves out)."""
     hidden = _require(data, "hidden_size", file)
     heads = _require(data, "num_attention_heads", file)
     # Qwen3's head width is its own (transformers' default 128); Mistral's may be (Nemo).
@@ -439,8 +439,14 @@ def _llama_shape(data: dict[str, Any], file: Path, name: str, model_type: str) -
         if data.get(key):
             raise PlanError(f"model config {file}: {key}=true is not supported (meshloom's "
                             f"{model_type} has none)")
-    window = data.get("sliding_window", 4096) if model_type == "mistral" else None
+    window = data.get("sliding_window", 4096) if model_type == "mistral" else \
+        data.get("sliding_window") if model_type == "mixtral" else None
     kv_heads = data.get("num_key_value_heads")
+    experts = {}
+    if model_type == "mixtral":  # intermediate_size is each expert's width; no shared expert
+        experts = dict(n_experts=data.get("num_local_experts", 8),
+                       top_k=data.get("num_experts_per_tok", 2),
+                       moe_hidden=_require(data, "intermediate_size", file))
     return ModelShape(
         name=name, arch="llama", hidden=hidden,
         layers=_require(data, "num_hidden_layers", file), heads=heads,
@@ -450,6 +456,7 @@ def _llama_shape(data: dict[str, Any], file: Path, name: str, model_type: str) -
         tied=bool(data.get("tie_word_embeddings", False)), positions=0,
         explicit_head_dim=None if head_dim is None or tiles else head_dim,
         qkv_bias=model_type == "qwen2", qk_norm=model_type == "qwen3", sliding_window=window,
+        **experts,
     )
 
 
