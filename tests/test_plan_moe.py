@@ -143,6 +143,8 @@ def test_all_to_all_bytes_and_time_by_hand():
     assert t.ep == pytest.approx(2 * 32 * 4 * one, rel=1e-12)
     # No expert parallel, no all-to-all.
     assert step_time(BIG, Layout(dp=8, ep=1, zero=1), H100, 4096, 8).ep == 0.0
+    assert evaluate(BIG, Layout(dp=8, ep=1, zero=1), H100, 4096, 8).moe[
+        "all_to_alls_per_step"] == 0
     # The candidate's record says the same.
     c = evaluate(BIG, Layout(dp=8, ep=8, zero=1), H100, 4096, 8)
     assert c.moe["all_to_all_bytes"] == 67_108_864 and c.moe["all_to_alls_per_step"] == 128

@@ -107,7 +107,8 @@ def ffn_elementwise_elems_per_token(shape: ModelShape, lay: Layout) -> float:
 def summary(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, micro_batches: int,
             dtype_bytes: int, dense_params: float, expert_params: float,
             a2a_seconds: float) -> dict:
-    """The MoE figures of one candidate, for `--json` and the table's all-to-all line."""
+    """The MoE figures of one candidate, for `--json` and the table's all-to-all line
+    (`all_to_all_bytes` is one call's payload per GPU; with ep = 1 there are no calls)."""
     tokens = lay.micro_batch * (seq // lay.cp)
     calls = all_to_alls(lay.recompute)
     layers = -(-shape.layers // lay.pp)
@@ -115,7 +116,8 @@ def summary(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, micro_ba
     return {
         "ep": lay.ep, "expert_shard": expert_shard(lay), "load_factor": load_factor(shape, lay),
         "dense_params_per_gpu": dense_params, "expert_params_per_gpu": expert_params,
-        "all_to_all_bytes": payload, "all_to_alls_per_step": calls * layers * micro_batches,
+        "all_to_all_bytes": payload,
+        "all_to_alls_per_step": calls * layers * micro_batches if lay.ep > 1 else 0,
         "all_to_all_crosses_nodes": lay.ep > 1 and cluster.crosses_nodes(lay.ep, lay.tp),
         "all_to_all_s": a2a_seconds,
     }
