@@ -299,3 +299,15 @@ def test_hf_mixtral_config(tmp_path):
     expert = 3 * 4096 * 14336
     assert four.params == BIG.params - 32 * (4 * expert + 4 * 4096)
     assert four.active_params == four.params - 32 * 3 * expert
+
+
+def test_hf_mixtral_config_counts_as_transformers_builds_it(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    cfg = transformers.MixtralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2,
+                                     num_local_experts=4, num_experts_per_tok=2, vocab_size=300)
+    cfg.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    assert from_hf_config(tmp_path).params == model.num_parameters()
