@@ -73,6 +73,9 @@ class ModelShape:
     shared_hidden: int = 0
     shared_gate: bool = False
     moe_imbalance: float = DEFAULT_IMBALANCE
+    # Routing options the layout rules read (parallel/expert.py: per-sequence terms refuse cp).
+    aux_loss_coef: float = 0.0
+    capacity_factor: float | None = None
 
     def __post_init__(self) -> None:
         # Checked here so that every way of building a shape (preset, HF file, flags) is covered.
@@ -124,9 +127,11 @@ class ModelShape:
                 raise PlanError(f"model {self.name!r}: {field}={value!r} must be a non-negative "
                                 "integer")
         if not self.n_experts:
-            if self.top_k or self.moe_hidden or self.shared_hidden or self.shared_gate:
-                raise PlanError(f"model {self.name!r}: top_k, moe_hidden, shared_hidden and "
-                                "shared_gate need n_experts > 0")
+            if self.top_k or self.moe_hidden or self.shared_hidden or self.shared_gate \
+                    or self.aux_loss_coef or self.capacity_factor is not None:
+                raise PlanError(f"model {self.name!r}: top_k, moe_hidden, shared_hidden, "
+                                "shared_gate, aux_loss_coef and capacity_factor need "
+                                "n_experts > 0")
             return
         if self.arch != "llama":
             raise PlanError(f"model {self.name!r}: experts are modelled on llama blocks only")
@@ -252,7 +257,7 @@ class ModelShape:
                     "embedding_params", "head_params", "final_norm_params", "params"):
             out[key] = getattr(self, key)
         moe_keys = ("n_experts", "top_k", "moe_hidden", "shared_hidden", "shared_gate",
-                    "moe_imbalance")
+                    "moe_imbalance", "aux_loss_coef", "capacity_factor")
         if self.is_moe:  # a dense shape's record stays as it was before experts existed
             for key in ("active_params", "expert_layer_params", "moe_dense_ffn_params"):
                 out[key] = getattr(self, key)
@@ -312,7 +317,8 @@ def from_llama_config(cfg: _llama.LlamaConfig, name: str = "custom") -> ModelSha
     if moe is not None:  # a capacity factor bounds the busiest expert's load exactly
         experts = dict(n_experts=moe.n_experts, top_k=moe.top_k, moe_hidden=moe.hidden,
                        shared_hidden=moe.shared_hidden, shared_gate=moe.shared_gate,
-                       moe_imbalance=max(1.0, moe.capacity_factor or DEFAULT_IMBALANCE))
+                       moe_imbalance=max(1.0, moe.capacity_factor or DEFAULT_IMBALANCE),
+                       aux_loss_coef=moe.aux_loss_coef, capacity_factor=moe.capacity_factor)
     return ModelShape(name=name, arch="llama", hidden=cfg.dim, layers=cfg.n_layers,
                       heads=cfg.n_heads, kv_heads=cfg.kv_heads, ffn_hidden=cfg.hidden,
                       vocab=cfg.vocab_size, tied=cfg.tie_embeddings, positions=0,
@@ -446,7 +452,8 @@ def _llama_shape(data: dict[str, Any], file: Path, name: str, model_type: str) -
     if model_type == "mixtral":  # intermediate_size is each expert's width; no shared expert
         experts = dict(n_experts=data.get("num_local_experts", 8),
                        top_k=data.get("num_experts_per_tok", 2),
-                       moe_hidden=_require(data, "intermediate_size", file))
+                       moe_hidden=_require(data, "intermediate_size", file),
+                       aux_loss_coef=data.get("router_aux_loss_coef", 0.001))
     return ModelShape(
         name=name, arch="llama", hidden=hidden,
         layers=_require(data, "num_hidden_layers", file), heads=heads,

@@ -166,7 +166,8 @@ def _model(shape: ModelShape) -> LlamaConfig:
     """The shape as the rules read it (a GPT shape too: they only look at its sizes)."""
     experts = dict(n_experts=shape.n_experts, top_k=shape.top_k, moe_hidden=shape.moe_hidden,
                    shared_hidden=shape.shared_hidden,
-                   shared_gate=shape.shared_gate) if shape.is_moe else {}
+                   shared_gate=shape.shared_gate, aux_loss_coef=shape.aux_loss_coef,
+                   capacity_factor=shape.capacity_factor) if shape.is_moe else {}
     return LlamaConfig(dim=shape.hidden, n_layers=shape.layers, n_heads=shape.heads,
                        n_kv_heads=shape.kv_heads, ffn_hidden=shape.ffn_hidden,
                        vocab_size=shape.vocab, tie_embeddings=shape.tied,
