@@ -39,6 +39,8 @@ def add_parser(sub) -> None:
     m.add_argument("--arch", choices=ARCHS)
     for flag in ("--hidden", "--layers", "--heads", "--kv-heads", "--ffn-hidden", "--vocab"):
         m.add_argument(flag, type=int)
+    m.add_argument("--moe-imbalance", type=float, help="experts: the busiest expert rank's "
+                   "tokens over the mean (default 1.25, or the model's capacity factor)")
     c = p.add_argument_group("cluster")
     c.add_argument("--gpus", type=int, default=8)
     c.add_argument("--gpu", default="h100", help=f"one of {', '.join(GPUS)}")
@@ -58,7 +60,7 @@ def add_parser(sub) -> None:
     b.add_argument("--attention", choices=("flash", "eager"), default="flash")
     p.add_argument("--fix", default="", metavar="KEY=V,...",
                    help="pin part of the layout: tp, pp, dp, cp, dp_replicate, micro_batch, "
-                        "zero, recompute, schedule, v, sp")
+                        "zero, recompute, schedule, v, sp, ep")
     p.add_argument("--top", type=int, default=10, help="rows to show")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--write-config", metavar="FILE", help="write the best layout as TOML")
@@ -89,6 +91,11 @@ def plan(args) -> tuple[ModelShape, list[Candidate], dict]:
     from meshloom.plan.layout import parse_fix
     from meshloom.plan.search import search
     shape = _model(args)
+    if args.moe_imbalance is not None:
+        import dataclasses
+        if not shape.is_moe:
+            raise PlanError(f"--moe-imbalance: {shape.name} has no experts")
+        shape = dataclasses.replace(shape, moe_imbalance=args.moe_imbalance)
     cluster = make_cluster(args.gpu, args.gpus, args.gpus_per_node,
                            peak_tflops=args.peak_tflops, memory_gb=args.gpu_memory_gb,
                            intra_gbps=args.intra_node_gbps, inter_gbps=args.inter_node_gbps,
@@ -143,7 +150,9 @@ def _write_config(path: str, shape: ModelShape, best: Candidate, setup: dict) ->
 def format_table(shape: ModelShape, found: list[Candidate], setup: dict) -> str:
     cl = setup["cluster"]
     gb = 1e9
-    lines = [f"model {shape.name}: {shape.params / 1e9:.3g}B parameters ({shape.arch}, "
+    from meshloom.plan.moe import describe_best, describe_model
+    lines = [f"model {shape.name}: {shape.params / 1e9:.3g}B parameters{describe_model(shape)} "
+             f"({shape.arch}, "
              f"h={shape.hidden}, L={shape.layers}, heads={shape.heads}/{shape.kv_heads}, "
              f"vocab={shape.vocab});  {cl['gpus']} x {cl['gpu']['name']} "
              f"({cl['gpus_per_node']} per node);  seq {setup['seq']}, global batch "
@@ -167,4 +176,5 @@ def format_table(shape: ModelShape, found: list[Candidate], setup: dict) -> str:
                  f"= params {mem.params / gb:.1f} + grads {mem.grads / gb:.1f} + optimizer "
                  f"{mem.optimizer / gb:.1f} + activations {mem.activations / gb:.1f} + buffers "
                  f"{mem.buffers / gb:.1f} + allocator {mem.allocator / gb:.1f}")
+    lines += describe_best(best.moe, best.timing.step_time_s)
     return "\n".join(lines)

@@ -25,6 +25,7 @@ class Layout:
     schedule: str = "1f1b"  # pipeline schedule; ignored when pp = 1
     v: int = 1  # virtual stages per rank (interleaved_1f1b)
     sp: bool = False  # sequence parallel (with tp > 1)
+    ep: int = 1  # expert parallel: each MoE block's experts over ep of the dp_shard x cp ranks
 
     @property
     def gpus(self) -> int:
@@ -40,6 +41,8 @@ class Layout:
     def short(self) -> str:
         parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}", f"cp{self.cp}",
                  f"mb{self.micro_batch}", f"zero{self.zero}", self.recompute]
+        if self.ep > 1:  # taken from dp_shard x cp, so shown after them
+            parts.insert(4, f"ep{self.ep}")
         if self.dp_replicate > 1:
             parts.insert(3, f"rep{self.dp_replicate}")
         if self.pp > 1:
@@ -49,10 +52,13 @@ class Layout:
         return " ".join(parts)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        if self.ep == 1:  # as before expert parallel existed (an MoE candidate's "moe" has it)
+            del out["ep"]
+        return out
 
 
-INT_KEYS = ("tp", "pp", "dp", "cp", "dp_replicate", "micro_batch", "zero", "v")
+INT_KEYS = ("tp", "pp", "dp", "cp", "dp_replicate", "micro_batch", "zero", "v", "ep")
 FIX_KEYS = INT_KEYS + ("recompute", "schedule", "sp")
 
 
@@ -98,14 +104,20 @@ def config_toml(layout: Layout, shape, seq: int, global_batch: int, dtype: str) 
     if shape.arch == "gpt":
         model = _gpt_model(shape, seq)
     else:
+        from meshloom.models.families import presets as family_presets
         from meshloom.models.llama import PRESETS as LLAMA_PRESETS
-        if shape.name in LLAMA_PRESETS:
+        if shape.name in LLAMA_PRESETS or shape.is_moe and shape.name in family_presets():
             model = [f'preset = "{shape.name}"', f"max_seq_len = {seq}"]
         else:
             model = [f"dim = {shape.hidden}", f"n_layers = {shape.layers}",
                      f"n_heads = {shape.heads}", f"n_kv_heads = {shape.kv_heads}",
                      f"ffn_hidden = {shape.ffn_hidden}", f"vocab_size = {shape.vocab}",
                      f"max_seq_len = {seq}", f"tie_embeddings = {str(shape.tied).lower()}"]
+            if shape.is_moe:
+                model += [f"n_experts = {shape.n_experts}", f"top_k = {shape.top_k}",
+                          f"moe_hidden = {shape.moe_hidden}",
+                          f"shared_hidden = {shape.shared_hidden}",
+                          f"shared_gate = {str(shape.shared_gate).lower()}"]
     lines = [
         f"# Written by `meshloom plan`: the fastest predicted layout ({layout.short()}).",
         f'name = "plan-{shape.name}"', "", "[model]", *model, "",
@@ -117,7 +129,7 @@ def config_toml(layout: Layout, shape, seq: int, global_batch: int, dtype: str) 
         f"zero_stage = {layout.zero}", f"tp = {layout.tp}",
         f"sequence_parallel = {'true' if layout.sp else 'false'}",
         f"pp = {layout.pp}", f"cp = {layout.cp}",
-    ]
+    ] + ([f"ep = {layout.ep}"] if layout.ep > 1 else [])
     if layout.pp > 1:
         lines += [f'pp_schedule = "{layout.schedule}"', f"pp_virtual_stages = {layout.v}"]
     return "\n".join(lines) + "\n"

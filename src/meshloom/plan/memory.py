@@ -7,6 +7,8 @@ sequence parallelism, the attention-core term dropped by selective recompute, an
 layer input (2sbh) kept by full recompute. We derive the same terms for the Llama block (below).
 How many micro-batches a pipeline rank holds comes from walking the schedule's own action
 lists (`pipeline_schedule.compute_lists`), the lists the pipeline executor runs.
+A mixture-of-experts block's routed experts are counted apart from the rest (plan/moe.py): split
+over ep, ZeRO-sharded over the expert shard degree, not split over tp.
 """
 
 from __future__ import annotations
@@ -18,6 +20,12 @@ from meshloom.parallel.pipeline_schedule import compute_lists
 from meshloom.plan.formulas import FP32, MIXED, model_state_bytes
 from meshloom.plan.layout import Layout
 from meshloom.plan.models import ModelShape
+from meshloom.plan.moe import (
+    activation_bytes_per_token,
+    dispatch_bytes,
+    expert_shard,
+    load_factor,
+)
 
 # Stated allowances, not measurements: the caching allocator's fragmentation (a fraction of
 # everything above) and the CUDA context plus library workspaces (cuBLAS, NCCL) per GPU.
@@ -42,10 +50,20 @@ def layers_on_rank(shape: ModelShape, pp: int) -> int:
 def rank_params(shape: ModelShape, lay: Layout, rank: int) -> float:
     """Parameters one GPU of pipeline rank `rank` holds before ZeRO sharding: its layers' matrices
     split over tp (norms and biases kept whole), the vocabulary-parallel embedding on the first
-    rank, the head (or, tied across pp > 1, a copy of the embedding) and final norm on the last."""
+    rank, the head (or, tied across pp > 1, a copy of the embedding) and final norm on the last;
+    with experts, its ep share of each block's routed experts."""
+    dense, experts = rank_param_split(shape, lay, rank)
+    return dense + experts
+
+
+def rank_param_split(shape: ModelShape, lay: Layout, rank: int) -> tuple[float, float]:
+    """`rank_params` as (dense, routed experts): the first part ZeRO shards over dp_shard, the
+    second over the expert shard degree (moe.expert_shard); 0 experts for a dense model."""
     t = lay.tp
-    small = shape.layer_params - shape.layer_matmul_params
-    n = layers_on_rank(shape, lay.pp) * (shape.layer_matmul_params / t + small)
+    split = shape.tp_split_params
+    small = shape.layer_params - split - shape.expert_layer_params
+    layers = layers_on_rank(shape, lay.pp)
+    n = layers * (split / t + small)
     table = shape.vocab * shape.hidden
     if rank == 0:
         n += shape.embedding_params / t
@@ -53,7 +71,18 @@ def rank_params(shape: ModelShape, lay: Layout, rank: int) -> float:
         n += shape.final_norm_params
         if not shape.tied or lay.pp > 1:
             n += table / t
-    return n
+    return n, layers * shape.expert_layer_params / lay.ep
+
+
+def rank_model_states(shape: ModelShape, lay: Layout, rank: int, prec) -> dict[str, float]:
+    """Per-GPU bytes of params, grads and optimizer state: the dense part sharded by ZeRO over
+    dp_shard, the routed experts (already split over ep) over the expert shard degree."""
+    dense, experts = rank_param_split(shape, lay, rank)
+    states = model_state_bytes(dense, lay.dp_shard, lay.zero, prec)
+    if experts:
+        more = model_state_bytes(experts, expert_shard(lay), lay.zero, prec)
+        states = {k: v + more[k] for k, v in states.items()}
+    return states
 
 
 def layer_activation_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype: str,
@@ -76,7 +105,12 @@ def layer_activation_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype
     gpt = shape.arch == "gpt"
     whole = 4 * h * e + (2 * h if gpt else 0)
     mlp_tensors = 2 if gpt else (2 if rec == "selective" else 4)  # selective recomputes silu*up
-    split = (2 * h + 2 * shape.kv_dim + mlp_tensors * f) * e
+    if shape.is_moe:  # the feed-forward is not split over tp (plan/moe.py)
+        split = (2 * h + 2 * shape.kv_dim) * e
+        moe = sb * activation_bytes_per_token(shape, lay, e, rec)
+    else:
+        split = (2 * h + 2 * shape.kv_dim + mlp_tensors * f) * e
+        moe = 0.0
     if rec == "selective":
         core = 0.0  # recomputed in backward
     elif flash:
@@ -84,7 +118,7 @@ def layer_activation_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype
     else:  # GPT: softmax, dropout mask (1 byte), dropout output; Llama: softmax
         core = a * s * (2 * e + 1 if gpt else e)
     whole_bytes = sb * whole / (t if lay.sp else 1)
-    return whole_bytes + sb * split / t + sb * core / t
+    return whole_bytes + sb * split / t + sb * core / t + moe
 
 
 def logits_bytes(shape: ModelShape, s: int, b: int, t: int, dtype: str) -> float:
@@ -153,7 +187,7 @@ def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
     # Middle ranks hold no embedding or head and at most the first rank's micro-batches in
     # flight, so the fullest GPU is on the first or the last pipeline rank.
     for rank in sorted({0, lay.pp - 1}):
-        states = model_state_bytes(rank_params(shape, lay, rank), lay.dp_shard, lay.zero, prec)
+        states = rank_model_states(shape, lay, rank, prec)
         alive = first if rank == 0 else last
         acts = alive * layers_on_rank(shape, lay.pp) * per_layer + working
         if rank == 0:  # the embedding's output (and its 1-byte dropout mask for GPT)
@@ -172,7 +206,8 @@ def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
 def _buffers(shape: ModelShape, lay: Layout, s: int, b: int, dtype: str) -> float:
     """Communication buffers: DDP/ZeRO-1/2 buckets, ZeRO-3's gathered unit plus the prefetched
     next one and the unit's full gradient before its reduce-scatter, pipeline send/receive
-    buffers, ring-attention K/V blocks (two in flight, and their gradients in backward)."""
+    buffers, ring-attention K/V blocks (two in flight, and their gradients in backward), and
+    with expert parallel one all-to-all's send and receive buffers."""
     prec = precision(dtype)
     e = act_elem_bytes(dtype)
     out = 0.0
@@ -180,11 +215,16 @@ def _buffers(shape: ModelShape, lay: Layout, s: int, b: int, dtype: str) -> floa
         out += 2 * DDP_BUCKET_BYTES
     if lay.zero == 3 and lay.dp_shard > 1:
         unit = shape.layer_params / lay.tp
+        if shape.is_moe:  # experts split over ep, the rest of the block as a dense one
+            split, experts = shape.tp_split_params, shape.expert_layer_params
+            unit = shape.layer_params - split - experts + split / lay.tp + experts / lay.ep
         out += unit * (2 * prec.param_bytes + prec.grad_bytes)
     if lay.pp > 1:
         out += 2 * s * b * shape.hidden * e / (lay.tp if lay.sp else 1)
     if lay.cp > 1:
         out += 2 * 2 * (2 * s * b * shape.kv_dim * e) / lay.tp
+    if shape.is_moe and lay.ep > 1:
+        out += 2 * load_factor(shape, lay) * dispatch_bytes(shape, s * b, e)
     return out
 
 
@@ -196,7 +236,8 @@ def predict_run_memory(llama_cfg, cfg, dims, micro_batch: int) -> Memory:
     lay = Layout(tp=dims.tp, pp=dims.pp, dp=dims.dp_replicate * dims.dp_shard, cp=dims.cp,
                  dp_replicate=dims.dp_replicate, micro_batch=micro_batch, zero=p.zero_stage,
                  recompute=cfg.train.activation_checkpointing,
-                 schedule=p.pp_schedule, v=p.pp_virtual_stages, sp=p.sequence_parallel)
+                 schedule=p.pp_schedule, v=p.pp_virtual_stages, sp=p.sequence_parallel,
+                 ep=getattr(dims, "ep", 1))
     dtype = "fp32" if cfg.train.dtype == "fp32" else "bf16"
     if getattr(llama_cfg, "family", "llama") == "gpt2":  # learned positions, biases, LayerNorm
         m = llama_cfg

@@ -16,6 +16,14 @@ Two block families are modelled:
   (``qk_norm``, Qwen3), a head width set apart from hidden / heads (``explicit_head_dim``,
   Qwen3) and a sliding window (Mistral; no parameters, but context parallel refuses it).
 
+Either block may be a mixture of experts (``n_experts`` > 0, models/moe.py, models/mixtral.py):
+the feed-forward is a router (h x E) over ``n_experts`` SwiGLU experts of width ``moe_hidden``,
+``top_k`` of them per token, plus an optional shared expert (``shared_hidden``, its gate
+``shared_gate``). ``params`` then counts every expert, ``active_params`` what one token uses;
+``layer_matmul_params`` (what FLOPs scale with) counts the active experts only.
+``moe_imbalance`` is the planner's allowance for routing imbalance: the busiest expert rank gets
+that many times the mean number of tokens (plan/moe.py).
+
 The parameter counts are exact for every option; the activation and time formulas (memory.py,
 timing.py) take the attention width to be ``hidden`` even where q is wider (Qwen3).
 """
@@ -33,8 +41,9 @@ from meshloom.models import llama as _llama
 from meshloom.plan import PlanError
 
 ARCHS = ("gpt", "llama")
+DEFAULT_IMBALANCE = 1.25  # the busiest expert rank's tokens over the mean (docs/plan.md)
 # HF model types whose parameter layout is exactly one of ours (with the llama options).
-_HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral")
 _HF_GPT_TYPES = ("gpt2",)
 
 
@@ -57,6 +66,16 @@ class ModelShape:
     qkv_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    # Mixture of experts (0 experts: a dense feed-forward of width ffn_hidden).
+    n_experts: int = 0
+    top_k: int = 0
+    moe_hidden: int = 0
+    shared_hidden: int = 0
+    shared_gate: bool = False
+    moe_imbalance: float = DEFAULT_IMBALANCE
+    # Routing options the layout rules read (parallel/expert.py: per-sequence terms refuse cp).
+    aux_loss_coef: float = 0.0
+    capacity_factor: float | None = None
 
     def __post_init__(self) -> None:
         # Checked here so that every way of building a shape (preset, HF file, flags) is covered.
@@ -96,9 +115,69 @@ class ModelShape:
         if self.arch == "gpt" and any(o is not None for o in llama_options):
             raise PlanError(f"model {self.name!r}: gpt blocks take none of the llama options "
                             "(explicit_head_dim, qkv_bias, qk_norm, sliding_window)")
+        self._check_moe()
         if self.arch == "llama" and self.positions:
             raise PlanError(f"model {self.name!r}: llama uses RoPE and has no position table; "
                             f"positions={self.positions} must be 0")
+
+    def _check_moe(self) -> None:
+        for field in ("n_experts", "top_k", "moe_hidden", "shared_hidden"):
+            value = getattr(self, field)
+            if not _is_int(value) or value < 0:
+                raise PlanError(f"model {self.name!r}: {field}={value!r} must be a non-negative "
+                                "integer")
+        if not self.n_experts:
+            if self.top_k or self.moe_hidden or self.shared_hidden or self.shared_gate \
+                    or self.aux_loss_coef or self.capacity_factor is not None:
+                raise PlanError(f"model {self.name!r}: top_k, moe_hidden, shared_hidden, "
+                                "shared_gate, aux_loss_coef and capacity_factor need "
+                                "n_experts > 0")
+            return
+        if self.arch != "llama":
+            raise PlanError(f"model {self.name!r}: experts are modelled on llama blocks only")
+        if not 1 <= self.top_k <= self.n_experts:
+            raise PlanError(f"model {self.name!r}: top_k={self.top_k} must be between 1 and "
+                            f"n_experts={self.n_experts}")
+        if self.moe_hidden < 1:
+            raise PlanError(f"model {self.name!r}: moe_hidden={self.moe_hidden} must be "
+                            "positive")
+        if not isinstance(self.shared_gate, bool):
+            raise PlanError(f"model {self.name!r}: shared_gate={self.shared_gate!r} must be "
+                            "true or false")
+        if isinstance(self.moe_imbalance, bool) or not isinstance(
+                self.moe_imbalance, (int, float)) or not self.moe_imbalance >= 1.0:
+            raise PlanError(f"model {self.name!r}: moe_imbalance={self.moe_imbalance!r} must be "
+                            "a number >= 1 (the busiest expert rank's load over the mean)")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def expert_layer_params(self) -> int:
+        """The routed experts' weights of one block (all of them; expert parallel splits these
+        over ep). 0 for a dense block."""
+        return 3 * self.hidden * self.moe_hidden * self.n_experts
+
+    @property
+    def moe_dense_ffn_params(self) -> int:
+        """An MoE block's feed-forward weights other than the routed experts: the router, the
+        shared expert and its gate (every token uses them)."""
+        if not self.is_moe:
+            return 0
+        h = self.hidden
+        return h * self.n_experts + 3 * h * self.shared_hidden + (h if self.shared_gate else 0)
+
+    @property
+    def attention_matmul_params(self) -> int:
+        return 2 * self.hidden * self.q_dim + 2 * self.hidden * self.kv_dim
+
+    @property
+    def tp_split_params(self) -> int:
+        """The block's weights tensor parallel splits over tp: all matrices of a dense block;
+        of an MoE block only attention's (the router, shared expert and experts stay whole on
+        each tp rank in meshloom's first expert-parallel version)."""
+        return self.attention_matmul_params if self.is_moe else self.layer_matmul_params
 
     @property
     def head_dim(self) -> int:
@@ -117,10 +196,14 @@ class ModelShape:
 
     @property
     def layer_matmul_params(self) -> int:
-        """Weight-matrix entries of one block (q, k, v, o and the MLP): what FLOPs scale with."""
+        """Weight-matrix entries of one block (q, k, v, o and the MLP): what FLOPs scale with.
+        With experts: the router, the shared expert and top_k routed experts (the active ones)."""
         h, f = self.hidden, self.ffn_hidden
         if self.arch == "gpt":
             return 4 * h * h + 2 * h * f
+        if self.is_moe:
+            return (self.attention_matmul_params + self.moe_dense_ffn_params
+                    + 3 * h * self.moe_hidden * self.top_k)
         return 2 * h * self.q_dim + 2 * h * self.kv_dim + 3 * h * f
 
     @property
@@ -132,6 +215,8 @@ class ModelShape:
             norms = 2 * 2 * h  # two LayerNorms, weight and bias each
             return self.layer_matmul_params + biases + norms
         n = self.layer_matmul_params + 2 * h  # two RMSNorm weights
+        if self.is_moe:  # the routed experts no token of this block's average uses
+            n += self.expert_layer_params - 3 * h * self.moe_hidden * self.top_k
         if self.qkv_bias:
             n += self.q_dim + 2 * self.kv_dim
         if self.qk_norm:  # one gain per dim of a head, for q and for k
@@ -158,12 +243,27 @@ class ModelShape:
         return (self.layers * self.layer_params + self.embedding_params + self.head_params
                 + self.final_norm_params)
 
+    @property
+    def active_params(self) -> int:
+        """Parameters one token's forward uses: ``params`` with top_k routed experts per block
+        instead of all of them (``LlamaConfig.active_params``)."""
+        idle = 3 * self.hidden * self.moe_hidden * (self.n_experts - self.top_k)
+        return self.params - self.layers * idle
+
     def to_dict(self) -> dict[str, Any]:
         """Fields plus the derived counts, for reports and JSON output."""
         out = asdict(self)
         for key in ("head_dim", "q_dim", "kv_dim", "layer_params", "layer_matmul_params",
                     "embedding_params", "head_params", "final_norm_params", "params"):
             out[key] = getattr(self, key)
+        moe_keys = ("n_experts", "top_k", "moe_hidden", "shared_hidden", "shared_gate",
+                    "moe_imbalance", "aux_loss_coef", "capacity_factor")
+        if self.is_moe:  # a dense shape's record stays as it was before experts existed
+            for key in ("active_params", "expert_layer_params", "moe_dense_ffn_params"):
+                out[key] = getattr(self, key)
+        else:
+            for key in moe_keys:
+                del out[key]
         return out
 
 
@@ -212,11 +312,18 @@ def from_llama_config(cfg: _llama.LlamaConfig, name: str = "custom") -> ModelSha
     """The shape of the model meshloom builds from `cfg` (e.g. a run's resolved config): a
     config of the llama family or of one built on its decoder (mistral, qwen2, qwen3)."""
     head_dim = cfg.head_dim if cfg.head_dim * cfg.n_heads != cfg.dim else None
+    moe = cfg.moe() if hasattr(cfg, "moe") else None
+    experts = {}
+    if moe is not None:  # a capacity factor bounds the busiest expert's load exactly
+        experts = dict(n_experts=moe.n_experts, top_k=moe.top_k, moe_hidden=moe.hidden,
+                       shared_hidden=moe.shared_hidden, shared_gate=moe.shared_gate,
+                       moe_imbalance=max(1.0, moe.capacity_factor or DEFAULT_IMBALANCE),
+                       aux_loss_coef=moe.aux_loss_coef, capacity_factor=moe.capacity_factor)
     return ModelShape(name=name, arch="llama", hidden=cfg.dim, layers=cfg.n_layers,
                       heads=cfg.n_heads, kv_heads=cfg.kv_heads, ffn_hidden=cfg.hidden,
                       vocab=cfg.vocab_size, tied=cfg.tie_embeddings, positions=0,
                       explicit_head_dim=head_dim, qkv_bias=cfg.attention_bias,
-                      qk_norm=cfg.qk_norm, sliding_window=cfg.sliding_window)
+                      qk_norm=cfg.qk_norm, sliding_window=cfg.sliding_window, **experts)
 
 
 # Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
@@ -287,7 +394,7 @@ def from_hf_config(path: str | Path) -> ModelShape:
     """Shape from a Hugging Face ``config.json`` (or a directory holding one).
 
     Accepts the model types whose parameters we count exactly (llama, mistral, qwen2, qwen3,
-    gpt2) and refuses anything that would be miscounted or that meshloom cannot run (e.g. a
+    mixtral, gpt2) and refuses anything that would be miscounted or that meshloom cannot run (e.g. a
     llama head_dim that does not tile hidden, biased llama projections, Qwen's layer-dependent
     sliding window) rather than guess.
     """
@@ -319,8 +426,8 @@ def from_hf_config(path: str | Path) -> ModelShape:
 
 
 def _llama_shape(data: dict[str, Any], file: Path, name: str, model_type: str) -> ModelShape:
-    """The shape of a llama, mistral, qwen2 or qwen3 config.json (transformers' defaults for the
-    keys it leaves out)."""
+    """The shape of a llama, mistral, qwen2, qwen3 or mixtral config.json (transformers' defaults
+    for the keys it leaves out)."""
     hidden = _require(data, "hidden_size", file)
     heads = _require(data, "num_attention_heads", file)
     # Qwen3's head width is its own (transformers' default 128); Mistral's may be (Nemo).
@@ -338,8 +445,15 @@ def _llama_shape(data: dict[str, Any], file: Path, name: str, model_type: str) -
         if data.get(key):
             raise PlanError(f"model config {file}: {key}=true is not supported (meshloom's "
                             f"{model_type} has none)")
-    window = data.get("sliding_window", 4096) if model_type == "mistral" else None
+    window = data.get("sliding_window", 4096) if model_type == "mistral" else \
+        data.get("sliding_window") if model_type == "mixtral" else None
     kv_heads = data.get("num_key_value_heads")
+    experts = {}
+    if model_type == "mixtral":  # intermediate_size is each expert's width; no shared expert
+        experts = dict(n_experts=data.get("num_local_experts", 8),
+                       top_k=data.get("num_experts_per_tok", 2),
+                       moe_hidden=_require(data, "intermediate_size", file),
+                       aux_loss_coef=data.get("router_aux_loss_coef", 0.001))
     return ModelShape(
         name=name, arch="llama", hidden=hidden,
         layers=_require(data, "num_hidden_layers", file), heads=heads,
@@ -349,6 +463,7 @@ def _llama_shape(data: dict[str, Any], file: Path, name: str, model_type: str) -
         tied=bool(data.get("tie_word_embeddings", False)), positions=0,
         explicit_head_dim=None if head_dim is None or tiles else head_dim,
         qkv_bias=model_type == "qwen2", qk_norm=model_type == "qwen3", sliding_window=window,
+        **experts,
     )
 
 

@@ -3,7 +3,9 @@
 The search enumerates every layout the training code accepts for this model and cluster (TP
 that divides the heads and stays inside a node, CP with the zigzag split, PP up to one layer per
 stage, DDP and ZeRO-1/2/3 (HSDP when `dp_replicate` is pinned), micro-batch size, recompute
-mode and pipeline schedule; "accepts" is asked of the training code's own rules, the ones
+mode and pipeline schedule, and for a mixture-of-experts model expert parallel `ep` (each divisor
+of dp_shard x cp that divides the experts; a dense model is only ever planned at ep = 1);
+"accepts" is asked of the training code's own rules, the ones
 `meshloom train` checks before launch), keeps what `--fix` pins, and ranks in two passes: all
 candidates with the closed-form bubble, then the fastest few again with the pipeline simulator,
 whose numbers are the ones reported.
@@ -29,8 +31,9 @@ from meshloom.parallel.pipeline_schedule import SCHEDULES
 from meshloom.plan import PlanError
 from meshloom.plan.hardware import Cluster
 from meshloom.plan.layout import RECOMPUTE, Layout
-from meshloom.plan.memory import Memory, memory_per_gpu
+from meshloom.plan.memory import Memory, act_elem_bytes, memory_per_gpu, rank_param_split
 from meshloom.plan.models import ModelShape
+from meshloom.plan.moe import summary as moe_summary
 from meshloom.plan.timing import Timing, step_time
 from meshloom.validation import layout_problem
 
@@ -48,6 +51,7 @@ class Candidate:
     n_gpus: int
     peak_flops: float
     tokens: int  # per step
+    moe: dict | None = None  # a mixture-of-experts model's figures (plan/moe.py summary)
 
     @property
     def fits(self) -> bool:
@@ -78,7 +82,7 @@ class Candidate:
             "hw_tflops_per_gpu": self.hw_tflops_per_gpu, "mfu": self.mfu,
             "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
             "time_breakdown_s": t.breakdown(), "bubble_fraction": t.bubble_fraction,
-        }
+        } | ({"moe": self.moe} if self.moe is not None else {})
 
 
 def check_layout(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int,
@@ -96,8 +100,28 @@ def check_layout(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int,
                 f"{lay.dp} x {lay.micro_batch}")
     if lay.pp == 1 and lay.v != 1:
         return "v (virtual stages) needs pp > 1"
-    dims = _dims(lay.pp, lay.dp_replicate, lay.dp_shard, lay.cp, lay.tp)
+    why = _ep_problem(shape, lay)
+    if why:
+        return why
+    dims = _dims(lay.pp, lay.dp_replicate, lay.dp_shard, lay.cp, lay.tp, lay.ep)
     return layout_problem(_as_config(lay, seq, global_batch), dims, _model(shape))
+
+
+def _ep_problem(shape: ModelShape, lay: Layout) -> str | None:
+    """Expert parallel's own rules (parallel.ep, mesh.ParallelDims.resolve): experts to split,
+    and ep dividing both dp_shard x cp and the experts."""
+    if lay.ep < 1:
+        return f"ep={lay.ep} must be at least 1"
+    if lay.ep == 1:
+        return None
+    if not shape.is_moe:
+        return f"ep={lay.ep} needs a mixture-of-experts model; {shape.name} is dense"
+    if (lay.dp_shard * lay.cp) % lay.ep:
+        return (f"ep={lay.ep} does not divide dp_shard x cp = {lay.dp_shard} x {lay.cp} "
+                "(expert-parallel ranks are taken from the data and context ranks)")
+    if shape.n_experts % lay.ep:
+        return f"ep={lay.ep} does not divide the {shape.n_experts} experts"
+    return None
 
 
 def _as_config(lay: Layout, seq: int, global_batch: int) -> Config:
@@ -105,7 +129,7 @@ def _as_config(lay: Layout, seq: int, global_batch: int) -> Config:
     them). The sections are cached and shared between candidates (the rules only read them):
     a search asks about tens of thousands of layouts."""
     parallel = _parallel_config(lay.dp_replicate, lay.dp_shard, lay.zero, lay.tp, lay.sp, lay.pp,
-                                lay.schedule, lay.v, lay.cp)
+                                lay.schedule, lay.v, lay.cp, lay.ep)
     return Config(model=_SHARED_MODEL, data=_data_config(seq), run=_SHARED_RUN,
                   train=_train_config(global_batch, lay.micro_batch), parallel=parallel)
 
@@ -115,10 +139,10 @@ _SHARED_MODEL, _SHARED_RUN = ModelConfig(), RunConfig()
 
 @functools.lru_cache(maxsize=4096)
 def _parallel_config(dp_replicate: int, dp_shard: int, zero: int, tp: int, sp: bool, pp: int,
-                     schedule: str, v: int, cp: int) -> ParallelConfig:
+                     schedule: str, v: int, cp: int, ep: int = 1) -> ParallelConfig:
     return ParallelConfig(dp_replicate=dp_replicate, dp_shard=dp_shard, zero_stage=zero, tp=tp,
                           sequence_parallel=sp, pp=pp, pp_schedule=schedule,
-                          pp_virtual_stages=v, cp=cp)
+                          pp_virtual_stages=v, cp=cp, ep=ep)
 
 
 @functools.lru_cache(maxsize=64)
@@ -132,17 +156,23 @@ def _train_config(global_batch: int, micro_batch: int) -> TrainConfig:
 
 
 @functools.lru_cache(maxsize=1024)
-def _dims(pp: int, dp_replicate: int, dp_shard: int, cp: int, tp: int) -> ParallelDims:
-    return ParallelDims(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp)
+def _dims(pp: int, dp_replicate: int, dp_shard: int, cp: int, tp: int, ep: int = 1
+          ) -> ParallelDims:
+    return ParallelDims(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep)
 
 
 @functools.lru_cache(maxsize=16)
 def _model(shape: ModelShape) -> LlamaConfig:
     """The shape as the rules read it (a GPT shape too: they only look at its sizes)."""
+    experts = dict(n_experts=shape.n_experts, top_k=shape.top_k, moe_hidden=shape.moe_hidden,
+                   shared_hidden=shape.shared_hidden,
+                   shared_gate=shape.shared_gate, aux_loss_coef=shape.aux_loss_coef,
+                   capacity_factor=shape.capacity_factor) if shape.is_moe else {}
     return LlamaConfig(dim=shape.hidden, n_layers=shape.layers, n_heads=shape.heads,
                        n_kv_heads=shape.kv_heads, ffn_hidden=shape.ffn_hidden,
                        vocab_size=shape.vocab, tie_embeddings=shape.tied,
-                       sliding_window=shape.sliding_window)  # its layout_problem reads it
+                       sliding_window=shape.sliding_window,  # its layout_problem reads it
+                       **experts)
 
 
 def evaluate(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global_batch: int,
@@ -153,8 +183,13 @@ def evaluate(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global_
         raise PlanError(f"layout {lay.short()}: {why}")
     mem = memory or memory_per_gpu(shape, lay, seq, global_batch, dtype, flash)
     tim = step_time(shape, lay, cluster, seq, global_batch, dtype, flash, exact_bubble=exact)
+    moe = None
+    if shape.is_moe:
+        dense, experts = rank_param_split(shape, lay, lay.pp - 1)
+        moe = moe_summary(shape, lay, cluster, seq, lay.microbatches(global_batch),
+                          act_elem_bytes(dtype), dense, experts, tim.ep)
     return Candidate(lay, mem, tim, cluster.gpu.memory_gb * 1e9, cluster.n_gpus,
-                     cluster.gpu.peak_tflops * 1e12, global_batch * seq)
+                     cluster.gpu.peak_tflops * 1e12, global_batch * seq, moe)
 
 
 def _divisors(n: int) -> list[int]:
@@ -199,6 +234,10 @@ def _rest(shape, cluster, seq, global_batch, fixed, opts, base: Layout) -> Itera
     mbs = opts("micro_batch", [d for d in _divisors(local) if d <= MAX_MICRO_BATCH])
     zeros = opts("zero", [0, 1, 2, 3] if base.dp_shard > 1 else [0])
     sps = opts("sp", [False, True] if base.tp > 1 else [False])
+    # Expert parallel only for a model with experts (a dense one keeps its layouts exactly);
+    # a pinned ep on a dense model reaches check_layout, which names the problem.
+    eps = opts("ep", [d for d in _divisors(base.dp_shard * base.cp) if shape.n_experts % d == 0]
+               if shape.is_moe else [1])
     if base.pp == 1:
         scheds = [(fixed.get("schedule", "1f1b"), 1)]
     else:
@@ -212,10 +251,11 @@ def _rest(shape, cluster, seq, global_batch, fixed, opts, base: Layout) -> Itera
             for rec in opts("recompute", list(RECOMPUTE)):
                 for sched, v in scheds:
                     for sp in sps:
-                        lay = replace(base, micro_batch=mb, zero=zero, recompute=rec,
-                                      schedule=sched, v=v, sp=sp)
-                        if check_layout(shape, lay, cluster, seq, global_batch) is None:
-                            yield lay
+                        for ep in eps:
+                            lay = replace(base, micro_batch=mb, zero=zero, recompute=rec,
+                                          schedule=sched, v=v, sp=sp, ep=ep)
+                            if check_layout(shape, lay, cluster, seq, global_batch) is None:
+                                yield lay
 
 
 def search(shape: ModelShape, cluster: Cluster, seq: int, global_batch: int, fixed: dict,

@@ -13,6 +13,12 @@ MATMUL_EFFICIENCY x n / (n + MATMUL_HALF_SIZE), n the smaller of the per-GPU hid
 and the tokens per micro-batch (b s / cp). Both constants are fitted once to Megatron-LM's Table 1
 (published.md) with every other term of this model in place; `tests/test_plan_validation.py`
 holds the fit to that table.
+
+Mixture of experts (plan/moe.py): the FLOPs count the active experts (top_k per token); the
+busiest GPU's expert compute is scaled by the imbalance allowance; each MoE block adds its
+all-to-alls (dispatch and combine, forward and backward), not overlapped, on NVLink when the ep
+group fits in a node and on the network otherwise; expert gradients are reduced over the ranks
+that hold the same experts.
 """
 
 from __future__ import annotations
@@ -25,8 +31,20 @@ from functools import lru_cache
 from meshloom.parallel.pipeline_schedule import Action, build_schedule, simulate
 from meshloom.plan.hardware import GB, Cluster, ring_time
 from meshloom.plan.layout import Layout
-from meshloom.plan.memory import act_elem_bytes, layers_on_rank, precision, rank_params
+from meshloom.plan.memory import act_elem_bytes, layers_on_rank, precision, rank_param_split
 from meshloom.plan.models import ModelShape
+from meshloom.plan.moe import (
+    A2A_FORWARD,
+    all_to_all_bandwidth,
+    all_to_all_time,
+    all_to_alls,
+    dispatch_bytes,
+    expert_replicas,
+    expert_shard,
+    ffn_elementwise_elems_per_token,
+    ffn_forward_flops_per_token,
+    load_factor,
+)
 
 MATMUL_EFFICIENCY = 0.67  # fitted on Megatron-LM Table 1 (see module docstring)
 MATMUL_HALF_SIZE = 100.0  # fitted on Megatron-LM Table 1
@@ -73,6 +91,10 @@ def elementwise_bytes(shape: ModelShape, lay: Layout, tokens: int, s_full: int, 
     if shape.arch == "gpt":
         per_token = (4 * h * e + 2 * (3 * h * e + h)) / whole_div + 2 * 4 * h * e / t
         scores = (2 * e + 2 * e + 1) if not flash else 0
+    elif shape.is_moe:  # the MoE feed-forward's kernels are not split over tp (plan/moe.py)
+        per_token = (4 * h + 2 * 3 * h) * e / whole_div \
+            + ffn_elementwise_elems_per_token(shape, lay) * e
+        scores = 2 * e if not flash else 0
     else:
         per_token = (4 * h + 2 * 3 * h) * e / whole_div + 3 * shape.ffn_hidden * e / t
         scores = 2 * e if not flash else 0
@@ -96,11 +118,14 @@ class Timing:
     bubble_fraction: float
     model_flops: float
     hw_flops: float
+    ep: float = 0.0  # all-to-all seconds (expert parallel), on the critical path
+    moe: bool = False  # the model has experts: the breakdown names ep_comm (a dense one's never)
 
     def breakdown(self) -> dict[str, float]:
-        return {"compute": self.compute, "tp_comm": self.tp, "cp_comm": self.cp,
-                "pp_comm": self.pp, "dp_comm": self.dp, "bubble": self.bubble,
-                "optimizer": self.optimizer}
+        out = {"compute": self.compute, "tp_comm": self.tp, "cp_comm": self.cp,
+               "pp_comm": self.pp, "dp_comm": self.dp, "bubble": self.bubble,
+               "optimizer": self.optimizer}
+        return out | {"ep_comm": self.ep} if self.moe else out
 
 
 def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global_batch: int,
@@ -117,6 +142,9 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
 
     # One layer, one micro-batch, on one GPU: matmuls and attention split over tp (and cp).
     fwd_flops = tokens * (2 * shape.layer_matmul_params + 4 * seq * shape.hidden) / t
+    if shape.is_moe:  # attention over tp; the MoE feed-forward whole, its experts imbalanced
+        fwd_flops = tokens * (2 * shape.attention_matmul_params + 4 * seq * shape.hidden) / t \
+            + tokens * ffn_forward_flops_per_token(shape, lay)
     attn_flops = tokens * 4 * seq * shape.hidden / t
     ew = elementwise_bytes(shape, lay, tokens, seq, dtype, flash) / (gpu.hbm_gbps * GB)
     f_layer = fwd_flops / rate + ew
@@ -140,6 +168,17 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
         cp_b = (lay.cp - 1) * max(0.0, 2 * hop - 2 * block)
         if lay.recompute == "full":
             cp_b += cp_f
+
+    # Expert parallel: every MoE block dispatches and combines by all-to-all, forward and
+    # backward (forward's pair again under full recompute); nothing to hide them behind.
+    ep_f = ep_b = 0.0
+    if shape.is_moe and lay.ep > 1:
+        a2a = all_to_all_time(dispatch_bytes(shape, tokens, e), lay.ep,
+                              all_to_all_bandwidth(cluster, lay), load_factor(shape, lay))
+        ep_f = A2A_FORWARD * a2a
+        ep_b = (all_to_alls(lay.recompute) - A2A_FORWARD) * a2a
+    tp_only = tp_f + tp_b
+    tp_f, tp_b = tp_f + ep_f, tp_b + ep_b  # priced like TP's: on the critical path
 
     layers = layers_on_rank(shape, p)
     head_f = tokens * 2 * shape.vocab * shape.hidden / t / rate
@@ -167,7 +206,8 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     # Busiest rank: the last (it also runs the head).
     busy_mb = v * (f_chunk + b_chunk) + 3 * head_f
     comm_mb = layers * (tp_f + tp_b + cp_f + cp_b)
-    tp_total = m * layers * (tp_f + tp_b)
+    ep_total = m * layers * (ep_f + ep_b)
+    tp_total = m * layers * tp_only
     cp_total = m * layers * (cp_f + cp_b)
     if p == 1:
         span_nolat = span = m * busy_mb
@@ -193,7 +233,10 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     mean_busy = m * sum(cost(Action(k, st, 0)) for st in range(n_stages) for k in kinds) / p
 
     dp_exposed = _dp_time(shape, lay, cluster, dtype, m, v * f_chunk, v * b_chunk)
-    opt_params = rank_params(shape, lay, p - 1) / (lay.dp_shard if lay.zero else 1)
+    dense, experts = rank_param_split(shape, lay, p - 1)
+    opt_params = dense / (lay.dp_shard if lay.zero else 1)
+    if experts:
+        opt_params += experts / (expert_shard(lay) if lay.zero else 1)
     optimizer = opt_params * OPTIMIZER_BYTES_PER_PARAM / (gpu.hbm_gbps * GB)
 
     total = span + dp_exposed + optimizer
@@ -201,7 +244,8 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     hw = mf + recompute_flops(shape, seq, global_batch, lay.recompute)
     compute = m * busy_mb - m * comm_mb
     return Timing(total, compute, tp_total, cp_total, pp_comm, dp_exposed, bubble, optimizer,
-                  max(0.0, 1.0 - mean_busy / span_nolat) if span_nolat else 0.0, mf, hw)
+                  max(0.0, 1.0 - mean_busy / span_nolat) if span_nolat else 0.0, mf, hw,
+                  ep_total, shape.is_moe)
 
 
 def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: int,
@@ -213,34 +257,53 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     parameters after the step (exposed); ZeRO-3 gathers every unit for forward and backward and
     reduce-scatters its gradient, prefetched behind the micro-batch's compute, except the first
     unit's gather; HSDP all-reduces the shard across replicas after the step, and with cp > 1 the
-    shard is averaged over the cp ranks too (both exposed)."""
-    if lay.dp <= 1:
+    shard is averaged over the cp ranks too (both exposed). With expert parallel the experts'
+    gradients go over their own groups (plan/moe.py) at the same points: DDP all-reduces them
+    over the edp = dp x cp / ep ranks, ZeRO shards them over edp_shard (ep ranks apart) and
+    all-reduces the shard over dp_replicate; cp is inside edp_shard, so no cp average."""
+    dense, experts = rank_param_split(shape, lay, lay.pp - 1)
+    if lay.ep == 1:  # no expert groups: the experts are ordinary parameters
+        dense, experts = dense + experts, 0.0
+    if lay.dp <= 1 and not experts:
         return 0.0
     prec = precision(dtype)
-    psi = rank_params(shape, lay, lay.pp - 1)
     stride = lay.cp * lay.tp
     n = lay.dp_shard
     bw = cluster.bus_bandwidth(n, stride)
-    grad_b, param_b = psi * prec.grad_bytes, psi * prec.param_bytes
+    grad_b, param_b = dense * prec.grad_bytes, dense * prec.param_bytes
+    if lay.dp <= 1:  # only expert groups to reduce (ep < cp); the dense part as before: none
+        grad_b = param_b = 0.0
+    xn = expert_shard(lay)
+    xbw = cluster.bus_bandwidth(xn, lay.ep * lay.tp)
+    x_grad, x_param = experts * prec.grad_bytes, experts * prec.param_bytes
     if lay.zero == 0:  # meshloom's DDP averages over every replica: dp x cp ranks, stride tp
         ranks = lay.dp * lay.cp
-        return max(0.0, ring_time("all_reduce", grad_b, ranks, cluster.bus_bandwidth(
-            ranks, lay.tp)) - b_mb)
+        reduce = ring_time("all_reduce", grad_b, ranks, cluster.bus_bandwidth(ranks, lay.tp))
+        if experts:
+            xr = expert_replicas(lay)
+            reduce += ring_time("all_reduce", x_grad, xr,
+                                cluster.bus_bandwidth(xr, lay.ep * lay.tp))
+        return max(0.0, reduce - b_mb)
     out = 0.0
+    ag = ring_time("all_gather", param_b, n, bw)
+    rs = ring_time("reduce_scatter", grad_b, n, bw)
+    if experts:
+        ag += ring_time("all_gather", x_param, xn, xbw)
+        rs += ring_time("reduce_scatter", x_grad, xn, xbw)
     if lay.zero == 1:  # reduce-scatters the accumulated gradients after the last backward
-        out += ring_time("reduce_scatter", grad_b, n, bw)
-        out += ring_time("all_gather", param_b, n, bw)
+        out += rs
+        out += ag
     elif lay.zero == 2:
-        out += m * max(0.0, ring_time("reduce_scatter", grad_b, n, bw) - b_mb)
-        out += ring_time("all_gather", param_b, n, bw)
+        out += m * max(0.0, rs - b_mb)
+        out += ag
     else:
-        ag = ring_time("all_gather", param_b, n, bw)
-        rs = ring_time("reduce_scatter", grad_b, n, bw)
         units = max(1, layers_on_rank(shape, lay.pp))
         out += m * (max(0.0, ag - f_mb) + max(0.0, ag + rs - b_mb) + ag / units)
     if lay.dp_replicate > 1:
-        out += ring_time("all_reduce", grad_b / n, lay.dp_replicate,
-                         cluster.bus_bandwidth(lay.dp_replicate, stride * n))
+        rep_bw = cluster.bus_bandwidth(lay.dp_replicate, stride * n)
+        out += ring_time("all_reduce", grad_b / n, lay.dp_replicate, rep_bw)
+        if experts:
+            out += ring_time("all_reduce", x_grad / xn, lay.dp_replicate, rep_bw)
     if lay.cp > 1:  # the cp ranks of a shard hold the same parameters: average their shards
         out += ring_time("all_reduce", grad_b / n, lay.cp, cluster.bus_bandwidth(lay.cp, lay.tp))
     return out

@@ -1,0 +1,313 @@
+"""The planner on mixture-of-experts models: parameter counts, expert memory under ep and ZeRO,
+all-to-all bytes and time, ep in the search, and dense plans unchanged by all of it.
+
+The hand-computed figures use mixtral-tiny (dim 64, 4 layers, 4 heads / 2 KV heads, vocab 257,
+8 experts of width 64, top 2, untied head). Per block: attention matrices 2*64*64 + 2*64*32 =
+12288, router 64*8 = 512, two norms 128, routed experts 3*64*64*8 = 98304. Dense parameters:
+4 * (12288 + 512 + 128) + 257*64 (table) + 257*64 (head) + 64 (final norm) = 84672; experts
+4 * 98304 = 393216; 477888 in all.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from meshloom.models.families import config_from_preset
+from meshloom.plan import PlanError
+from meshloom.plan.formulas import FP32, MIXED
+from meshloom.plan.hardware import LINK_EFFICIENCY, make_cluster
+from meshloom.plan.layout import Layout, config_toml, parse_fix
+from meshloom.plan.memory import layer_activation_bytes, memory_per_gpu, rank_model_states
+from meshloom.plan.models import PRESETS, from_hf_config
+from meshloom.plan.moe import activation_bytes_per_token, dispatch_bytes
+from meshloom.plan.search import evaluate, layouts, search
+from meshloom.plan.timing import step_time
+
+TINY = PRESETS["mixtral-tiny"]
+DENSE, EXPERTS = 84672, 393216
+
+
+@pytest.mark.parametrize("name, total, active", [
+    ("mixtral-8x7b", 46_702_792_704, 12_879_925_248),
+    ("mixtral-8x22b", 140_620_634_112, 39_152_031_744),
+    ("mixtral-tiny", DENSE + EXPERTS, DENSE + 4 * 3 * 64 * 64 * 2),
+])
+def test_total_and_active_parameters(name, total, active):
+    shape = PRESETS[name]
+    assert (shape.params, shape.active_params) == (total, active)
+    cfg = config_from_preset(name)  # the model meshloom builds counts the same
+    assert (cfg.num_params(), cfg.active_params()) == (total, active)
+    if name == "mixtral-8x7b":  # the published figures
+        assert (round(total / 1e9, 1), round(active / 1e9, 1)) == (46.7, 12.9)
+    # FLOPs scale with the active matrices: the model's own flops_per_token, halved attention
+    # aside (timing.model_flops does not halve it for the causal mask)
+    seq = 64
+    matmul_flops = 6 * (shape.layers * shape.layer_matmul_params + shape.vocab * shape.hidden)
+    assert cfg.flops_per_token(seq) == pytest.approx(
+        matmul_flops + 6 * shape.layers * seq * shape.q_dim, rel=1e-12)
+
+
+def _states(lay: Layout, prec=FP32) -> dict:
+    return rank_model_states(TINY, lay, 0, prec)
+
+
+def test_expert_states_divide_by_ep_and_by_the_expert_shards():
+    # DDP over 8 ranks: every GPU holds the dense part and 1/ep of the experts, all unsharded.
+    for ep in (1, 2, 4, 8):
+        s = _states(Layout(dp=8, ep=ep))
+        assert s["params"] == 4 * (DENSE + EXPERTS / ep)
+        assert s["optimizer"] == 8 * (DENSE + EXPERTS / ep)
+    # ZeRO-1, dp 8, ep 4: optimizer state of the dense part over dp_shard 8, of the experts over
+    # edp_shard = 8 / 4 = 2.
+    s = _states(Layout(dp=8, ep=4, zero=1))
+    assert s == {"params": 4 * (DENSE + EXPERTS / 4), "grads": 4 * (DENSE + EXPERTS / 4),
+                 "optimizer": 8 * DENSE / 8 + 8 * (EXPERTS / 4) / 2}
+    # ZeRO-2 and 3 shard grads, then params, the same two ways.
+    s = _states(Layout(dp=8, ep=4, zero=2))
+    assert s["grads"] == 4 * DENSE / 8 + 4 * (EXPERTS / 4) / 2
+    s = _states(Layout(dp=8, ep=4, zero=3))
+    assert s["params"] == 4 * DENSE / 8 + 4 * (EXPERTS / 4) / 2
+    # cp is part of the expert shards: dp 4 x cp 2 with ep 4 gives edp_shard 2, while the dense
+    # part is sharded over dp_shard = 4 only.
+    s = _states(Layout(dp=4, cp=2, ep=4, zero=3))
+    assert s["params"] == 4 * DENSE / 4 + 4 * (EXPERTS / 4) / 2
+    # ep 8 over dp 4 x cp 2: one expert per GPU, nothing left to shard it over.
+    s = _states(Layout(dp=4, cp=2, ep=8, zero=3))
+    assert s["params"] == 4 * DENSE / 4 + 4 * EXPERTS / 8
+    # ep 1: no expert groups, the experts are ordinary parameters sharded over dp_shard.
+    s = _states(Layout(dp=4, cp=2, ep=1, zero=3))
+    assert s["params"] == 4 * (DENSE + EXPERTS) / 4
+    # HSDP: the experts are replicated over dp_replicate, sharded within a replica group.
+    s = _states(Layout(dp=8, dp_replicate=2, ep=2, zero=3))
+    assert s["params"] == 4 * DENSE / 4 + 4 * (EXPERTS / 2) / 2
+    # Mixed precision: 2 + 2 + 12 bytes, the experts' optimizer state over edp_shard.
+    s = _states(Layout(dp=8, ep=2, zero=1), MIXED)
+    assert s["optimizer"] == 12 * DENSE / 8 + 12 * (EXPERTS / 2) / 4
+
+
+def test_experts_are_not_split_over_tp_and_memory_per_gpu_uses_the_split():
+    # tp 2 halves attention's matrices, the embedding and the head; router, norms and experts
+    # stay whole: 4 * (12288/2 + 640) + 257*64 + 64 = 43648 dense parameters.
+    lay = Layout(tp=2, dp=4, ep=4, zero=3)
+    assert _states(lay)["params"] == 4 * 43648 / 4 + 4 * (EXPERTS / 4) / 1
+    mem = memory_per_gpu(TINY, lay, 64, 8, dtype="fp32")
+    assert mem.params == _states(lay)["params"]
+
+
+def test_moe_activations_per_token_by_hand():
+    # bf16, per local token: router scores and top-k weights in fp32, (8 + 2) * 4 = 40 bytes;
+    # each of the 2 routed copies keeps its dispatched input, its output (2 * 64) and 4 SwiGLU
+    # tensors of 64, 2 bytes each, times the 1.25 allowance once experts are spread (ep > 1).
+    assert activation_bytes_per_token(TINY, Layout(dp=8, ep=2), 2, "none") == \
+        40 + 1.25 * 2 * (2 * 64 + 4 * 64) * 2
+    assert activation_bytes_per_token(TINY, Layout(dp=8, ep=1), 2, "none") == \
+        40 + 2 * (2 * 64 + 4 * 64) * 2
+    assert activation_bytes_per_token(TINY, Layout(dp=8, ep=2), 2, "selective") == \
+        40 + 1.25 * 2 * (2 * 64 + 2 * 64) * 2
+    allowance = replace(TINY, moe_imbalance=2.0)
+    assert activation_bytes_per_token(allowance, Layout(dp=8, ep=2), 2, "none") == \
+        40 + 2.0 * 2 * (2 * 64 + 4 * 64) * 2
+    # A whole block, s*b = 64 tokens, tp 1, flash: norm and matmul-block inputs 4 * 64 * 2,
+    # q and o plus k and v (2 * 64 + 2 * 32) * 2, log-sum-exp 4 * 4, and the MoE part.
+    lay = Layout(dp=8, ep=2)
+    moe = 40 + 1.25 * 2 * (2 * 64 + 4 * 64) * 2
+    assert layer_activation_bytes(TINY, 64, 1, lay, "bf16") == 64 * (512 + 384 + 16 + moe)
+
+
+H100 = make_cluster("h100", 8)
+BIG = PRESETS["mixtral-8x7b"]
+
+
+def test_all_to_all_bytes_and_time_by_hand():
+    # One dispatch (or combine) moves local tokens x top_k x hidden x bytes per GPU.
+    assert dispatch_bytes(TINY, 1024, 2) == 1024 * 2 * 64 * 2
+    assert dispatch_bytes(BIG, 4096, 2) == 4096 * 2 * 4096 * 2 == 67_108_864
+    # Mixtral 8x7B on 8 H100s of one node, ep 8, one sequence of 4096 per GPU per step: 4
+    # all-to-alls per block, each sending 7/8 of 64 MiB over NVLink (370 GB/s effective), the
+    # busiest rank receiving 1.25 x the mean; 32 blocks.
+    bw = 450e9 * LINK_EFFICIENCY
+    one = 1.25 * 7 / 8 * 67_108_864 / bw
+    t = step_time(BIG, Layout(dp=8, ep=8, zero=1), H100, 4096, 8)
+    assert t.ep == pytest.approx(32 * 4 * one, rel=1e-12)
+    assert t.breakdown()["ep_comm"] == t.ep
+    # Full recompute reruns the forward's dispatch and combine: 6 per block.
+    t = step_time(BIG, Layout(dp=8, ep=8, zero=1, recompute="full"), H100, 4096, 8)
+    assert t.ep == pytest.approx(32 * 6 * one, rel=1e-12)
+    # Two micro-batches: twice the calls.
+    t = step_time(BIG, Layout(dp=8, ep=8, zero=1), H100, 4096, 16)
+    assert t.ep == pytest.approx(2 * 32 * 4 * one, rel=1e-12)
+    # No expert parallel, no all-to-all.
+    assert step_time(BIG, Layout(dp=8, ep=1, zero=1), H100, 4096, 8).ep == 0.0
+    assert evaluate(BIG, Layout(dp=8, ep=1, zero=1), H100, 4096, 8).moe[
+        "all_to_alls_per_step"] == 0
+    # The candidate's record says the same.
+    c = evaluate(BIG, Layout(dp=8, ep=8, zero=1), H100, 4096, 8)
+    assert c.moe["all_to_all_bytes"] == 67_108_864 and c.moe["all_to_alls_per_step"] == 128
+    assert c.moe["all_to_all_crosses_nodes"] is False
+    assert c.to_dict()["moe"]["ep"] == 8
+    full = evaluate(BIG, Layout(dp=8, ep=8, zero=1, recompute="full"), H100, 4096, 8)
+    assert full.moe["all_to_alls_per_step"] == 6 * 32
+
+
+def test_all_to_all_priced_inside_a_node_or_across_nodes():
+    lay = Layout(dp=8, ep=8, zero=1)
+    inside = step_time(BIG, lay, make_cluster("h100", 8, 8), 4096, 8).ep
+    across = step_time(BIG, lay, make_cluster("h100", 8, 4), 4096, 8).ep  # 4 GPUs per node
+    # Only the link differs: NVLink 450 GB/s against 50 GB/s of network per GPU.
+    assert across / inside == pytest.approx(450 / 50, rel=1e-12)
+    # ep groups are ep ranks at stride tp: ep 8 x tp 2 = 16 ranks leave an 8-GPU node, ep 4 x
+    # tp 2 does not.
+    c16 = make_cluster("h100", 16, 8)
+    wide = evaluate(BIG, Layout(tp=2, dp=8, ep=8, zero=1), c16, 4096, 8)
+    narrow = evaluate(BIG, Layout(tp=2, dp=8, ep=4, zero=1), c16, 4096, 8)
+    assert wide.moe["all_to_all_crosses_nodes"] and not narrow.moe["all_to_all_crosses_nodes"]
+    # Per call ep 8 sends 7/8 of the payload and ep 4 3/4; the link is 9x slower.
+    assert wide.timing.ep / narrow.timing.ep == pytest.approx((7 / 8) / (3 / 4) * 9, rel=1e-12)
+
+
+def test_imbalance_scales_expert_compute_only_when_experts_are_spread():
+    even = replace(BIG, moe_imbalance=1.0)
+    lay = Layout(dp=8, ep=8, zero=1)
+    a, b = step_time(even, lay, H100, 4096, 8), step_time(BIG, lay, H100, 4096, 8)
+    assert b.ep == pytest.approx(1.25 * a.ep, rel=1e-12)
+    # The busiest GPU's extra 0.25 x top_k expert passes, forward and twice backward, 32
+    # blocks: matmuls at 989 TFLOP/s x 0.67 x 4096/4196 (n = min(h, tokens) = 4096), SwiGLU
+    # (3 x 14336) and the permutations (2 x 2 x 4096) per extra copy at 3.35 TB/s.
+    rate = 989e12 * 0.67 * 4096 / (4096 + 100)
+    extra = 0.25 * 2 * 4096  # routed copies beyond the mean, over the GPU's 4096 tokens
+    per_layer = extra * 2 * 3 * 4096 * 14336 / rate + extra * (3 * 14336 + 4 * 4096) * 2 / 3350e9
+    assert b.compute - a.compute == pytest.approx(3 * 32 * per_layer, rel=1e-9)
+    assert b.model_flops == a.model_flops  # the allowance is waiting, not model FLOPs
+    lay1 = Layout(dp=8, ep=1, zero=1)
+    assert step_time(even, lay1, H100, 4096, 8).compute == \
+        step_time(BIG, lay1, H100, 4096, 8).compute
+
+
+def test_expert_gradients_reduce_over_their_own_groups():
+    # ZeRO-1 exposes its reduce-scatter and all-gather: the dense part's over dp_shard 8 (7/8
+    # of 84672 x 2 bytes, each way), the experts' (98304 per GPU at ep 4) over edp_shard 2
+    # (1/2 of 98304 x 2 bytes), all inside the node.
+    bw = 450e9 * LINK_EFFICIENCY
+    t = step_time(TINY, Layout(dp=8, ep=4, zero=1), H100, 64, 8)
+    assert t.dp == pytest.approx(2 * (7 / 8 * DENSE * 2 + 1 / 2 * EXPERTS / 4 * 2) / bw,
+                                 rel=1e-12)
+    # ep = dp_shard: every GPU holds its own experts, nothing to reduce for them.
+    t = step_time(TINY, Layout(dp=8, ep=8, zero=1), H100, 64, 8)
+    assert t.dp == pytest.approx(2 * (7 / 8 * DENSE * 2) / bw, rel=1e-12)
+
+
+def test_search_enumerates_ep_for_moe_and_never_for_dense():
+    cluster = make_cluster("h100", 8)
+    fixed = {"tp": 1, "pp": 1, "recompute": "none", "micro_batch": 1}
+    eps = {(lay.dp_shard * lay.cp, lay.ep) for lay in layouts(TINY, cluster, 64, 8, fixed)}
+    assert {ep for _, ep in eps} == {1, 2, 4, 8}
+    assert all(n % ep == 0 and 8 % ep == 0 for n, ep in eps)
+    for name in ("llama3-8b", "gpt2"):
+        dense = PRESETS[name]
+        assert {lay.ep for lay in layouts(dense, cluster, 256, 8, {})} == {1}
+        with pytest.raises(PlanError, match=r"ep=2 needs a mixture-of-experts model"):
+            search(dense, cluster, 256, 8, parse_fix("ep=2"))
+    with pytest.raises(PlanError, match=r"ep=3 does not divide dp_shard x cp"):
+        evaluate(TINY, Layout(dp=8, ep=3), cluster, 64, 8)
+    six = replace(TINY, n_experts=6)
+    with pytest.raises(PlanError, match=r"ep=4 does not divide the 6 experts"):
+        evaluate(six, Layout(dp=8, ep=4), cluster, 64, 8)
+
+
+def test_cli_prints_active_parameters_and_ep():
+    cmd = [sys.executable, "-m", "meshloom", "plan", "--model", "mixtral-8x7b", "--gpus", "8",
+           "--seq", "4096", "--global-batch", "8", "--top", "3",
+           "--fix", "ep=8,tp=1,pp=1,cp=1,recompute=none"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "46.7B parameters, 12.9B active per token (8 experts, top 2" in out.stdout
+    assert " ep8 " in out.stdout and "all-to-all 128 x 67.1 MB" in out.stdout
+    assert "inside a node" in out.stdout
+    bad = subprocess.run(cmd[:6] + ["--moe-imbalance", "0.5"], capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+    assert "moe_imbalance=0.5 must be a number >= 1" in bad.stderr
+
+
+def test_written_config_names_the_preset_and_ep():
+    text = config_toml(Layout(dp=8, ep=8, zero=1), BIG, 4096, 8, "bf16")
+    assert 'preset = "mixtral-8x7b"' in text and "ep = 8" in text
+    custom = config_toml(Layout(dp=8, ep=2), replace(TINY, name="custom"), 64, 8, "bf16")
+    assert "n_experts = 8" in custom and "moe_hidden = 64" in custom and "ep = 2" in custom
+
+
+# Dense plans from main before experts existed (f2739c2's planner), to the last bit: the MoE
+# terms must add nothing to a dense model.
+DENSE_EVALUATIONS = [
+    (Layout(tp=2, pp=2, dp=2, cp=2, micro_batch=1, zero=1, recompute="selective", sp=True),
+     1.715267603439585, 27201686016.0, 0.016278112864864865),
+    (Layout(dp=16, micro_batch=2, zero=3), 2.3043940302894663, 66817575014.4,
+     0.9176384004856991),
+    (Layout(dp=16, micro_batch=2, zero=0), 1.747928680867267, 197935018086.4,
+     0.2982493621799177),
+    (Layout(dp=16, dp_replicate=2, micro_batch=2, zero=2), 1.4777641775095196, 89727247769.6,
+     0.08681363511351352),
+]
+
+
+@pytest.mark.parametrize("lay, step, mem, dp", DENSE_EVALUATIONS)
+def test_dense_evaluations_unchanged(lay, step, mem, dp):
+    c = evaluate(PRESETS["llama3-8b"], lay, make_cluster("h100", 16), 4096, 64)
+    assert (c.timing.step_time_s, c.memory.total, c.timing.dp) == \
+        pytest.approx((step, mem, dp), rel=1e-12)
+    assert c.timing.ep == 0.0 and c.moe is None and "moe" not in c.to_dict()
+    assert "n_experts" not in PRESETS["llama3-8b"].to_dict()
+
+
+@pytest.mark.parametrize("name, gpu, n, seq, batch, best", [
+    ("gpt2-xl", "titan-rtx-24g", 2, 1024, 2,
+     [("tp1 pp2 dp1 cp1 mb1 zero0 none interleaved_1f1b/v8", 0.20243905184343247,
+       18513173708.8),
+      ("tp1 pp2 dp1 cp1 mb1 zero0 none interleaved_1f1b/v6", 0.20335665855278368,
+       18451784908.8)]),
+    ("llama3-8b", "h100", 64, 8192, 512,
+     [("tp1 pp1 dp32 cp2 mb2 zero2 none", 6.564882856201314, 78281197593.6),
+      ("tp1 pp1 dp64 cp1 mb1 zero2 none", 6.568581748723526, 76201276480.0)]),
+])
+def test_dense_searches_unchanged(name, gpu, n, seq, batch, best):
+    found = search(PRESETS[name], make_cluster(gpu, n), seq, batch, {}, top=2)
+    got = [(c.layout.short(), c.timing.step_time_s, c.memory.total) for c in found]
+    assert [g[0] for g in got] == [b[0] for b in best]
+    assert [g[1:] for g in got] == [pytest.approx(b[1:], rel=1e-12) for b in best]
+
+
+def test_hf_mixtral_config(tmp_path):
+    # mistralai/Mixtral-8x7B-v0.1's config.json (the keys the count reads).
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336,
+        "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+        "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32000,
+        "sliding_window": None, "tie_word_embeddings": False}))
+    shape = from_hf_config(tmp_path)
+    assert (shape.params, shape.active_params) == (BIG.params, BIG.active_params)
+    assert (shape.n_experts, shape.top_k, shape.moe_hidden) == (8, 2, 14336)
+    # Four experts, one per token: 4 fewer experts and router rows per block, 3 idle per token.
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(
+        cfg | {"num_local_experts": 4, "num_experts_per_tok": 1}))
+    four = from_hf_config(tmp_path)
+    expert = 3 * 4096 * 14336
+    assert four.params == BIG.params - 32 * (4 * expert + 4 * 4096)
+    assert four.active_params == four.params - 32 * 3 * expert
+
+
+def test_hf_mixtral_config_counts_as_transformers_builds_it(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    cfg = transformers.MixtralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2,
+                                     num_local_experts=4, num_experts_per_tok=2, vocab_size=300)
+    cfg.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    assert from_hf_config(tmp_path).params == model.num_parameters()
