@@ -302,3 +302,27 @@ def test_export_refuses_what_mixtral_cannot_express(tmp_path, capsys, change, wo
     model = build_model(cfg, seed=0)
     write_weights_folder(src, cfg, ((n, p.detach()) for n, p in model.named_parameters()))
     assert words in _error(capsys, "meshloom-to-hf", str(src), str(tmp_path / "out"))
+
+
+def test_a_dense_family_with_experts_is_refused_on_export():
+    """Llama, Mistral and Qwen have no expert form in their HF architectures: one line."""
+    from meshloom.models import llama_hf
+
+    cfg = families.config_from_preset("tiny", n_experts=4)
+    with pytest.raises(hf_checkpoint.HFCheckpointError,
+                       match="model.n_experts=4 has no .* form .*mixtral"):
+        llama_hf.hf_config(cfg, torch.float32)
+
+
+def test_init_from_takes_the_runs_moe_training_settings(hf):
+    """aux_loss_coef and capacity_factor are training settings, not shape: a run started from
+    HF weights may set them; on dense weights they are refused by name."""
+    from meshloom.config import ModelConfig
+    from meshloom.weights import WeightsError, init_from_config
+
+    folder = hf[1]["single"]
+    cfg = init_from_config(ModelConfig(init_from=f"hf:{folder}", aux_loss_coef=0.05,
+                                       capacity_factor=1.5), None)
+    assert (cfg.aux_loss_coef, cfg.capacity_factor) == (0.05, 1.5)
+    with pytest.raises(WeightsError, match="model.n_experts cannot be set beside it"):
+        init_from_config(ModelConfig(init_from=f"hf:{folder}", n_experts=4), None)

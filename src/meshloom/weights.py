@@ -194,6 +194,8 @@ def _parse_init_from(spec: str) -> tuple[str, Path]:
 
 # Model keys that may be set beside init_from: they change no weight.
 _FREE_KEYS = ("preset", "family", "init_from", "max_seq_len", "init_std")
+# Training settings of a mixture of experts, not its shape: a run may set them over the source's.
+_TRAINING_KEYS = ("aux_loss_coef", "capacity_factor")
 
 
 def init_from_config(model_cfg, vocab_size: int | None) -> Any:
@@ -207,7 +209,8 @@ def init_from_config(model_cfg, vocab_size: int | None) -> Any:
     except HFCheckpointError as e:
         raise WeightsError(str(e)) from None
     fixed = [f.name for f in dataclasses.fields(model_cfg)
-             if f.name not in _FREE_KEYS and getattr(model_cfg, f.name) is not None]
+             if f.name not in _FREE_KEYS + _TRAINING_KEYS
+             and getattr(model_cfg, f.name) is not None]
     if fixed:
         raise WeightsError(f"model.{fixed[0]} cannot be set beside it: the checkpoint decides "
                            "the model's shape")
@@ -221,6 +224,13 @@ def init_from_config(model_cfg, vocab_size: int | None) -> Any:
                            "tokenizer.json")
     if model_cfg.max_seq_len is not None:
         cfg.max_seq_len = model_cfg.max_seq_len
+    for key in _TRAINING_KEYS:
+        value = getattr(model_cfg, key)
+        if value is not None and not getattr(cfg, "n_experts", 0):
+            raise WeightsError(f"model.{key} is a mixture-of-experts setting, but the weights "
+                               f"are a dense {family} model")
+        if value is not None:
+            setattr(cfg, key, value)
     try:
         cfg.validate()
     except ValueError as e:

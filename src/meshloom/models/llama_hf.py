@@ -172,6 +172,9 @@ def _model_type(cfg: LlamaConfig) -> str:
     if cfg.sliding_window is not None and not arch.window:
         raise HFCheckpointError(f"model.sliding_window={cfg.sliding_window} has no "
                                 f"{arch.name} form (only Mistral's applies one to every layer)")
+    if cfg.n_experts:
+        raise HFCheckpointError(f"model.n_experts={cfg.n_experts} has no {arch.name} form "
+                                "(a mixture of experts: use the mixtral family)")
     return model_type
 
 
