@@ -70,6 +70,10 @@ CASES = [
     (4, ["parallel.ep=2", "parallel.zero_stage=2", "parallel.dp_replicate=2"]),  # HSDP
     (4, ["parallel.ep=2", "parallel.tp=2"]),
     (4, ["parallel.ep=2", "parallel.pp=2", "parallel.pp_microbatches=2"]),
+    # Context parallel: sequences in chunks over cp, routed (aux loss) as whole sequences
+    (2, ["parallel.cp=2"]),
+    (4, ["parallel.ep=2", "parallel.cp=2"]),  # ep across the cp ranks of a sequence
+    (4, ["parallel.ep=4", "parallel.cp=2", "parallel.zero_stage=2"]),
     # 3-D: dp 2 x tp 2 x pp 2 with ZeRO-1, experts over the 2 data ranks
     (8, ["parallel.ep=2", "parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=1",
          "parallel.pp_microbatches=2"]),
@@ -99,12 +103,15 @@ def test_all_to_all_bytes_match_the_formula(tmp_path, token_cache):
     assert results[0]["moe"][0]["tokens_dropped"] == 0
 
 
-def test_capacity_drops_the_same_tokens(tmp_path, tmp_path_factory, token_cache):
+@pytest.mark.parametrize("layout", [["parallel.ep=4"], ["parallel.ep=2", "parallel.cp=2"]],
+                         ids=["ep4", "ep2-cp2"])
+def test_capacity_drops_the_same_tokens(tmp_path, tmp_path_factory, token_cache, layout):
     """With a capacity factor the ep run drops exactly the single-process run's assignments
-    (the same count every step, the same expert loads) and keeps parity."""
+    (the same count every step, the same expert loads) and keeps parity; under context
+    parallel too, where a sequence's earlier chunks on other ranks come first."""
     cap = ("model.capacity_factor=1.0",)
     ref = _reference(tmp_path_factory, token_cache, cap)
-    results = run_ranks(_job, 4, tmp_path, token_cache, ["parallel.ep=4", *cap])
+    results = run_ranks(_job, 4, tmp_path, token_cache, [*layout, *cap])
     assert all(m["tokens_dropped"] > 0 for m in ref["moe"])
     for r in results:
         for got, want in zip(r["moe"], ref["moe"], strict=True):

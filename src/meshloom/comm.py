@@ -83,12 +83,12 @@ def broadcast(tensor: torch.Tensor, mesh: Mesh, axis: str, *, src_coord: int = 0
 
 
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, mesh: Mesh, axis: str, *,
-                    async_op: bool = False) -> dist.Work | None:
+                    async_op: bool = False, label: str = "all_gather") -> dist.Work | None:
     """Gather equal-sized shards along dim 0 of `output` (Gloo needs equal sizes: pad first)."""
     if _skip(mesh, axis):
         output.copy_(shard)
         return None
-    mesh.counter.record(axis, "all_gather", output)
+    mesh.counter.record(axis, label, output)
     return _all_gather_flat(output, shard, group=mesh.group(axis), async_op=async_op)
 
 

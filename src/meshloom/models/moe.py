@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -84,13 +85,40 @@ class Routing:
     token: Tensor  # [A] token index of each kept assignment
     weight: Tensor  # [A] its combine weight
     counts: Tensor  # [E] kept assignments per expert (int64, on the CPU: split sizes)
-    aux: Tensor  # scalar: this micro-batch's load-balancing loss (mean over its sequences)
+    aux: Tensor  # scalar: what the load-balancing loss's gradient is taken of (see route)
+    aux_value: Tensor  # scalar: the micro-batch's load-balancing loss (mean over sequences)
     chosen: Tensor  # [E] assignments per expert before the capacity limit
     dropped: Tensor  # scalar: assignments over capacity
 
 
-def route(logits: Tensor, s: int, cfg: MoESettings) -> Routing:
-    """Top-k routing of router `logits` [T, E] (T = b*s tokens, sequence after sequence)."""
+class SequenceSplit(Protocol):
+    """Context parallel's view of the sequences (parallel/expert.py provides it): this rank
+    holds chunks `chunk_ids` (equal parts, in that order) of the `n_chunks` of every sequence,
+    which `ranks` ranks share."""
+
+    ranks: int
+    n_chunks: int
+    chunk_ids: tuple[int, ...]
+
+    def chunk_of(self, rank: int) -> tuple[int, ...]:
+        """The chunk ids rank `rank` holds, in the order its tokens come."""
+
+    def sum(self, t: Tensor) -> Tensor:
+        """t summed over the ranks sharing the sequences (not differentiable)."""
+
+    def gather(self, t: Tensor) -> Tensor:
+        """[ranks, *t.shape]: every rank's t (not differentiable)."""
+
+
+def route(logits: Tensor, s: int, cfg: MoESettings,
+          split: SequenceSplit | None = None) -> Routing:
+    """Top-k routing of router `logits` [T, E] (T = b*s tokens, sequence after sequence).
+
+    Under context parallel (`split`) each sequence's s tokens here are only its chunks on this
+    rank: the assignment counts of the whole sequences are summed over the ranks, so the loss
+    and the capacity are exactly those of the whole sequences. The loss's gradient then comes
+    from this rank's probabilities only (`aux`, scaled by the rank count, as data parallel's
+    average divides every rank's gradient by it)."""
     T, E, k = logits.shape[0], cfg.n_experts, cfg.top_k
     b = T // s
     logits = logits.float()
@@ -106,27 +134,59 @@ def route(logits: Tensor, s: int, cfg: MoESettings) -> Routing:
     # Per sequence: f_i = share of its s*k assignments on expert i; P_i = mean probability
     # (sigmoid scores made a distribution over the experts first, as DeepSeek-V3 does).
     probs = scores if cfg.score == "softmax" else scores / scores.sum(-1, keepdim=True)
-    f = per_seq.view(b, E).float() / (s * k)
-    p = probs.view(b, s, E).mean(1)
-    aux = (E * (f * p).sum(-1)).mean()
+    p_sum = probs.view(b, s, E).sum(1)
+    whole = 1 if split is None else split.ranks  # the sequence is `whole` times what is here
+    if split is None:
+        counts_seq, p_seq = per_seq.view(b, E).float(), p_sum.detach()
+    else:
+        both = split.sum(torch.cat([per_seq.view(b, E).float(), p_sum.detach()]))
+        counts_seq, p_seq = both[:b], both[b:]
+    f = counts_seq / (s * whole * k)
+    aux_value = (E * (f * p_seq / (s * whole)).sum(-1)).mean()
+    aux = (E * whole * (f * p_sum / (s * whole)).sum(-1)).mean()
     token = torch.arange(T, device=logits.device).repeat_interleave(k)
     weight = top_w.reshape(-1)
-    order = torch.argsort(key, stable=True)  # by sequence, expert, then position
-    capacity = cfg.capacity(s)
+    capacity = cfg.capacity(s * whole)
     dropped = torch.zeros((), dtype=torch.int64, device=logits.device)
-    if capacity is not None:
-        # An assignment's rank in its group: its place in the sorted order minus the group's
-        # start. Groups beyond `capacity` lose their later assignments.
-        starts = per_seq.cumsum(0) - per_seq
-        rank = torch.arange(T * k, device=logits.device) - starts[key[order]]
-        kept = rank < capacity
-        dropped = (~kept).sum()
-        order = order[kept]
+    if capacity is None:
+        order = torch.arange(T * k, device=logits.device)
+    else:
+        order, dropped = _within_capacity(expert, b, s, k, E, capacity, split)
     # Kept assignments sorted by expert, by token within an expert.
     order = order[torch.argsort(expert[order] * T + token[order])]
     counts = torch.bincount(expert[order], minlength=E).cpu()
     return Routing(token=token[order], weight=weight[order], counts=counts, aux=aux,
-                   chosen=per_seq.view(b, E).sum(0), dropped=dropped)
+                   aux_value=aux_value, chosen=per_seq.view(b, E).sum(0), dropped=dropped)
+
+
+def _within_capacity(expert: Tensor, b: int, s: int, k: int, E: int, capacity: int,
+                     split: SequenceSplit | None) -> tuple[Tensor, Tensor]:
+    """The assignments (indices into `expert`, token-major) that fit: within each (sequence,
+    expert) group, the first `capacity` by position, then by the token's choice rank. Under
+    context parallel, the assignments of the sequence's earlier chunks, on whichever rank, come
+    first."""
+    dev = expert.device
+    parts = 1 if split is None else len(split.chunk_ids)
+    chunk = s // parts  # tokens of one chunk of one sequence here
+    idx = torch.arange(b * s * k, device=dev)
+    local_chunk = idx // (chunk * k) % parts
+    # Group key (sequence, local chunk, expert): positions run in order inside a key.
+    key = (idx // (s * k) * parts + local_chunk) * E + expert
+    groups = torch.bincount(key, minlength=b * parts * E)
+    order = torch.argsort(key, stable=True)
+    rank = idx - (groups.cumsum(0) - groups)[key[order]]  # place within its group, sorted
+    if split is not None:
+        # Assignments to each expert in every chunk of every sequence, by global chunk id:
+        # those in earlier chunks come before this rank's.
+        every = split.gather(groups.view(b, parts, E).float())  # [ranks, b, parts, E]
+        by_chunk = torch.zeros(b, split.n_chunks, E, device=dev)
+        ids = torch.tensor(split.chunk_ids, device=dev)
+        for r in range(split.ranks):
+            by_chunk[:, split.chunk_of(r)] = every[r]
+        before = (by_chunk.cumsum(1) - by_chunk)[:, ids].long()  # [b, parts, E]
+        rank = rank + before.reshape(-1)[key[order]]
+    kept = rank < capacity
+    return order[kept], (~kept).sum()
 
 
 class AuxLossGrad(torch.autograd.Function):
@@ -261,12 +321,13 @@ class MoE(nn.Module):
         self.shared = SharedExpert(dim, cfg.shared_hidden) if cfg.shared_hidden else None
         self.shared_gate = nn.Linear(dim, 1, bias=False) if cfg.shared_gate else None
         self.dispatcher = LocalDispatch()
+        self.split: SequenceSplit | None = None  # set by context parallel
         self.stats = MoEStats()
 
     def forward(self, x: Tensor) -> Tensor:
         b, s, d = x.shape
         flat = x.reshape(b * s, d)
-        r = route(self.router(flat), s, self.settings)
+        r = route(self.router(flat), s, self.settings, self.split)
         if self.training and torch.is_grad_enabled():
             self._record(r, b * s)
         y = self.dispatcher(flat[r.token], r.counts, self.experts)
@@ -284,7 +345,7 @@ class MoE(nn.Module):
 
     def _record(self, r: Routing, tokens: int) -> None:
         st = self.stats
-        st.aux = st.aux + r.aux.detach()
+        st.aux = st.aux + r.aux_value
         st.micro_batches += 1
         st.load = st.load + r.chosen
         st.dropped = st.dropped + r.dropped

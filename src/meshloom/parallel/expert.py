@@ -50,15 +50,10 @@ def check_ep_config(cfg: Config, dims: ParallelDims, model=None) -> str | None:
         return "parallel.ep > 1 cannot be combined with parallel.rank_devices"
     if not experts:
         return None
-    # Tokens are routed per sequence (models/moe.py); these layouts would see only part of one.
+    # Tokens are routed per sequence (models/moe.py): each tp rank would see a part of one.
     if p.sequence_parallel:
         return ("parallel.sequence_parallel is not supported with a mixture-of-experts model "
                 "yet (experts are replicated over tp and route whole sequences)")
-    if dims.cp > 1 and (getattr(model, "aux_loss_coef", 0) or
-                        getattr(model, "capacity_factor", None) is not None):
-        return (f"parallel.cp={dims.cp} splits sequences, but the load-balancing loss and the "
-                "capacity limit are per sequence: set model.aux_loss_coef=0 and leave "
-                "model.capacity_factor unset, or use parallel.cp=1")
     return None
 
 
@@ -145,3 +140,34 @@ def routing_metrics(model: nn.Module, mesh: Mesh, n_layers: int, n_experts: int)
     return {"aux_loss": float((aux / seen.clamp(min=1)).sum()),
             "tokens_dropped": int(dropped.sum()),
             "expert_load": loads.long().tolist()}
+
+
+class ContextSequences:
+    """models.moe.SequenceSplit under context parallel: this cp rank holds zigzag chunks r and
+    2cp-1-r of every sequence; routing statistics of whole sequences are summed or gathered
+    over cp (bookkeeping traffic, counted under its own ops)."""
+
+    def __init__(self, mesh: Mesh):
+        self.mesh, self.ranks = mesh, mesh.size("cp")
+        self.n_chunks = 2 * self.ranks
+        self.chunk_ids = self.chunk_of(mesh.coord("cp"))
+
+    def chunk_of(self, rank: int) -> tuple[int, ...]:
+        return rank, 2 * self.ranks - 1 - rank
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().clone()
+        comm.all_reduce(t, self.mesh, "cp", label="all_reduce_routing")
+        return t
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().contiguous()
+        out = t.new_empty((self.ranks * t.shape[0], *t.shape[1:]))
+        comm.all_gather_into(out, t, self.mesh, "cp", label="all_gather_routing")
+        return out.view(self.ranks, *t.shape)
+
+
+def split_sequences_over_cp(model: nn.Module, mesh: Mesh) -> None:
+    """Context parallel: every MoE routes whole sequences of which it sees chunks."""
+    for _, moe in moe_blocks(model):
+        moe.split = ContextSequences(mesh)
