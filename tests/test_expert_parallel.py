@@ -30,7 +30,8 @@ def _job(run_dir, cache, overrides, resume=False):
     with gradient_probe() as probe:
         r = train(cfg, resume=resume, keep_model=True)
     return {"losses": r.losses, "state": whole_weights(r.strategy, r.model),
-            "bytes": dict(r.counter.bytes), "moe": r.moe, **probe}
+            "bytes": dict(r.counter.bytes), "moe": r.moe,
+            "mem": dict(r.summary["model_state_bytes"]), **probe}
 
 
 _refs: dict = {}
@@ -188,3 +189,36 @@ def test_a_rank_whose_experts_get_no_token_still_joins_every_all_to_all():
     for (local, ep), (g_local, g_ep), _ in run_ranks(_lopsided_rank, 2, timeout=60):
         torch.testing.assert_close(ep, local, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(g_ep, g_local, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("world,overrides,shards", [
+    (4, ["parallel.ep=2"], (1, 1)),  # DDP: whole dense parameters, half the experts
+    (4, ["parallel.ep=4"], (1, 1)),
+    (4, ["parallel.ep=2", "parallel.zero_stage=1"], (4, 2)),  # optimizer over dp / edp_shard
+    (4, ["parallel.ep=2", "parallel.zero_stage=3"], (4, 2)),  # everything sharded
+])
+def test_memory_per_rank_is_the_formula(tmp_path, token_cache, world, overrides, shards):
+    """What each rank holds after the last step, from the live tensors (fp32, AdamW's two
+    moments): dense parameters as without experts, experts / ep; ZeRO shards the dense part
+    over dp_shard and the experts over edp_shard = dp_shard / ep (up to each flat buffer's
+    padding to a multiple of the shard count)."""
+    from meshloom.models import families
+
+    cfg = families.config_from_preset("mixtral-tiny")
+    total = cfg.num_params()
+    experts = 3 * cfg.n_experts * cfg.moe_hidden * cfg.dim * cfg.n_layers
+    dense = total - experts
+    ep = int(next(o for o in overrides if o.startswith("parallel.ep=")).split("=")[1])
+    stage = int(next((o.split("=")[1] for o in overrides if "zero_stage" in o), 0))
+    dense_shards, expert_shards = shards
+    local_dense, local_experts = dense / dense_shards, experts / ep / expert_shards
+    whole = 4 * (dense + experts / ep)
+    want = {"params": whole if stage < 3 else 4 * (local_dense + local_experts),
+            "grads": whole if stage < 2 else 4 * (local_dense + local_experts),
+            "optimizer": 8 * (local_dense + local_experts) if stage else 2 * whole}
+    results = run_ranks(_job, world, tmp_path, token_cache, overrides)
+    slack = 64 * 4 * 8 * (1 + 2 * cfg.n_layers)  # padding of the flat buffers, generously
+    for r in results:
+        for key, value in want.items():
+            got = r["mem"][key]
+            assert value <= got <= value + (slack if stage else 0), (key, got, value)

@@ -187,3 +187,22 @@ def test_meshloom_train_pipeline_and_report(tmp_path, token_cache):
     assert rep.returncode == 0, rep.stderr[-3000:]
     assert "bubble" in rep.stdout and "1f1b" in rep.stdout
     assert (run_dir / "pipeline" / "timeline.png").stat().st_size > 1000
+
+
+def test_meshloom_train_expert_parallel(tmp_path, token_cache):
+    """The command docs/moe.md starts with: Mixtral-style experts over 2 of 4 ranks."""
+    run_dir = tmp_path / "run"
+    proc = _run([sys.executable, "-m", "meshloom", "train", str(ROOT / "configs" / "moe.toml"),
+                 "--nproc", "4", "--set", "parallel.ep=2", "--set", "train.steps=3",
+                 "--set", f"run.dir={run_dir}", "--set", f"data.cache_dir={token_cache}"],
+                tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "(ep=2 of dp_shard x cp)" in proc.stdout
+    assert "rank   1  dp_shard 1/4" in proc.stdout and "experts part 1/2" in proc.stdout
+    assert "model: mixtral mixtral-tiny" in proc.stdout
+    records = _records(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:  # every token's 2 choices counted, none dropped (dropless)
+        assert [sum(layer) for layer in r["moe"]["expert_load"]] == [16 * 64 * 2] * 4
+        assert r["moe"]["tokens_dropped"] == 0 and r["moe"]["aux_loss"] > 0
+        assert r["comm_bytes"]["ep"] > 0

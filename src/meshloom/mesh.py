@@ -311,6 +311,9 @@ def _holds(dims: ParallelDims, c: dict[str, int], zero_stage: int = 0) -> str:
         parts.append(f"shard {c['dp_shard']}/{dims.dp_shard} of {_SHARDED[zero_stage]}")
     if dims.tp > 1:
         parts.append(f"tp slice {c['tp']}")
+    if dims.ep > 1:
+        part = (c["dp_shard"] * dims.cp + c["cp"]) % dims.ep
+        parts.append(f"experts part {part}/{dims.ep}")
     if dims.dp > 1:
         dp_idx = c["dp_replicate"] * dims.dp_shard + c["dp_shard"]
         parts.append(f"batch part {dp_idx}")
