@@ -75,6 +75,11 @@ CASES = [
     (2, ["parallel.cp=2"]),
     (4, ["parallel.ep=2", "parallel.cp=2"]),  # ep across the cp ranks of a sequence
     (4, ["parallel.ep=4", "parallel.cp=2", "parallel.zero_stage=2"]),
+    # Sequence parallel: each tp rank routes its slice of the sequence
+    (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    (4, ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+         "parallel.zero_stage=2"]),
+    (8, ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.cp=2"]),
     # 3-D: dp 2 x tp 2 x pp 2 with ZeRO-1, experts over the 2 data ranks
     (8, ["parallel.ep=2", "parallel.tp=2", "parallel.pp=2", "parallel.zero_stage=1",
          "parallel.pp_microbatches=2"]),
@@ -104,8 +109,10 @@ def test_all_to_all_bytes_match_the_formula(tmp_path, token_cache):
     assert results[0]["moe"][0]["tokens_dropped"] == 0
 
 
-@pytest.mark.parametrize("layout", [["parallel.ep=4"], ["parallel.ep=2", "parallel.cp=2"]],
-                         ids=["ep4", "ep2-cp2"])
+@pytest.mark.parametrize("layout", [
+    ["parallel.ep=4"], ["parallel.ep=2", "parallel.cp=2"],
+    ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true"]],
+    ids=["ep4", "ep2-cp2", "ep2-tp2-sp"])
 def test_capacity_drops_the_same_tokens(tmp_path, tmp_path_factory, token_cache, layout):
     """With a capacity factor the ep run drops exactly the single-process run's assignments
     (the same count every step, the same expert loads) and keeps parity; under context

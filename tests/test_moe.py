@@ -192,8 +192,6 @@ def test_published_mixtral_parameter_counts():
     (["parallel.ep=3", "train.global_batch=12", "train.eval_sequences=12"], 3,
      "parallel.ep=3 must divide model.n_experts=8"),
     (["parallel.ep=4"], 2, "parallel.ep=4 must be >= 1 and divide parallel.dp_shard x"),
-    (["parallel.tp=2", "parallel.sequence_parallel=true"], 2,
-     "parallel.sequence_parallel is not supported with a mixture-of-experts model"),
 ])
 def test_bad_moe_settings_are_one_line_errors(tmp_path, token_cache, overrides, nproc, message):
     cfg = tiny_config(tmp_path, token_cache, "model.preset=mixtral-tiny", *overrides)
@@ -206,3 +204,17 @@ def test_expert_parallel_needs_experts(tmp_path, token_cache):
     cfg = tiny_config(tmp_path, token_cache, "parallel.ep=2")
     with pytest.raises(ConfigError, match="parallel.ep=2 needs a mixture-of-experts model"):
         validate(cfg, 2)
+
+
+def test_sequence_and_context_parallel_need_an_even_tp_with_experts(tmp_path, token_cache):
+    """Each tp rank's slice of its cp rank's two zigzag chunks must lie in one chunk."""
+    from meshloom.mesh import ParallelDims
+    from meshloom.parallel.expert import check_ep_config
+
+    cfg = tiny_config(tmp_path, token_cache, "model.preset=mixtral-tiny",
+                      "parallel.sequence_parallel=true")
+    model = families.config_from_preset("mixtral-tiny")
+    odd = check_ep_config(cfg, ParallelDims(tp=3, cp=2, dp_shard=1), model)
+    assert odd is not None and "parallel.tp=3 must be even" in odd
+    assert check_ep_config(cfg, ParallelDims(tp=2, cp=2, dp_shard=1), model) is None
+    assert check_ep_config(cfg, ParallelDims(tp=3, cp=1, dp_shard=1), model) is None

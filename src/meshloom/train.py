@@ -257,7 +257,8 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
             if not finite:
                 record["skipped"] = "non-finite"
             if getattr(mcfg, "n_experts", 0):
-                record["moe"] = routing_metrics(model, mesh, mcfg.n_layers, mcfg.n_experts)
+                record["moe"] = routing_metrics(model, mesh, mcfg.n_layers, mcfg.n_experts,
+                                                cfg.parallel.sequence_parallel)
                 result.moe.append(record["moe"])
             last = done == cfg.train.steps
             if (cfg.train.eval_every and done % cfg.train.eval_every == 0) or last:

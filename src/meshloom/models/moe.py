@@ -99,6 +99,7 @@ class SequenceSplit(Protocol):
     ranks: int
     n_chunks: int
     chunk_ids: tuple[int, ...]
+    grad_scale: int  # what data parallel's average divides this rank's gradients by, beyond dp
 
     def chunk_of(self, rank: int) -> tuple[int, ...]:
         """The chunk ids rank `rank` holds, in the order its tokens come."""
@@ -114,11 +115,12 @@ def route(logits: Tensor, s: int, cfg: MoESettings,
           split: SequenceSplit | None = None) -> Routing:
     """Top-k routing of router `logits` [T, E] (T = b*s tokens, sequence after sequence).
 
-    Under context parallel (`split`) each sequence's s tokens here are only its chunks on this
-    rank: the assignment counts of the whole sequences are summed over the ranks, so the loss
-    and the capacity are exactly those of the whole sequences. The loss's gradient then comes
-    from this rank's probabilities only (`aux`, scaled by the rank count, as data parallel's
-    average divides every rank's gradient by it)."""
+    Under context or sequence parallel (`split`) each sequence's s tokens here are only its
+    parts on this rank: the assignment counts of the whole sequences are summed over the ranks,
+    so the loss and the capacity are exactly those of the whole sequences. The loss's gradient
+    then comes from this rank's probabilities only (`aux`, scaled by `split.grad_scale`: data
+    parallel's average divides a context-parallel rank's gradients by cp, while sequence
+    parallel sums its tp ranks')."""
     T, E, k = logits.shape[0], cfg.n_experts, cfg.top_k
     b = T // s
     logits = logits.float()
@@ -136,6 +138,7 @@ def route(logits: Tensor, s: int, cfg: MoESettings,
     probs = scores if cfg.score == "softmax" else scores / scores.sum(-1, keepdim=True)
     p_sum = probs.view(b, s, E).sum(1)
     whole = 1 if split is None else split.ranks  # the sequence is `whole` times what is here
+    scale = 1 if split is None else split.grad_scale
     if split is None:
         counts_seq, p_seq = per_seq.view(b, E).float(), p_sum.detach()
     else:
@@ -143,7 +146,7 @@ def route(logits: Tensor, s: int, cfg: MoESettings,
         counts_seq, p_seq = both[:b], both[b:]
     f = counts_seq / (s * whole * k)
     aux_value = (E * (f * p_seq / (s * whole)).sum(-1)).mean()
-    aux = (E * whole * (f * p_sum / (s * whole)).sum(-1)).mean()
+    aux = (E * scale * (f * p_sum / (s * whole)).sum(-1)).mean()
     token = torch.arange(T, device=logits.device).repeat_interleave(k)
     weight = top_w.reshape(-1)
     capacity = cfg.capacity(s * whole)

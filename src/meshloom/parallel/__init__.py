@@ -27,7 +27,7 @@ from meshloom.parallel import rank_devices
 from meshloom.parallel.activation_checkpointing import apply_block_options
 from meshloom.parallel.context import ContextParallel, PlainAttention
 from meshloom.parallel.ddp import DataParallel
-from meshloom.parallel.expert import apply_expert_parallel, split_sequences_over_cp
+from meshloom.parallel.expert import apply_expert_parallel, split_sequences
 from meshloom.parallel.expert_dp import expert_data_parallel
 from meshloom.parallel.fsdp import FullyShardedDataParallel
 from meshloom.parallel.pipeline import (
@@ -175,10 +175,11 @@ def parallelize(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig,
         tp = TensorParallel(model, tp_plan or model.TP_PLAN, mesh,
                             sequence_parallel=pcfg.sequence_parallel, strict=pp == 1)
     cp = ContextParallel(model, mesh) if mesh.size("cp") > 1 else None
-    if cp is not None:  # an MoE routes whole sequences, seeing chunks of them
-        split_sequences_over_cp(model, mesh)
     if mesh.size("ep") > 1:  # this rank's experts; tokens reach them by all-to-all
         apply_expert_parallel(model, mesh)
+    # An MoE routes whole sequences, of which it may see parts (cp chunks, sp slices); after
+    # expert parallel, whose new expert parameters get the sequence-parallel mark too.
+    split_sequences(model, mesh, pcfg.sequence_parallel)
     placed = _place_on_rank_devices(model, mesh, pcfg, seq_len) \
         if rank_devices.in_use(pcfg) else None
     apply_block_options(model, activation_checkpointing, compile_blocks, compile_backend)

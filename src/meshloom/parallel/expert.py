@@ -30,7 +30,7 @@ from meshloom import comm
 from meshloom.config import Config
 from meshloom.mesh import Mesh, ParallelDims
 from meshloom.models.moe import GroupedExperts, moe_blocks
-from meshloom.placement import TPSplit, carry_tags, ep_split, set_ep_split
+from meshloom.placement import TPSplit, carry_tags, ep_split, mark_sp_partial, set_ep_split
 
 AXIS = "ep"
 
@@ -50,10 +50,12 @@ def check_ep_config(cfg: Config, dims: ParallelDims, model=None) -> str | None:
         return "parallel.ep > 1 cannot be combined with parallel.rank_devices"
     if not experts:
         return None
-    # Tokens are routed per sequence (models/moe.py): each tp rank would see a part of one.
-    if p.sequence_parallel:
-        return ("parallel.sequence_parallel is not supported with a mixture-of-experts model "
-                "yet (experts are replicated over tp and route whole sequences)")
+    # Under sequence parallel with context parallel each tp rank's slice of its cp rank's two
+    # zigzag chunks must lie in one chunk (models/moe.py routes by chunk order).
+    if p.sequence_parallel and dims.cp > 1 and dims.tp % 2:
+        return (f"parallel.tp={dims.tp} must be even with parallel.sequence_parallel and "
+                f"parallel.cp={dims.cp} for a mixture-of-experts model (each tp rank's part of "
+                "the sequence must lie in one zigzag chunk)")
     return None
 
 
@@ -113,13 +115,15 @@ def apply_expert_parallel(model: nn.Module, mesh: Mesh) -> int:
     return len(blocks)
 
 
-def routing_metrics(model: nn.Module, mesh: Mesh, n_layers: int, n_experts: int) -> dict:
+def routing_metrics(model: nn.Module, mesh: Mesh, n_layers: int, n_experts: int,
+                    sequence_parallel: bool = False) -> dict:
     """What the MoE blocks' routing did this step, over all the ranks: `aux_loss` (the summed
     per-layer load-balancing losses, each the mean over micro-batches and ranks: what
     `aux_loss_coef` multiplies), `tokens_dropped` (assignments over capacity), and
     `expert_load` (assignments per expert per layer, before the capacity limit). Each rank
-    reports the tokens it routed; collective over the data x context ranks and the pipeline
-    (tensor-parallel ranks route the same tokens and are counted once)."""
+    reports the tokens it routed; collective over the data x context ranks and the pipeline,
+    and over tp under sequence parallel (without it, tp ranks route the same tokens and are
+    counted once)."""
     loads = torch.zeros(n_layers, n_experts, dtype=torch.float64)
     aux = torch.zeros(n_layers, dtype=torch.float64)
     dropped = torch.zeros(n_layers, dtype=torch.float64)
@@ -132,7 +136,7 @@ def routing_metrics(model: nn.Module, mesh: Mesh, n_layers: int, n_experts: int)
         dropped[layer] += float(st.dropped)
         seen[layer] += st.micro_batches
     packed = torch.cat([loads.flatten(), aux, dropped, seen]).to(mesh.device)
-    for axis in (mesh.replica_axis, "pp"):
+    for axis in (mesh.replica_axis, "pp", *(("tp",) if sequence_parallel else ())):
         comm.all_reduce(packed, mesh, axis, label="all_reduce_scalars")
     packed = packed.cpu()
     loads = packed[:n_layers * n_experts].view(n_layers, n_experts)
@@ -142,32 +146,63 @@ def routing_metrics(model: nn.Module, mesh: Mesh, n_layers: int, n_experts: int)
             "expert_load": loads.long().tolist()}
 
 
-class ContextSequences:
-    """models.moe.SequenceSplit under context parallel: this cp rank holds zigzag chunks r and
-    2cp-1-r of every sequence; routing statistics of whole sequences are summed or gathered
-    over cp (bookkeeping traffic, counted under its own ops)."""
+class SequenceShards:
+    """models.moe.SequenceSplit when a sequence's tokens are spread over ranks: context parallel
+    (zigzag chunks r and 2cp-1-r of 2cp on cp rank r) and/or sequence parallel (the tp ranks
+    each hold a contiguous part of what their cp rank holds; with cp, tp even, so that each part
+    lies in one zigzag chunk). Routing statistics of whole sequences are summed or gathered
+    over those ranks (bookkeeping traffic, counted under its own ops)."""
 
-    def __init__(self, mesh: Mesh):
-        self.mesh, self.ranks = mesh, mesh.size("cp")
-        self.n_chunks = 2 * self.ranks
-        self.chunk_ids = self.chunk_of(mesh.coord("cp"))
+    def __init__(self, mesh: Mesh, sequence_parallel: bool):
+        self.mesh = mesh
+        self.cp = mesh.size("cp")
+        self.tp = mesh.size("tp") if sequence_parallel else 1
+        self.axes = [a for a, n in (("tp", self.tp), ("cp", self.cp)) if n > 1]
+        self.ranks = self.cp * self.tp
+        # Data x context parallel averages gradients over cp; tp sums its partial ones.
+        self.grad_scale = self.cp
+        self.n_chunks = 2 * self.cp * max(1, self.tp // 2) if self.cp > 1 else self.tp
+        self.chunk_ids = self.chunk_of(mesh.coord("cp") * self.tp + mesh.coord("tp")
+                                       if self.tp > 1 else mesh.coord("cp"))
 
-    def chunk_of(self, rank: int) -> tuple[int, ...]:
-        return rank, 2 * self.ranks - 1 - rank
+    def chunk_of(self, index: int) -> tuple[int, ...]:
+        """Chunk ids of the rank at `index` = cp coordinate x tp + tp coordinate (the order of
+        `gather`), in the order its tokens come."""
+        r, t = divmod(index, self.tp)
+        if self.cp == 1:
+            return (t,)
+        zigzag = (r, 2 * self.cp - 1 - r)
+        if self.tp == 1:
+            return zigzag
+        half = self.tp // 2
+        return (zigzag[t // half] * half + t % half,)
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach().clone()
-        comm.all_reduce(t, self.mesh, "cp", label="all_reduce_routing")
+        for axis in self.axes:
+            comm.all_reduce(t, self.mesh, axis, label="all_reduce_routing")
         return t
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """[cp x tp, *t.shape]: every rank's t, cp major (tp gathered first, then cp)."""
         t = t.detach().contiguous()
-        out = t.new_empty((self.ranks * t.shape[0], *t.shape[1:]))
-        comm.all_gather_into(out, t, self.mesh, "cp", label="all_gather_routing")
-        return out.view(self.ranks, *t.shape)
+        shape = t.shape
+        for axis in self.axes:
+            out = t.new_empty((self.mesh.size(axis) * t.shape[0], *t.shape[1:]))
+            comm.all_gather_into(out, t, self.mesh, axis, label="all_gather_routing")
+            t = out
+        return t.view(self.ranks, *shape)
 
 
-def split_sequences_over_cp(model: nn.Module, mesh: Mesh) -> None:
-    """Context parallel: every MoE routes whole sequences of which it sees chunks."""
+def split_sequences(model: nn.Module, mesh: Mesh, sequence_parallel: bool) -> None:
+    """Context or sequence parallel: every MoE routes whole sequences of which it sees parts;
+    under sequence parallel each tp rank routes its own part, so the MoE's parameters get
+    partial gradients there (summed over tp after backward, like a norm's)."""
+    sp = sequence_parallel and mesh.size("tp") > 1
+    if mesh.size("cp") == 1 and not sp:
+        return
     for _, moe in moe_blocks(model):
-        moe.split = ContextSequences(mesh)
+        moe.split = SequenceShards(mesh, sp)
+        if sp:
+            for p in moe.parameters():
+                mark_sp_partial(p)
