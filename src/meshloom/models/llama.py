@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from meshloom.models.contract import Family, Pieces
-from meshloom.models.moe import MoE, MoESettings, moe_problem
+from meshloom.models.moe import FeedForward, MoE, MoESettings, moe_problem
 
 
 class _HeadDim:
@@ -499,17 +499,6 @@ def cached_attention(q: Tensor, k: Tensor, v: Tensor, window: int | None = None)
     return out.reshape(b, h, s, d)
 
 
-class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -610,15 +599,6 @@ class Llama(nn.Module):
 
     def layer_costs(self, seq_len: int) -> tuple[list[float], float]:
         return self.cfg.layer_costs(seq_len)
-
-    def active_params(self) -> int:
-        """Parameters one token's forward uses: as num_params, but top_k routed experts per
-        block instead of all of them (equal to num_params for a dense model)."""
-        routed_idle = 0
-        m = self.moe()
-        if m is not None:
-            routed_idle = 3 * self.dim * m.hidden * (m.n_experts - m.top_k) * self.n_layers
-        return self.num_params() - routed_idle
 
     def flops_per_token(self, seq_len: int) -> float:
         return self.cfg.flops_per_token(seq_len)

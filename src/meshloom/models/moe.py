@@ -290,7 +290,9 @@ class LocalDispatch:
         return experts(x, counts)
 
 
-class SharedExpert(nn.Module):
+class FeedForward(nn.Module):
+    """The SwiGLU feed-forward: a dense block's (models/llama.py) and the shared expert."""
+
     def __init__(self, dim: int, hidden: int):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden, bias=False)
@@ -321,7 +323,7 @@ class MoE(nn.Module):
         self.settings = cfg
         self.router = nn.Linear(dim, cfg.n_experts, bias=False)
         self.experts = GroupedExperts(cfg.n_experts, dim, cfg.hidden)
-        self.shared = SharedExpert(dim, cfg.shared_hidden) if cfg.shared_hidden else None
+        self.shared = FeedForward(dim, cfg.shared_hidden) if cfg.shared_hidden else None
         self.shared_gate = nn.Linear(dim, 1, bias=False) if cfg.shared_gate else None
         self.dispatcher = LocalDispatch()
         self.split: SequenceSplit | None = None  # set by context parallel
