@@ -1,0 +1,210 @@
+"""Kernel rates as data: how fast one GPU runs the kernels a training step is made of.
+
+A table (`plan/kernels/<gpu>.json`, schema in docs/plan.md) lists bf16 GEMM throughput per
+(m, n, k), attention kernel throughput per (sequence, head width, causal, direction), the
+streaming HBM bandwidth and the gap each kernel launch leaves. Every number is either measured
+on that GPU by `meshloom bench kernels` (`kind: measured`) or taken from a published
+microbenchmark and cited per number (`kind: published`). Nothing in a table is fitted to
+end-to-end training throughput: the planner's step times are built from these rates, and the
+validation against published runs (benchmarks/planner_validation.py) is a prediction.
+
+Lookups between measured points:
+- GEMM: a shape in the table is answered exactly. Otherwise the rate is the inverse-distance
+  weighted mean (power 2) of the `GEMM_NEIGHBOURS` nearest points, distance measured in
+  log2(m), log2(n), log2(k): GEMM efficiency follows the size of each dimension on a log scale
+  (tile quantisation, the depth k of the reduction), and a near shape is the best guide.
+- Attention: per (head width, causal, direction), linear in log2(seq) between the two nearest
+  sequence lengths, clamped at the ends; the nearest head width when the asked one is missing.
+  A missing `bwd` row is derived from `fwd` and `fwd_bwd` at the same point (FlashAttention's
+  FLOP convention: bwd = 2.5 x fwd, fwd_bwd = 3.5 x fwd, so the times subtract).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from meshloom.plan import PlanError
+
+TABLE_DIR = Path(__file__).resolve().parent / "kernels"
+GEMM_NEIGHBOURS = 4
+DIRECTIONS = ("fwd", "bwd", "fwd_bwd")
+# FlashAttention's FLOP convention (per direction, relative to one forward).
+ATTENTION_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
+
+
+@dataclass(frozen=True)
+class KernelTable:
+    gpu: str
+    kind: str  # "measured" or "published"
+    device: str
+    path: str
+    gemm: tuple[tuple[int, int, int, float], ...]  # (m, n, k, TFLOP/s)
+    attention: tuple[tuple[int, int, bool, str, float], ...]  # (seq, head_dim, causal, dir, TF/s)
+    hbm_gbps: float | None  # achieved streaming bandwidth, GB/s
+    launch_us: float | None  # gap per kernel launch, microseconds
+
+    def gemm_tflops(self, m: int, n: int, k: int) -> float:
+        """bf16 TFLOP/s of C[m, n] = A[m, k] B[k, n] on this GPU."""
+        return _gemm_rate(self.gemm, max(1, int(m)), max(1, int(n)), max(1, int(k)))
+
+    def gemm_seconds(self, m: float, n: float, k: float, count: float = 1.0) -> float:
+        if m <= 0 or n <= 0 or k <= 0:
+            return 0.0
+        return count * 2.0 * m * n * k / (self.gemm_tflops(m, n, k) * 1e12)
+
+    def attention_tflops(self, seq: int, head_dim: int, causal: bool, direction: str) -> float:
+        """TF/s of a fused attention kernel, FlashAttention's FLOP convention."""
+        return _attention_rate(self.attention, int(seq), int(head_dim), bool(causal), direction)
+
+    @property
+    def has_attention(self) -> bool:
+        return bool(self.attention)
+
+
+def attention_flops(batch_heads: float, q_len: float, kv_len: float, head_dim: int,
+                    causal: bool, direction: str) -> float:
+    """FLOPs of a fused attention call as FlashAttention counts them: 4·q·kv·d per head forward
+    (QK^T and PV), halved when causal, x2.5 backward."""
+    f = 4.0 * batch_heads * q_len * kv_len * head_dim * (0.5 if causal else 1.0)
+    return f * ATTENTION_FLOP_FACTOR[direction]
+
+
+def _gemm_rate(points: tuple, m: int, n: int, k: int) -> float:
+    if not points:
+        raise PlanError("kernel table has no GEMM rows")
+    q = (math.log2(m), math.log2(n), math.log2(k))
+    scored = []
+    for pm, pn, pk, rate in points:
+        d2 = sum((a - b) ** 2 for a, b in zip(q, (math.log2(pm), math.log2(pn), math.log2(pk))))
+        if d2 == 0.0:
+            return rate
+        scored.append((d2, rate))
+    scored.sort()
+    near = scored[:GEMM_NEIGHBOURS]
+    weights = [1.0 / d2 for d2, _ in near]
+    return sum(w * r for w, (_, r) in zip(weights, near)) / sum(weights)
+
+
+def _attention_rate(points: tuple, seq: int, head_dim: int, causal: bool, direction: str) -> float:
+    if direction not in DIRECTIONS:
+        raise PlanError(f"attention direction {direction!r}: one of {', '.join(DIRECTIONS)}")
+    if not points:
+        raise PlanError("kernel table has no attention rows")
+    dims = sorted({p[1] for p in points}, key=lambda d: (abs(math.log2(d / head_dim)), d))
+    for d in dims:
+        for c in (causal, not causal):  # the other mask only if this one was never measured
+            rate = _series_rate(points, seq, d, c, direction)
+            if rate is not None:
+                return rate
+    raise PlanError(f"kernel table: no attention rows usable for {direction}")
+
+
+def _series_rate(points: tuple, seq: int, d: int, causal: bool, direction: str) -> float | None:
+    series = {p[0]: p[4] for p in points if p[1] == d and p[2] == causal and p[3] == direction}
+    if not series and direction == "bwd":  # derive from fwd and fwd_bwd at common lengths
+        fwd = {p[0]: p[4] for p in points if p[1] == d and p[2] == causal and p[3] == "fwd"}
+        both = {p[0]: p[4] for p in points if p[1] == d and p[2] == causal
+                and p[3] == "fwd_bwd"}
+        for s in set(fwd) & set(both):
+            t_bwd = 3.5 / both[s] - 1.0 / fwd[s]  # per unit of forward FLOPs
+            if t_bwd > 0:
+                series[s] = 2.5 / t_bwd
+    if not series:
+        return None
+    xs = sorted(series)
+    if seq <= xs[0]:
+        return series[xs[0]]
+    if seq >= xs[-1]:
+        return series[xs[-1]]
+    hi = next(i for i, x in enumerate(xs) if x >= seq)
+    a, b = xs[hi - 1], xs[hi]
+    w = (math.log2(seq) - math.log2(a)) / (math.log2(b) - math.log2(a))
+    return series[a] + w * (series[b] - series[a])
+
+
+def load(path: str | Path) -> KernelTable:
+    """Read and check a kernel table; any defect is a one-line PlanError naming the file."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise PlanError(f"kernel table {path}: no such file") from None
+    except (OSError, ValueError) as exc:
+        raise PlanError(f"kernel table {path}: not readable JSON ({exc})") from None
+    return parse(raw, str(path))
+
+
+def parse(raw: dict, where: str = "<table>") -> KernelTable:
+    def bad(msg: str) -> PlanError:
+        return PlanError(f"kernel table {where}: {msg}")
+
+    if not isinstance(raw, dict):
+        raise bad("must be a JSON object")
+    for key in ("gpu", "kind", "gemm"):
+        if key not in raw:
+            raise bad(f"missing key '{key}'")
+    if raw["kind"] not in ("measured", "published"):
+        raise bad(f"kind={raw['kind']!r} must be 'measured' or 'published'")
+    sources = raw.get("sources") or {}
+    gemm = []
+    for i, row in enumerate(raw["gemm"]):
+        try:
+            m, n, k, rate = int(row["m"]), int(row["n"]), int(row["k"]), float(row["tflops"])
+        except (KeyError, TypeError, ValueError):
+            raise bad(f"gemm row {i} needs integer m, n, k and a number tflops") from None
+        if min(m, n, k) < 1 or not rate > 0:
+            raise bad(f"gemm row {i}: sizes must be positive and tflops > 0")
+        _check_source(raw, row, sources, f"gemm row {i}", bad)
+        gemm.append((m, n, k, rate))
+    if not gemm:
+        raise bad("has no gemm rows")
+    attention = []
+    for i, row in enumerate(raw.get("attention") or []):
+        try:
+            item = (int(row["seq"]), int(row["head_dim"]), bool(row["causal"]),
+                    str(row["direction"]), float(row["tflops"]))
+        except (KeyError, TypeError, ValueError):
+            raise bad(f"attention row {i} needs seq, head_dim, causal, direction, tflops") \
+                from None
+        if item[3] not in DIRECTIONS or not item[4] > 0 or min(item[:2]) < 1:
+            raise bad(f"attention row {i}: direction one of {', '.join(DIRECTIONS)}, "
+                      "positive sizes and tflops")
+        _check_source(raw, row, sources, f"attention row {i}", bad)
+        attention.append(item)
+    scalars = {}
+    for key in ("hbm_gbps", "launch_us"):
+        entry = raw.get(key)
+        value = entry.get("value") if isinstance(entry, dict) else entry
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not value > 0):
+            raise bad(f"{key} must be a positive number or null")
+        if isinstance(entry, dict) and value is not None:
+            _check_source(raw, entry, sources, key, bad)
+        scalars[key] = float(value) if value is not None else None
+    return KernelTable(str(raw["gpu"]), raw["kind"], str(raw.get("device", raw["gpu"])), where,
+                       tuple(gemm), tuple(attention), scalars["hbm_gbps"], scalars["launch_us"])
+
+
+def _check_source(raw: dict, row: dict, sources: dict, what: str, bad) -> None:
+    """A published number names its source, and the source must be listed."""
+    if raw["kind"] != "published":
+        return
+    key = row.get("source")
+    if key is None or key not in sources:
+        raise bad(f"{what}: a published table cites a source listed in 'sources' for every "
+                  f"number (got {key!r})")
+
+
+@lru_cache(maxsize=None)
+def for_gpu(name: str) -> KernelTable | None:
+    """The committed table for a GPU preset, or None when there is none."""
+    path = TABLE_DIR / f"{name}.json"
+    return load(path) if path.exists() else None
+
+
+def available() -> list[str]:
+    return sorted(p.stem for p in TABLE_DIR.glob("*.json"))

@@ -1,0 +1,152 @@
+"""What one transformer block runs on one GPU for one micro-batch: its GEMMs with their real
+shapes, its attention call, its memory-bound (elementwise) traffic and its kernel count. The
+planner prices these with a kernel table (plan/kernel_table.py); `meshloom bench kernels`
+measures the same GEMM shapes, so a measured table answers the planner's questions exactly.
+
+Shapes: a linear layer W[out, in] applied to T tokens is the forward GEMM (m, n, k) =
+(T, out, in); backward is the input gradient (T, in, out) and the weight gradient (out, in, T).
+
+Elementwise bytes per token depend on the implementation (`fused`):
+- fused (torch.compile, Megatron/TransformerEngine fused kernels): each logical operation reads
+  its inputs and writes its output once. Llama: 2 RMSNorms (read, write: 2·2h), 2 residual adds
+  (read 2, write 1: 2·3h), SwiGLU over F/t (read 2, write 1); GPT: 2 LayerNorms, 2 dropout +
+  residual (read 2, write 1, 1-byte mask), bias + GeLU over 4h/t (read, write). Eager attention
+  moves every score through softmax (and dropout for GPT); fused attention keeps them on chip.
+- eager (PyTorch eager as meshloom's Llama block is written, models/llama.py): RMSNorm in fp32
+  (up-cast, square, mean, scale, gain, down-cast: 40h bytes and 7 kernels per norm), RoPE on q
+  and k in fp32 (about 48 bytes per element and 10 kernels each), grouped-query K/V repeated to
+  every head, the attention output made contiguous, 2 residual adds, SiLU and the product as
+  two kernels (10F/t bytes). GPT eager: LayerNorm (read, write), dropout and residual as two
+  kernels each, bias + GeLU as two.
+Backward moves twice the forward's bytes (every op reads the output gradient and what it saved,
+and writes the input gradient) with twice its kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshloom.plan.models import ModelShape
+
+IMPLEMENTATIONS = ("fused", "eager")
+
+
+@dataclass(frozen=True)
+class Gemm:
+    name: str
+    m: int
+    n: int
+    k: int
+    count: float = 1.0  # how many times this GEMM runs (experts of a rank, heads of a batch)
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.m * self.n * self.k * self.count
+
+    def backward(self) -> tuple[Gemm, Gemm]:
+        """(input gradient, weight gradient) of the forward C[m, n] = A[m, k] W[k, n]."""
+        return (Gemm(self.name + ".dgrad", self.m, self.k, self.n, self.count),
+                Gemm(self.name + ".wgrad", self.k, self.n, self.m, self.count))
+
+
+def _linear(name: str, tokens: int, out: int, inp: int, count: float = 1.0) -> Gemm:
+    return Gemm(name, tokens, out, inp, count)
+
+
+def block_gemms(shape: ModelShape, tokens: int, tp: int, expert_rows: float = 0.0,
+                local_experts: int = 0) -> list[Gemm]:
+    """The forward GEMMs of one block on one tp rank for `tokens` local tokens. For an MoE
+    block, `expert_rows` routed rows per local expert and `local_experts` experts on the rank
+    (the feed-forward is not split over tp: plan/moe.py)."""
+    h, t = shape.hidden, tp
+    if shape.arch == "gpt":
+        f = shape.ffn_hidden
+        return [_linear("qkv", tokens, 3 * h // t, h), _linear("proj", tokens, h, h // t),
+                _linear("fc1", tokens, f // t, h), _linear("fc2", tokens, h, f // t)]
+    q, kv = shape.q_dim // t, shape.kv_dim // t
+    out = [_linear("wq", tokens, q, h), _linear("wk", tokens, kv, h),
+           _linear("wv", tokens, kv, h), _linear("wo", tokens, h, q)]
+    if not shape.is_moe:
+        f = shape.ffn_hidden // t
+        return out + [_linear("w1", tokens, f, h), _linear("w3", tokens, f, h),
+                      _linear("w2", tokens, h, f)]
+    out.append(_linear("router", tokens, shape.n_experts, h))
+    if shape.shared_hidden:
+        fs = shape.shared_hidden
+        out += [_linear("shared.w1", tokens, fs, h), _linear("shared.w3", tokens, fs, h),
+                _linear("shared.w2", tokens, h, fs)]
+    rows = max(1, round(expert_rows))
+    if local_experts and expert_rows > 0:
+        fe = shape.moe_hidden
+        out += [_linear("experts.w1", rows, fe, h, local_experts),
+                _linear("experts.w3", rows, fe, h, local_experts),
+                _linear("experts.w2", rows, h, fe, local_experts)]
+    return out
+
+
+def head_gemm(shape: ModelShape, tokens: int, tp: int) -> Gemm:
+    return _linear("head", tokens, shape.vocab // tp, shape.hidden)
+
+
+def all_gemms(shape: ModelShape, tokens: int, tp: int) -> list[Gemm]:
+    """Every distinct GEMM of a dense model's step (forward, input and weight gradients): what
+    `meshloom bench kernels` measures for a model."""
+    fwd = block_gemms(shape, tokens, tp) + [head_gemm(shape, tokens, tp)]
+    out = []
+    for g in fwd:
+        out += [g, *g.backward()]
+    return out
+
+
+def elementwise_bytes_per_token(shape: ModelShape, tp: int, sp: bool, e: int, impl: str,
+                                ffn_elems: float | None = None) -> float:
+    """HBM bytes one block's memory-bound kernels move in forward, per local token, excluding
+    the attention scores (`score_bytes_per_entry`). `ffn_elems`: an MoE block's feed-forward
+    elementwise width per token (plan/moe.py), replacing the dense SwiGLU's F/t."""
+    h, t = shape.hidden, tp
+    whole = t if sp else 1  # norms and residuals run on a 1/t slice of the sequence under SP
+    if shape.arch == "gpt":
+        f = shape.ffn_hidden / t
+        if impl == "fused":
+            return (4 * h * e + 2 * (3 * h * e + h)) / whole + 2 * f * e
+        # eager: LayerNorm read+write, dropout (read, write, mask) then add (read 2, write 1)
+        # twice, bias add and GeLU as separate passes over 4h/t.
+        return (2 * 2 * h * e + 2 * ((2 * h * e + h) + 3 * h * e)) / whole + 2 * 2 * f * e
+    mlp = 3 * shape.ffn_hidden / t if ffn_elems is None else ffn_elems
+    if impl == "fused":
+        return (4 * h + 2 * 3 * h) * e / whole + mlp * e
+    q, kv = shape.q_dim / t, shape.kv_dim / t
+    norms = 2 * 40 * h * e / 2  # 40h bytes per norm at e = 2 (fp32 internals scale with it)
+    rope = 48 * (q + kv) * e / 2
+    repeat = 2 * (q + kv) * e if shape.kv_heads != shape.heads else 0.0
+    contiguous = 2 * q * e
+    residual = 2 * 3 * h * e
+    swiglu = mlp * e * 10 / 3  # silu (read, write) and the product (read 2, write 1)
+    return (norms + residual) / whole + rope + repeat + contiguous + swiglu
+
+
+def score_bytes_per_entry(shape: ModelShape, e: int, flash: bool) -> float:
+    """Bytes per attention score (per head, query and key) an unfused attention moves in
+    forward: scale-mask-softmax read and write, and for GPT dropout's read, write and mask.
+    Fused attention keeps the scores on chip: 0."""
+    if flash:
+        return 0.0
+    return (2 * e + 2 * e + 1) if shape.arch == "gpt" else 2 * e
+
+
+def block_kernels(shape: ModelShape, impl: str, flash: bool) -> int:
+    """Kernels one block's forward launches (backward: twice as many). Counted from meshloom's
+    block as written (eager) and from a compiled block (fused: the GEMMs, attention, and one
+    fused kernel per run of elementwise work between them)."""
+    gemms = 4 if shape.arch == "gpt" else 7
+    if shape.is_moe:
+        gemms = 4 + 1 + (3 if shape.shared_hidden else 0) + 3
+    attention = 1 if flash else 4  # QK^T, softmax, (dropout), AV
+    if impl == "fused":
+        return gemms + attention + 6
+    if shape.arch == "gpt":
+        return gemms + attention + 2 * 3 + 2 * 2 + 2 + 2
+    rope = 2 * 10
+    repeat = 2 if shape.kv_heads != shape.heads else 0
+    moe = 12 if shape.is_moe else 0  # route, top-k, sort, gather, scatter, combine
+    return gemms + attention + 2 * 7 + rope + repeat + 1 + 2 + 2 + moe
