@@ -63,6 +63,9 @@ def add_parser(sub) -> None:
                         "zero, recompute, schedule, v, sp, ep")
     p.add_argument("--top", type=int, default=10, help="rows to show")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--explain", action="store_true",
+                   help="after the table, the best layout's step time and memory term by term "
+                        "(pin a layout with --fix to explain that one)")
     p.add_argument("--write-config", metavar="FILE", help="write the best layout as TOML")
     p.set_defaults(func=run)
 
@@ -112,7 +115,8 @@ def plan(args) -> tuple[ModelShape, list[Candidate], dict]:
                                                     "gpus": cluster.n_gpus,
                                                     "gpus_per_node": cluster.gpus_per_node},
              "seq": args.seq, "global_batch": batch, "dtype": args.dtype,
-             "attention": args.attention, "fix": fixed}
+             "attention": args.attention, "fix": fixed,
+             "rates": found[0].timing.detail.get("rates") if found else None}
     return shape, found, setup
 
 
@@ -128,6 +132,10 @@ def run(args) -> int:
         print(json.dumps({**setup, "candidates": [c.to_dict() for c in found]}, indent=1))
     else:
         print(format_table(shape, found, setup))
+    if args.explain and not args.json:
+        from meshloom.plan.explain import explain
+        print()
+        print(explain(found[0]))
     if args.write_config:
         print(f"wrote {args.write_config}", file=sys.stderr)
     return 0

@@ -12,7 +12,9 @@ Lookups between measured points:
 - GEMM: a shape in the table is answered exactly. Otherwise the rate is the inverse-distance
   weighted mean (power 2) of the `GEMM_NEIGHBOURS` nearest points, distance measured in
   log2(m), log2(n), log2(k): GEMM efficiency follows the size of each dimension on a log scale
-  (tile quantisation, the depth k of the reduction), and a near shape is the best guide.
+  (tile quantisation, the depth k of the reduction), and a near shape is the best guide. The
+  rate is capped by the nearest measured shape at least as large in every dimension (a smaller
+  GEMM is not faster), so shapes below the table are never priced above its smallest points.
 - Attention: per (head width, causal, direction), linear in log2(seq) between the two nearest
   sequence lengths, clamped at the ends; the nearest head width when the asked one is missing.
   A missing `bwd` row is derived from `fwd` and `fwd_bwd` at the same point (FlashAttention's
@@ -86,7 +88,13 @@ def _gemm_rate(points: tuple, m: int, n: int, k: int) -> float:
     scored.sort()
     near = scored[:GEMM_NEIGHBOURS]
     weights = [1.0 / d2 for d2, _ in near]
-    return sum(w * r for w, (_, r) in zip(weights, near)) / sum(weights)
+    rate = sum(w * r for w, (_, r) in zip(weights, near)) / sum(weights)
+    # A GEMM no larger in any dimension than a measured one does not run faster than it: the
+    # nearest such point caps the estimate (weights far above would otherwise lift a small
+    # shape beyond anything measured at its size).
+    cover = [(sum((a - math.log2(b)) ** 2 for a, b in zip(q, p[:3])), p[3]) for p in points
+             if p[0] >= m and p[1] >= n and p[2] >= k]
+    return min(rate, min(cover)[1]) if cover else rate
 
 
 def _attention_rate(points: tuple, seq: int, head_dim: int, causal: bool, direction: str) -> float:

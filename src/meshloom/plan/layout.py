@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, fields
 
 from meshloom.parallel.pipeline_schedule import SCHEDULES
 from meshloom.plan import PlanError
+from meshloom.plan.implementation import IMPL_KEYS, parse_bool
 
 RECOMPUTE = ("none", "selective", "full")
 DTYPES = ("bf16", "fp32")
@@ -59,7 +60,8 @@ class Layout:
 
 
 INT_KEYS = ("tp", "pp", "dp", "cp", "dp_replicate", "micro_batch", "zero", "v", "ep")
-FIX_KEYS = INT_KEYS + ("recompute", "schedule", "sp")
+BOOL_KEYS = ("sp",) + IMPL_KEYS
+FIX_KEYS = INT_KEYS + ("recompute", "schedule") + BOOL_KEYS
 
 
 def parse_fix(text: str) -> dict:
@@ -79,10 +81,8 @@ def parse_fix(text: str) -> dict:
             if not value.isdigit() or int(value) < (0 if key == "zero" else 1):
                 raise PlanError(f"--fix: {key}={value} must be a positive integer")
             out[key] = int(value)
-        elif key == "sp":
-            if value.lower() not in ("true", "false", "1", "0", "on", "off"):
-                raise PlanError(f"--fix: sp={value} must be true or false")
-            out[key] = value.lower() in ("true", "1", "on")
+        elif key in BOOL_KEYS:
+            out[key] = parse_bool(key, value)
         else:
             options = RECOMPUTE if key == "recompute" else SCHEDULES
             if value not in options:

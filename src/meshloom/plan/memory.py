@@ -102,8 +102,8 @@ def layer_activation_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype
     sb = s * b
     if rec == "full":  # only the layer input (SP: its sequence slice)
         return sb * h * e / (t if lay.sp else 1)
-    gpt = shape.arch == "gpt"
-    whole = 4 * h * e + (2 * h if gpt else 0)
+    gpt, drop = shape.arch == "gpt", shape.has_dropout
+    whole = 4 * h * e + (2 * h if drop else 0)  # two 1-byte dropout masks
     mlp_tensors = 2 if gpt else (2 if rec == "selective" else 4)  # selective recomputes silu*up
     if shape.is_moe:  # the feed-forward is not split over tp (plan/moe.py)
         split = (2 * h + 2 * shape.kv_dim) * e
@@ -115,8 +115,8 @@ def layer_activation_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype
         core = 0.0  # recomputed in backward
     elif flash:
         core = 4.0 * a  # the log-sum-exp, fp32 per head and token
-    else:  # GPT: softmax, dropout mask (1 byte), dropout output; Llama: softmax
-        core = a * s * (2 * e + 1 if gpt else e)
+    else:  # softmax, and with dropout its mask (1 byte) and output
+        core = a * s * (2 * e + 1 if drop else e)
     whole_bytes = sb * whole / (t if lay.sp else 1)
     return whole_bytes + sb * split / t + sb * core / t + moe
 
@@ -190,8 +190,9 @@ def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
         states = rank_model_states(shape, lay, rank, prec)
         alive = first if rank == 0 else last
         acts = alive * layers_on_rank(shape, lay.pp) * per_layer + working
-        if rank == 0:  # the embedding's output (and its 1-byte dropout mask for GPT)
-            acts += alive * s * b * shape.hidden * (e + (1 if shape.arch == "gpt" else 0))
+        if rank == 0 and shape.has_dropout:  # the embedding dropout's 1-byte mask; the
+            # embedding's output itself is the first block's input, counted there (SP: a slice)
+            acts += alive * s * b * shape.hidden / (lay.tp if lay.sp else 1)
         if rank == lay.pp - 1:
             acts += logits_bytes(shape, s, b, lay.tp, dtype) + s * b * shape.hidden * e
         buffers = _buffers(shape, lay, s, b, dtype)
@@ -242,7 +243,8 @@ def predict_run_memory(llama_cfg, cfg, dims, micro_batch: int) -> Memory:
     if getattr(llama_cfg, "family", "llama") == "gpt2":  # learned positions, biases, LayerNorm
         m = llama_cfg
         shape = from_dims("gpt", m.dim, m.n_layers, m.n_heads, m.vocab_size, name="run",
-                          ffn_hidden=m.hidden, positions=m.max_seq_len, tied=m.tie_embeddings)
+                          ffn_hidden=m.hidden, positions=m.max_seq_len, tied=m.tie_embeddings,
+                          dropout=getattr(m, "dropout", 0.0) > 0)
     else:
         shape = from_llama_config(llama_cfg, "run")
     return memory_per_gpu(shape, lay, cfg.data.seq_len, cfg.train.global_batch, dtype)

@@ -76,6 +76,9 @@ class ModelShape:
     # Routing options the layout rules read (parallel/expert.py: per-sequence terms refuse cp).
     aux_loss_coef: float = 0.0
     capacity_factor: float | None = None
+    # Dropout in training (GPT's embedding, attention and residual dropout keep 1-byte masks).
+    # None: the arch's usual recipe (GPT-2 and Megatron's GPT use 0.1; Llama none).
+    dropout: bool | None = None
 
     def __post_init__(self) -> None:
         # Checked here so that every way of building a shape (preset, HF file, flags) is covered.
@@ -148,6 +151,10 @@ class ModelShape:
                 self.moe_imbalance, (int, float)) or not self.moe_imbalance >= 1.0:
             raise PlanError(f"model {self.name!r}: moe_imbalance={self.moe_imbalance!r} must be "
                             "a number >= 1 (the busiest expert rank's load over the mean)")
+
+    @property
+    def has_dropout(self) -> bool:
+        return self.arch == "gpt" if self.dropout is None else self.dropout
 
     @property
     def is_moe(self) -> bool:
@@ -283,6 +290,7 @@ def from_dims(
     *,
     positions: int | None = None,
     tied: bool | None = None,
+    dropout: bool | None = None,
 ) -> ModelShape:
     """Shape from explicit dimensions, filling the rest with each family's usual defaults.
 
@@ -305,7 +313,7 @@ def from_dims(
         tied = False if tied is None else tied
     return ModelShape(name=name, arch=arch, hidden=hidden, layers=layers, heads=heads,
                       kv_heads=kv_heads, ffn_hidden=ffn_hidden, vocab=vocab, tied=tied,
-                      positions=positions)
+                      positions=positions, dropout=dropout)
 
 
 def from_llama_config(cfg: _llama.LlamaConfig, name: str = "custom") -> ModelShape:
@@ -420,6 +428,7 @@ def from_hf_config(path: str | Path) -> ModelShape:
             vocab=_require(data, "vocab_size", file),
             tied=bool(data.get("tie_word_embeddings", True)),
             positions=_require(data, "n_positions", file),
+            dropout=any(data.get(k, 0.1) for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")),
         )
     supported = ", ".join(_HF_LLAMA_TYPES + _HF_GPT_TYPES)
     raise PlanError(f"unsupported model_type {model_type!r} in {file}; supported: {supported}")

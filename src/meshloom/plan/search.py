@@ -30,6 +30,7 @@ from meshloom.models.llama import LlamaConfig
 from meshloom.parallel.pipeline_schedule import SCHEDULES
 from meshloom.plan import PlanError
 from meshloom.plan.hardware import Cluster
+from meshloom.plan.implementation import MESHLOOM, Implementation, split_fix
 from meshloom.plan.layout import RECOMPUTE, Layout
 from meshloom.plan.memory import Memory, act_elem_bytes, memory_per_gpu, rank_param_split
 from meshloom.plan.models import ModelShape
@@ -82,6 +83,7 @@ class Candidate:
             "hw_tflops_per_gpu": self.hw_tflops_per_gpu, "mfu": self.mfu,
             "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
             "time_breakdown_s": t.breakdown(), "bubble_fraction": t.bubble_fraction,
+            "time_detail_s": t.detail,
         } | ({"moe": self.moe} if self.moe is not None else {})
 
 
@@ -177,12 +179,13 @@ def _model(shape: ModelShape) -> LlamaConfig:
 
 def evaluate(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global_batch: int,
              dtype: str = "bf16", flash: bool = True, exact: bool = True,
-             memory: Memory | None = None) -> Candidate:
+             memory: Memory | None = None, impl: Implementation = MESHLOOM) -> Candidate:
     why = check_layout(shape, lay, cluster, seq, global_batch)
     if why:
         raise PlanError(f"layout {lay.short()}: {why}")
     mem = memory or memory_per_gpu(shape, lay, seq, global_batch, dtype, flash)
-    tim = step_time(shape, lay, cluster, seq, global_batch, dtype, flash, exact_bubble=exact)
+    tim = step_time(shape, lay, cluster, seq, global_batch, dtype, flash, exact_bubble=exact,
+                    impl=impl)
     moe = None
     if shape.is_moe:
         dense, experts = rank_param_split(shape, lay, lay.pp - 1)
@@ -260,9 +263,11 @@ def _rest(shape, cluster, seq, global_batch, fixed, opts, base: Layout) -> Itera
 
 def search(shape: ModelShape, cluster: Cluster, seq: int, global_batch: int, fixed: dict,
            dtype: str = "bf16", flash: bool = True, top: int = 10) -> list[Candidate]:
-    """The `top` fastest layouts that fit (the least memory-hungry ones if none fits)."""
+    """The `top` fastest layouts that fit (the least memory-hungry ones if none fits). The
+    implementation keys of `fixed` (plan/implementation.py) say how the code runs them."""
     if global_batch < 1 or seq < 1:
         raise PlanError("--seq and --global-batch must be positive")
+    fixed, impl = split_fix(fixed)
     fitting: list[Candidate] = []
     smallest: list[tuple[float, Layout]] = []
     count = 0
@@ -273,16 +278,16 @@ def search(shape: ModelShape, cluster: Cluster, seq: int, global_batch: int, fix
             smallest.append((mem.total, lay))
             continue
         fitting.append(evaluate(shape, lay, cluster, seq, global_batch, dtype, flash,
-                                exact=False, memory=mem))
+                                exact=False, memory=mem, impl=impl))
     if not count:
         raise PlanError(_no_layout(shape, cluster, seq, global_batch, fixed))
     if not fitting:
         smallest.sort(key=lambda x: x[0])
-        return [evaluate(shape, lay, cluster, seq, global_batch, dtype, flash)
+        return [evaluate(shape, lay, cluster, seq, global_batch, dtype, flash, impl=impl)
                 for _, lay in smallest[:top]]
     fitting.sort(key=lambda c: c.timing.step_time_s)
     head = [evaluate(shape, c.layout, cluster, seq, global_batch, dtype, flash,
-                     memory=c.memory) for c in fitting[:max(top, EXACT_PASS)]]
+                     memory=c.memory, impl=impl) for c in fitting[:max(top, EXACT_PASS)]]
     head.sort(key=lambda c: c.timing.step_time_s)
     return head[:top]
 

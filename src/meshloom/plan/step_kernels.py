@@ -107,11 +107,13 @@ def elementwise_bytes_per_token(shape: ModelShape, tp: int, sp: bool, e: int, im
     whole = t if sp else 1  # norms and residuals run on a 1/t slice of the sequence under SP
     if shape.arch == "gpt":
         f = shape.ffn_hidden / t
+        mask = h if shape.has_dropout else 0  # a 1-byte mask per residual branch
         if impl == "fused":
-            return (4 * h * e + 2 * (3 * h * e + h)) / whole + 2 * f * e
+            return (4 * h * e + 2 * (3 * h * e + mask)) / whole + 2 * f * e
         # eager: LayerNorm read+write, dropout (read, write, mask) then add (read 2, write 1)
         # twice, bias add and GeLU as separate passes over 4h/t.
-        return (2 * 2 * h * e + 2 * ((2 * h * e + h) + 3 * h * e)) / whole + 2 * 2 * f * e
+        drop = 2 * h * e + mask if shape.has_dropout else 0
+        return (2 * 2 * h * e + 2 * (drop + 3 * h * e)) / whole + 2 * 2 * f * e
     mlp = 3 * shape.ffn_hidden / t if ffn_elems is None else ffn_elems
     if impl == "fused":
         return (4 * h + 2 * 3 * h) * e / whole + mlp * e
@@ -131,7 +133,7 @@ def score_bytes_per_entry(shape: ModelShape, e: int, flash: bool) -> float:
     Fused attention keeps the scores on chip: 0."""
     if flash:
         return 0.0
-    return (2 * e + 2 * e + 1) if shape.arch == "gpt" else 2 * e
+    return (2 * e + 2 * e + 1) if shape.has_dropout else 2 * e
 
 
 def block_kernels(shape: ModelShape, impl: str, flash: bool) -> int:

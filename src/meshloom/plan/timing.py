@@ -1,35 +1,37 @@
-"""Step time of a layout: compute at an achievable fraction of peak, exposed communication per
-mesh axis, the pipeline bubble from the pipeline code's own schedule simulator, the optimizer.
+"""Step time of a layout: each block's kernels priced from the GPU's kernel table
+(plan/compute.py), exposed communication per mesh axis as the implementation overlaps it
+(plan/implementation.py), the pipeline bubble from the pipeline code's own schedule simulator,
+the optimizer step and clipping at the GPU's streaming bandwidth.
 
 FLOPs use the convention of the published figures (Narayanan et al. 2021, published.md): per
-token and layer 2 x (matrix weights) for the matmuls plus 4sh for attention (QK^T and AV over the
-whole sequence), the head 2Vh; backward is twice forward; full recompute adds one more forward of
-every layer (Megatron's 96BsLh^2 hardware FLOPs), selective recompute the attention core's.
-`tflops_per_gpu` counts model FLOPs only; `hw_tflops_per_gpu` adds recompute, as Megatron's
-Table 1 does.
+token and layer 2 x (matrix weights) for the matmuls plus 4s x (attention width) for attention
+(QK^T and AV over the whole sequence); the head 2Vh; backward is twice forward; full recompute
+adds one more forward of every layer (Megatron's 96BsLh^2 hardware FLOPs), selective recompute
+the attention core's. `tflops_per_gpu` counts model FLOPs only; `hw_tflops_per_gpu` adds
+recompute, as Megatron's Table 1 does. These are what the MFU is quoted in; the time is what the
+kernels take (a causal FlashAttention kernel, for one, does half the attention FLOPs).
 
-The fraction of peak a GPU reaches on a layer depends on how big its matmuls are: we model it as
-MATMUL_EFFICIENCY x n / (n + MATMUL_HALF_SIZE), n the smaller of the per-GPU hidden width (h/t)
-and the tokens per micro-batch (b s / cp). Both constants are fitted once to Megatron-LM's Table 1
-(published.md) with every other term of this model in place; `tests/test_plan_validation.py`
-holds the fit to that table.
+Nothing here is fitted to end-to-end runs: the kernel rates are measured or published
+microbenchmarks (plan/kernels/), the links' rates published (plan/hardware.py).
 
 Mixture of experts (plan/moe.py): the FLOPs count the active experts (top_k per token); the
-busiest GPU's expert compute is scaled by the imbalance allowance; each MoE block adds its
-all-to-alls (dispatch and combine, forward and backward), not overlapped, on NVLink when the ep
-group fits in a node and on the network otherwise; expert gradients are reduced over the ranks
-that hold the same experts.
+busiest GPU's expert GEMMs run its imbalance-scaled rows; each MoE block adds its all-to-alls
+(dispatch and combine, forward and backward), not overlapped, on NVLink when the ep group fits
+in a node and on the network otherwise; expert gradients are reduced over the ranks that hold
+the same experts.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 from meshloom.parallel.pipeline_schedule import Action, build_schedule, simulate
-from meshloom.plan.hardware import GB, Cluster, ring_time
+from meshloom.plan.compute import block_cost, head_cost, optimizer_seconds, rates_for
+from meshloom.plan.hardware import Cluster, ring_time
+from meshloom.plan.implementation import MESHLOOM, Implementation
 from meshloom.plan.layout import Layout
 from meshloom.plan.memory import act_elem_bytes, layers_on_rank, precision, rank_param_split
 from meshloom.plan.models import ModelShape
@@ -41,15 +43,9 @@ from meshloom.plan.moe import (
     dispatch_bytes,
     expert_replicas,
     expert_shard,
-    ffn_elementwise_elems_per_token,
-    ffn_forward_flops_per_token,
     load_factor,
 )
 
-MATMUL_EFFICIENCY = 0.67  # fitted on Megatron-LM Table 1 (see module docstring)
-MATMUL_HALF_SIZE = 100.0  # fitted on Megatron-LM Table 1
-# AdamW reads and writes master, m and v (4 B each), reads the gradient, writes the param.
-OPTIMIZER_BYTES_PER_PARAM = 28
 SIMULATE_LIMIT = 6000  # GPipe: micro-batches x stages simulated directly before extrapolating
 # Cluster.action_cv > 0: the expected span is the mean of this many seeded simulations (the
 # standard error of a 2-stage bubble at cv 0.1 is then ~0.002); a factor is never below the
@@ -58,9 +54,16 @@ JITTER_SAMPLES = 64
 JITTER_FLOOR = 0.3
 
 
+def attention_flops_per_token(shape: ModelShape, seq: int) -> float:
+    """Forward attention FLOPs per token and layer, Megatron's convention: QK^T and AV over the
+    whole sequence at the attention width (heads x head width), no causal halving."""
+    return 4 * seq * shape.q_dim
+
+
 def model_flops(shape: ModelShape, seq: int, global_batch: int) -> float:
     """Model FLOPs of one training step (forward + backward, no recompute)."""
-    per_token = shape.layers * (2 * shape.layer_matmul_params + 4 * seq * shape.hidden)
+    per_token = shape.layers * (2 * shape.layer_matmul_params
+                                + attention_flops_per_token(shape, seq))
     per_token += 2 * shape.vocab * shape.hidden
     return 3.0 * global_batch * seq * per_token
 
@@ -69,40 +72,11 @@ def recompute_flops(shape: ModelShape, seq: int, global_batch: int, recompute: s
     """Extra FLOPs the hardware does to recompute activations in backward."""
     tokens = global_batch * seq
     if recompute == "full":
-        return tokens * shape.layers * (2 * shape.layer_matmul_params + 4 * seq * shape.hidden)
+        return tokens * shape.layers * (2 * shape.layer_matmul_params
+                                        + attention_flops_per_token(shape, seq))
     if recompute == "selective":
-        return tokens * shape.layers * 4 * seq * shape.hidden
+        return tokens * shape.layers * attention_flops_per_token(shape, seq)
     return 0.0
-
-
-def elementwise_bytes(shape: ModelShape, lay: Layout, tokens: int, s_full: int, dtype: str,
-                      flash: bool) -> float:
-    """HBM bytes one layer's memory-bound (elementwise) kernels move in forward for one
-    micro-batch on one GPU: they run at memory bandwidth, not at matmul speed, and are what makes
-    small layers slow. Per token, in elements: GPT: 2 LayerNorms (read, write: 4h), 2 dropout +
-    residual (read 2, write 1, 1-byte mask: 7h/2 per element size), bias + GeLU over 4h/t (read,
-    write); Llama: 2 RMSNorms (4h), 2 residual adds (3h), SwiGLU over F/t (read 2, write 1).
-    Eager attention also moves every score (a/t x s per token): scale-mask-softmax (read, write),
-    dropout (read, write, mask) for GPT, softmax only for Llama; FlashAttention keeps them in
-    on-chip memory."""
-    e = act_elem_bytes(dtype)
-    h, t = shape.hidden, lay.tp
-    whole_div = t if lay.sp else 1
-    if shape.arch == "gpt":
-        per_token = (4 * h * e + 2 * (3 * h * e + h)) / whole_div + 2 * 4 * h * e / t
-        scores = (2 * e + 2 * e + 1) if not flash else 0
-    elif shape.is_moe:  # the MoE feed-forward's kernels are not split over tp (plan/moe.py)
-        per_token = (4 * h + 2 * 3 * h) * e / whole_div \
-            + ffn_elementwise_elems_per_token(shape, lay) * e
-        scores = 2 * e if not flash else 0
-    else:
-        per_token = (4 * h + 2 * 3 * h) * e / whole_div + 3 * shape.ffn_hidden * e / t
-        scores = 2 * e if not flash else 0
-    return tokens * (per_token + scores * shape.heads / t * s_full)
-
-
-def efficiency(n: float) -> float:
-    return MATMUL_EFFICIENCY * n / (n + MATMUL_HALF_SIZE)
 
 
 @dataclass
@@ -120,6 +94,9 @@ class Timing:
     hw_flops: float
     ep: float = 0.0  # all-to-all seconds (expert parallel), on the critical path
     moe: bool = False  # the model has experts: the breakdown names ep_comm (a dense one's never)
+    # For `meshloom plan --explain`: compute by kind of kernel and each communication's
+    # exposed and hidden seconds, per step on the busiest GPU; where the rates come from.
+    detail: dict = field(default_factory=dict)
 
     def breakdown(self) -> dict[str, float]:
         out = {"compute": self.compute, "tp_comm": self.tp, "cp_comm": self.cp,
@@ -129,41 +106,40 @@ class Timing:
 
 
 def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global_batch: int,
-              dtype: str = "bf16", flash: bool = True, exact_bubble: bool = True) -> Timing:
+              dtype: str = "bf16", flash: bool = True, exact_bubble: bool = True,
+              impl: Implementation = MESHLOOM) -> Timing:
     """Predicted seconds per optimizer step and where they go, on the busiest GPU.
     `exact_bubble=False` uses the closed-form bubble (published.md) instead of the simulator:
     the search's fast first pass."""
-    gpu = cluster.gpu
+    rates = rates_for(cluster)
     e = act_elem_bytes(dtype)
     s, b, t, p, v = seq // lay.cp, lay.micro_batch, lay.tp, lay.pp, lay.v
     m = lay.microbatches(global_batch)
     tokens = b * s
-    rate = gpu.peak_tflops * 1e12 * efficiency(min(shape.hidden / t, tokens))
 
-    # One layer, one micro-batch, on one GPU: matmuls and attention split over tp (and cp).
-    fwd_flops = tokens * (2 * shape.layer_matmul_params + 4 * seq * shape.hidden) / t
-    if shape.is_moe:  # attention over tp; the MoE feed-forward whole, its experts imbalanced
-        fwd_flops = tokens * (2 * shape.attention_matmul_params + 4 * seq * shape.hidden) / t \
-            + tokens * ffn_forward_flops_per_token(shape, lay)
-    attn_flops = tokens * 4 * seq * shape.hidden / t
-    ew = elementwise_bytes(shape, lay, tokens, seq, dtype, flash) / (gpu.hbm_gbps * GB)
-    f_layer = fwd_flops / rate + ew
-    b_layer = 2 * f_layer + {"none": 0.0, "selective": attn_flops / rate + (0 if flash else ew),
-                             "full": f_layer}[lay.recompute]
+    # One block, one micro-batch, on one GPU: its kernels from the kernel table.
+    blk = block_cost(shape, lay, rates, seq, e, flash, impl)
+    f_layer, b_layer = blk.fwd.total, blk.bwd.total
 
     # Tensor parallel: 2 all-reduces forward and 2 backward per layer (all-gather +
-    # reduce-scatter pairs with SP: the same bus time), 2 more when full recompute reruns forward.
+    # reduce-scatter pairs with SP: the same bus time), 2 more when full recompute reruns
+    # forward. With tp_overlap they run under the neighbouring GEMMs; only the excess waits.
     tp_bw = cluster.bus_bandwidth(t, 1)
     tp_one = ring_time("all_reduce", tokens * shape.hidden * e, t, tp_bw)
-    tp_f, tp_b = 2 * tp_one, (4 if lay.recompute == "full" else 2) * tp_one
+    tp_f_all, tp_b_all = 2 * tp_one, (4 if lay.recompute == "full" else 2) * tp_one
+    if impl.tp_overlap:
+        tp_f = max(0.0, tp_f_all - blk.fwd.gemm)
+        tp_b = max(0.0, tp_b_all - blk.bwd.gemm)
+    else:
+        tp_f, tp_b = tp_f_all, tp_b_all
 
-    # Context parallel: cp - 1 ring steps of this rank's K, V block per layer, each hidden behind
-    # the attention of the block it already holds; backward also passes their gradients.
+    # Context parallel: cp - 1 ring steps of this rank's K, V block per layer, each hidden
+    # behind the attention of the block it already holds; backward also passes their gradients.
     cp_f = cp_b = 0.0
     if lay.cp > 1:
         kv_bytes = 2 * tokens * shape.kv_dim * e / t
         hop = kv_bytes / cluster.bus_bandwidth(lay.cp, t)  # the network once the ring leaves a node
-        block = tokens * 4 * s * shape.hidden / t / rate
+        block = blk.fwd.attention / lay.cp
         cp_f = (lay.cp - 1) * max(0.0, hop - block)
         cp_b = (lay.cp - 1) * max(0.0, 2 * hop - 2 * block)
         if lay.recompute == "full":
@@ -181,7 +157,7 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     tp_f, tp_b = tp_f + ep_f, tp_b + ep_b  # priced like TP's: on the critical path
 
     layers = layers_on_rank(shape, p)
-    head_f = tokens * 2 * shape.vocab * shape.hidden / t / rate
+    head_f, head_b = head_cost(shape, lay, rates, seq, impl)
     chunk_layers = layers / v
     f_chunk = chunk_layers * (f_layer + tp_f + cp_f)
     b_chunk = chunk_layers * (b_layer + tp_b + cp_b)
@@ -192,7 +168,7 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
         if a.kind == "F":
             c = chunk_layers * (f_layer + (tp_f + cp_f) * comm) + (head_f if last else 0.0)
         else:
-            c = chunk_layers * (b_layer + (tp_b + cp_b) * comm) + (2 * head_f if last else 0.0)
+            c = chunk_layers * (b_layer + (tp_b + cp_b) * comm) + (head_b if last else 0.0)
             if a.kind in ("I", "W"):  # zero-bubble halves: I carries the comm
                 c = c / 2 if a.kind == "W" else c / 2 + chunk_layers * (tp_b + cp_b) * comm / 2
         return c
@@ -204,7 +180,7 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
         hop_pp = act / cluster.bus_bandwidth(2, stride)
 
     # Busiest rank: the last (it also runs the head).
-    busy_mb = v * (f_chunk + b_chunk) + 3 * head_f
+    busy_mb = v * (f_chunk + b_chunk) + head_f + head_b
     comm_mb = layers * (tp_f + tp_b + cp_f + cp_b)
     ep_total = m * layers * (ep_f + ep_b)
     tp_total = m * layers * tp_only
@@ -232,40 +208,62 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     kinds = ("F", "I", "W") if lay.schedule == "zb_h1" else ("F", "B")
     mean_busy = m * sum(cost(Action(k, st, 0)) for st in range(n_stages) for k in kinds) / p
 
-    dp_exposed = _dp_time(shape, lay, cluster, dtype, m, v * f_chunk, v * b_chunk)
+    dp = _dp_time(shape, lay, cluster, dtype, m, v * f_chunk, v * b_chunk, impl)
     dense, experts = rank_param_split(shape, lay, p - 1)
     opt_params = dense / (lay.dp_shard if lay.zero else 1)
     if experts:
         opt_params += experts / (expert_shard(lay) if lay.zero else 1)
-    optimizer = opt_params * OPTIMIZER_BYTES_PER_PARAM / (gpu.hbm_gbps * GB)
+    clip_params = opt_params if lay.zero >= 2 else dense + experts  # ZeRO-2/3 keep a shard
+    optimizer = optimizer_seconds(opt_params, clip_params, rates)
 
-    total = span + dp_exposed + optimizer
+    total = span + dp["exposed"] + optimizer
     mf = model_flops(shape, seq, global_batch)
     hw = mf + recompute_flops(shape, seq, global_batch, lay.recompute)
     compute = m * busy_mb - m * comm_mb
-    return Timing(total, compute, tp_total, cp_total, pp_comm, dp_exposed, bubble, optimizer,
-                  max(0.0, 1.0 - mean_busy / span_nolat) if span_nolat else 0.0, mf, hw,
-                  ep_total, shape.is_moe)
+    per_step = m * layers
+    detail = {
+        "rates": rates.source, "implementation": impl.to_dict(),
+        "compute_s": {"gemm": per_step * (blk.fwd.gemm + blk.bwd.gemm),
+                      "attention": per_step * (blk.fwd.attention + blk.bwd.attention),
+                      "elementwise": per_step * (blk.fwd.elementwise + blk.bwd.elementwise),
+                      "head_and_loss": m * (head_f + head_b)},
+        "comm_s": {"tp": {"exposed": tp_total, "hidden": m * layers * (tp_f_all + tp_b_all)
+                          - tp_total},
+                   "cp": {"exposed": cp_total},
+                   "dp": {"exposed": dp["exposed"], "hidden": dp["total"] - dp["exposed"],
+                          "ops": dp["ops"]},
+                   "pp": {"exposed": pp_comm}}
+        | ({"ep": {"exposed": ep_total}} if shape.is_moe else {}),
+        "bubble_s": bubble, "optimizer_s": optimizer,
+    }
+    return Timing(total, compute, tp_total, cp_total, pp_comm, dp["exposed"], bubble,
+                  optimizer, max(0.0, 1.0 - mean_busy / span_nolat) if span_nolat else 0.0, mf,
+                  hw, ep_total, shape.is_moe, detail)
 
 
 def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: int,
-             f_mb: float, b_mb: float) -> float:
-    """Exposed data-parallel communication per step, as meshloom's strategies run it. DDP
-    all-reduces in buckets during the last micro-batch's backward (hidden up to that backward's
-    length), over dp x cp ranks; ZeRO-1 reduce-scatters once after the last backward; ZeRO-2
-    reduce-scatters after every micro-batch behind its backward; ZeRO-1/2 all-gather the updated
-    parameters after the step (exposed); ZeRO-3 gathers every unit for forward and backward and
-    reduce-scatters its gradient, prefetched behind the micro-batch's compute, except the first
-    unit's gather; HSDP all-reduces the shard across replicas after the step, and with cp > 1 the
-    shard is averaged over the cp ranks too (both exposed). With expert parallel the experts'
-    gradients go over their own groups (plan/moe.py) at the same points: DDP all-reduces them
-    over the edp = dp x cp / ep ranks, ZeRO shards them over edp_shard (ep ranks apart) and
-    all-reduces the shard over dp_replicate; cp is inside edp_shard, so no cp average."""
+             f_mb: float, b_mb: float, impl: Implementation = MESHLOOM) -> dict:
+    """Data-parallel communication per step: {"exposed", "total", "ops"} seconds, as the
+    implementation runs it. meshloom: DDP all-reduces in buckets during the last micro-batch's
+    backward (hidden up to that backward's length), over dp x cp ranks; ZeRO-1 reduce-scatters
+    once after the last backward; ZeRO-2 reduce-scatters after every micro-batch behind its
+    backward; ZeRO-1/2 all-gather the updated parameters after the step (exposed); ZeRO-3
+    gathers every unit for forward and backward and reduce-scatters its gradient, prefetched
+    behind the micro-batch's compute, except the first unit's gather. `dp_overlap` (Megatron's
+    distributed optimizer): ZeRO-1/2's reduce-scatter hides behind the last backward and the
+    gather behind the first forward. `fsdp_prefetch` off: every ZeRO-3 gather and
+    reduce-scatter waits. HSDP all-reduces the shard across replicas after the step, and with
+    cp > 1 the shard is averaged over the cp ranks too (both exposed). With expert parallel the
+    experts' gradients go over their own groups (plan/moe.py) at the same points: DDP
+    all-reduces them over the edp = dp x cp / ep ranks, ZeRO shards them over edp_shard (ep
+    ranks apart) and all-reduces the shard over dp_replicate; cp is inside edp_shard, so no cp
+    average."""
+    none = {"exposed": 0.0, "total": 0.0, "ops": {}}
     dense, experts = rank_param_split(shape, lay, lay.pp - 1)
     if lay.ep == 1:  # no expert groups: the experts are ordinary parameters
         dense, experts = dense + experts, 0.0
     if lay.dp <= 1 and not experts:
-        return 0.0
+        return none
     prec = precision(dtype)
     stride = lay.cp * lay.tp
     n = lay.dp_shard
@@ -276,6 +274,7 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     xn = expert_shard(lay)
     xbw = cluster.bus_bandwidth(xn, lay.ep * lay.tp)
     x_grad, x_param = experts * prec.grad_bytes, experts * prec.param_bytes
+    ops: dict[str, float] = {}
     if lay.zero == 0:  # meshloom's DDP averages over every replica: dp x cp ranks, stride tp
         ranks = lay.dp * lay.cp
         reduce = ring_time("all_reduce", grad_b, ranks, cluster.bus_bandwidth(ranks, lay.tp))
@@ -283,30 +282,41 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
             xr = expert_replicas(lay)
             reduce += ring_time("all_reduce", x_grad, xr,
                                 cluster.bus_bandwidth(xr, lay.ep * lay.tp))
-        return max(0.0, reduce - b_mb)
+        ops["all_reduce"] = reduce
+        return {"exposed": max(0.0, reduce - b_mb), "total": reduce, "ops": ops}
     out = 0.0
     ag = ring_time("all_gather", param_b, n, bw)
     rs = ring_time("reduce_scatter", grad_b, n, bw)
     if experts:
         ag += ring_time("all_gather", x_param, xn, xbw)
         rs += ring_time("reduce_scatter", x_grad, xn, xbw)
-    if lay.zero == 1:  # reduce-scatters the accumulated gradients after the last backward
-        out += rs
-        out += ag
-    elif lay.zero == 2:
-        out += m * max(0.0, rs - b_mb)
-        out += ag
+    if lay.zero in (1, 2):
+        ops = {"reduce_scatter": rs * (m if lay.zero == 2 else 1), "all_gather": ag}
+        if impl.dp_overlap:
+            out += max(0.0, rs - b_mb) * (m if lay.zero == 2 else 1) + max(0.0, ag - f_mb)
+        elif lay.zero == 1:  # reduce-scatters the accumulated gradients after the last backward
+            out += rs + ag
+        else:
+            out += m * max(0.0, rs - b_mb) + ag
     else:
         units = max(1, layers_on_rank(shape, lay.pp))
-        out += m * (max(0.0, ag - f_mb) + max(0.0, ag + rs - b_mb) + ag / units)
+        ops = {"all_gather": 2 * m * ag, "reduce_scatter": m * rs}
+        if impl.fsdp_prefetch:
+            out += m * (max(0.0, ag - f_mb) + max(0.0, ag + rs - b_mb) + ag / units)
+        else:
+            out += m * (2 * ag + rs)
     if lay.dp_replicate > 1:
         rep_bw = cluster.bus_bandwidth(lay.dp_replicate, stride * n)
-        out += ring_time("all_reduce", grad_b / n, lay.dp_replicate, rep_bw)
+        rep = ring_time("all_reduce", grad_b / n, lay.dp_replicate, rep_bw)
         if experts:
-            out += ring_time("all_reduce", x_grad / xn, lay.dp_replicate, rep_bw)
+            rep += ring_time("all_reduce", x_grad / xn, lay.dp_replicate, rep_bw)
+        ops["replica_all_reduce"] = rep
+        out += rep
     if lay.cp > 1:  # the cp ranks of a shard hold the same parameters: average their shards
-        out += ring_time("all_reduce", grad_b / n, lay.cp, cluster.bus_bandwidth(lay.cp, lay.tp))
-    return out
+        cpr = ring_time("all_reduce", grad_b / n, lay.cp, cluster.bus_bandwidth(lay.cp, lay.tp))
+        ops["cp_all_reduce"] = cpr
+        out += cpr
+    return {"exposed": out, "total": max(out, sum(ops.values())), "ops": ops}
 
 
 def _cost_key(cost, n_stages: int, v: int) -> tuple:

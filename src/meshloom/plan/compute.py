@@ -1,0 +1,189 @@
+"""Seconds of compute of one block for one micro-batch on one GPU, priced kernel by kernel from
+the GPU's kernel table (plan/kernel_table.py) and the block's kernel inventory
+(plan/step_kernels.py).
+
+- GEMMs: every forward GEMM at its own shape's rate, and in backward its input gradient and its
+  weight gradient at theirs.
+- Attention: a fused kernel (FlashAttention / SDPA) at the table's attention rate for the
+  sequence, head width and causal mask, counting the FLOPs it really does (causal: half);
+  unfused attention as its two batched GEMMs per direction (QK^T, PV; four in backward) plus
+  the scores' trips through memory.
+- Elementwise: the bytes of plan/step_kernels.py at the table's streaming bandwidth.
+- Launch gaps: a kernel takes at least `launch_us` (the launch rate bounds a stream of short
+  kernels), so each GEMM costs max(its time, launch) and the elementwise kernels together
+  max(their bytes' time, their count x launch).
+A GPU without a table is priced at its datasheet peak and bandwidth, with no launch gap: an
+upper bound on speed, and said so (`Rates.source`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from meshloom.plan.hardware import GB, Cluster
+from meshloom.plan.implementation import Implementation
+from meshloom.plan.kernel_table import KernelTable, attention_flops, for_gpu
+from meshloom.plan.layout import Layout
+from meshloom.plan.models import ModelShape
+from meshloom.plan.moe import ffn_elementwise_elems_per_token, load_factor
+from meshloom.plan.step_kernels import (
+    Gemm,
+    block_gemms,
+    block_kernels,
+    elementwise_bytes_per_token,
+    head_gemm,
+    score_bytes_per_entry,
+)
+
+# Cross entropy over the logits: (forward, backward) bytes per logit beyond the head GEMM's
+# own output. Fused (compiled / Megatron's fused vocab-parallel loss): forward reads the logits
+# once; backward reads them again and writes their gradient. Eager (F.cross_entropy on bf16
+# logits under autocast): forward up-casts to fp32 (read 2, write 4) and takes the log-softmax
+# (two reads of 4 for the max and the sum, a write of 4); backward writes the scattered NLL
+# gradient (4), runs log-softmax's backward (read 4 twice, write 4) and down-casts (read 4,
+# write 2).
+CE_BYTES_PER_LOGIT = {"fused": (2.0, 4.0), "eager": (18.0, 22.0)}
+CE_KERNELS = {"fused": (1, 1), "eager": (4, 5)}
+# AdamW (fused, fp32 state) reads and writes the master weight, m and v and reads the gradient
+# (28 bytes). Clipping by the global norm reads every gradient for the norm and scales it in
+# place (read, write): 12 bytes more. meshloom always clips (train.grad_clip).
+OPTIMIZER_BYTES_PER_PARAM = 28.0
+CLIP_BYTES_PER_PARAM = 12.0
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What one GPU's kernels run at: its kernel table (or None) and the figures used without."""
+    table: KernelTable | None
+    peak_tflops: float
+    hbm_gbps: float
+    launch_s: float
+    scale: float  # --peak-tflops over the table GPU's datasheet peak (1 without an override)
+    source: str
+
+    def gemm(self, g: Gemm) -> float:
+        """Seconds of one GEMM (all its `count` instances, as one grouped launch)."""
+        if g.m <= 0 or g.n <= 0 or g.k <= 0 or g.count <= 0:
+            return 0.0
+        rate = (self.table.gemm_tflops(g.m, g.n, g.k) * self.scale if self.table
+                else self.peak_tflops)
+        return max(g.flops / (rate * 1e12), self.launch_s)
+
+    def attention(self, flops: float, seq: int, head_dim: int, causal: bool,
+                  direction: str) -> float:
+        if self.table is None or not self.table.has_attention:
+            return flops / (self.peak_tflops * 1e12)
+        rate = self.table.attention_tflops(seq, head_dim, causal, direction) * self.scale
+        return max(flops / (rate * 1e12), self.launch_s)
+
+    def stream(self, nbytes: float, kernels: float = 0.0) -> float:
+        return max(nbytes / (self.hbm_gbps * GB), kernels * self.launch_s)
+
+
+def rates_for(cluster: Cluster) -> Rates:
+    gpu = cluster.gpu
+    table = for_gpu(gpu.name)
+    if table is None:
+        return Rates(None, gpu.peak_tflops, gpu.hbm_gbps, 0.0, 1.0,
+                     f"no kernel table for {gpu.name}: datasheet peak and bandwidth "
+                     "(an upper bound on speed)")
+    from meshloom.plan.hardware import GPUS
+    base = GPUS.get(gpu.name)
+    scale = gpu.peak_tflops / base.peak_tflops if base else 1.0
+    hbm = table.hbm_gbps or gpu.hbm_gbps
+    if base and gpu.hbm_gbps != base.hbm_gbps:  # an override scales the achieved figure
+        hbm *= gpu.hbm_gbps / base.hbm_gbps
+    launch = (table.launch_us or 0.0) * 1e-6
+    return Rates(table, gpu.peak_tflops, hbm, launch, scale,
+                 f"kernel table {table.gpu} ({table.kind}: {table.device})")
+
+
+@dataclass
+class PassCost:
+    """Seconds of one pass of one block, by kind of kernel."""
+    gemm: float = 0.0
+    attention: float = 0.0
+    elementwise: float = 0.0
+    detail: dict = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return self.gemm + self.attention + self.elementwise
+
+    def __add__(self, other: PassCost) -> PassCost:
+        return PassCost(self.gemm + other.gemm, self.attention + other.attention,
+                        self.elementwise + other.elementwise)
+
+    def scaled(self, f: float) -> PassCost:
+        return PassCost(self.gemm * f, self.attention * f, self.elementwise * f)
+
+
+@dataclass
+class BlockCost:
+    fwd: PassCost
+    bwd: PassCost  # input and weight gradients, plus any recompute
+    attention_fwd: PassCost  # the attention core's forward alone (what selective reruns)
+
+
+def block_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, e: int, flash: bool,
+               impl: Implementation) -> BlockCost:
+    """One block, one micro-batch (lay.micro_batch sequences of seq / cp local tokens)."""
+    t, s = lay.tp, seq // lay.cp
+    tokens = lay.micro_batch * s
+    rows, local = 0.0, 0
+    if shape.is_moe:
+        local = shape.n_experts // lay.ep
+        rows = tokens * shape.top_k * load_factor(shape, lay) * lay.ep / shape.n_experts
+    gemms = block_gemms(shape, tokens, t, rows, local)
+    fwd = PassCost(gemm=sum(rates.gemm(g) for g in gemms))
+    bwd = PassCost(gemm=sum(rates.gemm(b) for g in gemms for b in g.backward()))
+
+    # Attention core: heads over tp; this rank's s queries against the keys they see.
+    bh = lay.micro_batch * shape.heads / t
+    kv_len = seq if shape.sliding_window is None else min(seq, shape.sliding_window)
+    windowed = kv_len < seq
+    att = PassCost()
+    if flash:
+        for direction, cost in (("fwd", att), ("bwd", bwd)):
+            fl = attention_flops(bh, s, kv_len, shape.head_dim, not windowed, direction)
+            cost.attention += rates.attention(fl, s, shape.head_dim, True, direction)
+    else:  # the unfused core: batched GEMMs, every score computed
+        qk = Gemm("qk", s, kv_len, shape.head_dim, bh)
+        pv = Gemm("pv", s, shape.head_dim, kv_len, bh)
+        att.attention = rates.gemm(qk) + rates.gemm(pv)
+        bwd.attention += sum(rates.gemm(b) for g in (qk, pv) for b in g.backward())
+    fwd.attention = att.attention
+
+    ffn = ffn_elementwise_elems_per_token(shape, lay) if shape.is_moe else None
+    impl_ew = impl.elementwise
+    ew_bytes = tokens * elementwise_bytes_per_token(shape, t, lay.sp, e, impl_ew, ffn)
+    score_bytes = tokens * bh / lay.micro_batch * kv_len * score_bytes_per_entry(shape, e, flash)
+    n_ew = block_kernels(shape, impl_ew, flash) - len(gemms) - (1 if flash else 4)
+    fwd.elementwise = rates.stream(ew_bytes + score_bytes, n_ew)
+    bwd.elementwise = rates.stream(2 * (ew_bytes + score_bytes), 2 * n_ew)
+    if not flash:  # softmax (and dropout) belong to the attention core: selective reruns them
+        att.elementwise = rates.stream(score_bytes)
+
+    if lay.recompute == "full":
+        bwd = bwd + fwd
+    elif lay.recompute == "selective":
+        bwd = bwd + att
+    return BlockCost(fwd, bwd, att)
+
+
+def head_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int,
+              impl: Implementation) -> tuple[float, float]:
+    """(forward, backward) seconds of the output head and the cross entropy on the last stage,
+    vocabulary-parallel over tp."""
+    tokens = lay.micro_batch * (seq // lay.cp)
+    g = head_gemm(shape, tokens, lay.tp)
+    logits = tokens * shape.vocab / lay.tp
+    (ce_f, ce_b), (k_f, k_b) = CE_BYTES_PER_LOGIT[impl.elementwise], CE_KERNELS[impl.elementwise]
+    fwd = rates.gemm(g) + rates.stream(ce_f * logits, k_f)
+    bwd = sum(rates.gemm(b) for b in g.backward()) + rates.stream(ce_b * logits, k_b)
+    return fwd, bwd
+
+
+def optimizer_seconds(params: float, grads: float, rates: Rates) -> float:
+    """The optimizer step on `params` parameters, after clipping `grads` gradients."""
+    return rates.stream(params * OPTIMIZER_BYTES_PER_PARAM + grads * CLIP_BYTES_PER_PARAM)

@@ -1,0 +1,46 @@
+"""`meshloom plan --explain`: one layout's step and memory, term by term, so a user can see why
+it wins (or does not fit)."""
+
+from __future__ import annotations
+
+from meshloom.plan.search import Candidate
+
+GB = 1e9
+
+
+def _ms(x: float) -> str:
+    return f"{1e3 * x:10.2f} ms"
+
+
+def explain(c: Candidate) -> str:
+    t, d, mem = c.timing, c.timing.detail, c.memory
+    step = t.step_time_s
+    lines = [f"layout {c.layout.short()}  ({'fits' if c.fits else 'DOES NOT FIT'})",
+             f"rates: {d['rates']}",
+             "implementation: " + ", ".join(f"{k}={str(v).lower()}"
+                                            for k, v in d["implementation"].items()),
+             f"step {1e3 * step:.2f} ms on the busiest GPU; {c.tokens_per_s_per_gpu:,.0f} "
+             f"tokens/s per GPU; {c.tflops_per_gpu:.0f} model TFLOP/s ({c.mfu:.1%} MFU)",
+             "", "compute (every micro-batch, forward + backward, recompute included):"]
+    for name, secs in d["compute_s"].items():
+        lines.append(f"  {name:<28}{_ms(secs)}  {100 * secs / step:5.1f}%")
+    lines.append(f"  {'= compute':<28}{_ms(t.compute)}")
+    lines.append("communication (exposed waits on the step; hidden runs under compute):")
+    for axis, parts in d["comm_s"].items():
+        exposed, hidden = parts.get("exposed", 0.0), parts.get("hidden")
+        if not exposed and not hidden:
+            continue
+        extra = f"   hidden {_ms(hidden).strip()}" if hidden else ""
+        lines.append(f"  {axis + ' exposed':<28}{_ms(exposed)}  {100 * exposed / step:5.1f}%"
+                     f"{extra}")
+        for op, secs in (parts.get("ops") or {}).items():
+            lines.append(f"    {op:<26}{_ms(secs)} in all")
+    lines.append(f"  {'pipeline bubble':<28}{_ms(t.bubble)}  {100 * t.bubble / step:5.1f}%")
+    lines.append(f"  {'optimizer + clipping':<28}{_ms(t.optimizer)}  "
+                 f"{100 * t.optimizer / step:5.1f}%")
+    lines.append(f"  {'= step':<28}{_ms(step)}")
+    lines += ["", f"memory per GPU (pipeline rank {mem.rank}):"]
+    for name in ("params", "grads", "optimizer", "activations", "buffers", "allocator"):
+        lines.append(f"  {name:<28}{getattr(mem, name) / GB:10.2f} GB")
+    lines.append(f"  {'= total':<28}{mem.total / GB:10.2f} GB of {c.gpu_memory / GB:.0f} GB")
+    return "\n".join(lines)

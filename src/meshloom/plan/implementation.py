@@ -1,0 +1,60 @@
+"""How the training code runs a layout, as far as the step time depends on it: which kernels are
+fused and which communication hides behind which compute. The defaults are what `meshloom
+train` does with its default config; the other settings describe the Megatron-style options
+published runs use, selectable with `meshloom plan --fix KEY=true|false`.
+
+- `compile`: elementwise kernels fused and the cross entropy fused over the logits
+  (`train.compile` in meshloom; Megatron's and TransformerEngine's fused kernels). Off: eager
+  PyTorch, one kernel per operation (plan/step_kernels.py counts both).
+- `tp_overlap`: tensor-parallel all-gathers / reduce-scatters run under the neighbouring GEMMs
+  (Megatron's `--tp-comm-overlap`). meshloom issues them on the critical path.
+- `dp_overlap`: ZeRO-1/2 reduce-scatter the gradients bucket by bucket during the last
+  micro-batch's backward and all-gather the updated parameters during the next forward
+  (Megatron's distributed optimizer with `--overlap-grad-reduce --overlap-param-gather`).
+  meshloom reduce-scatters after the backward and gathers after the step.
+- `fsdp_prefetch`: ZeRO-3 gathers the next unit while the current one computes (meshloom does;
+  off, every gather and reduce-scatter waits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from meshloom.plan import PlanError
+
+
+@dataclass(frozen=True)
+class Implementation:
+    compile: bool = False
+    tp_overlap: bool = False
+    dp_overlap: bool = False
+    fsdp_prefetch: bool = True
+
+    @property
+    def elementwise(self) -> str:
+        return "fused" if self.compile else "eager"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def short(self) -> str:
+        on = [f.name for f in fields(self) if getattr(self, f.name) != getattr(MESHLOOM, f.name)]
+        return ",".join(f"{k}={str(getattr(self, k)).lower()}" for k in on) or "meshloom default"
+
+
+MESHLOOM = Implementation()
+IMPL_KEYS = tuple(f.name for f in fields(Implementation))
+TRUE, FALSE = ("true", "1", "on", "yes"), ("false", "0", "off", "no")
+
+
+def parse_bool(key: str, value: str) -> bool:
+    v = value.strip().lower()
+    if v not in TRUE + FALSE:
+        raise PlanError(f"--fix: {key}={value} must be true or false")
+    return v in TRUE
+
+
+def split_fix(fixed: dict) -> tuple[dict, Implementation]:
+    """(layout keys, implementation) from a parsed --fix."""
+    impl = Implementation(**{k: fixed[k] for k in IMPL_KEYS if k in fixed})
+    return {k: v for k, v in fixed.items() if k not in IMPL_KEYS}, impl

@@ -1,0 +1,245 @@
+"""The planner's kernel-level pricing: kernel tables (lookups, checks), the block's kernel
+inventory, the terms built on them (cross entropy, launch gaps, optimizer traffic), the
+implementation options of --fix, the memory fixes and `meshloom plan --explain`."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from meshloom.plan import PlanError
+from meshloom.plan import compute as compute_mod
+from meshloom.plan.compute import Rates, block_cost, head_cost, rates_for
+from meshloom.plan.hardware import make_cluster
+from meshloom.plan.implementation import Implementation, split_fix
+from meshloom.plan.kernel_table import attention_flops, available, for_gpu, load, parse
+from meshloom.plan.layout import Layout, parse_fix
+from meshloom.plan.memory import memory_per_gpu
+from meshloom.plan.models import PRESETS, from_dims
+from meshloom.plan.search import evaluate, search
+from meshloom.plan.step_kernels import all_gemms, block_gemms
+
+TABLE = {
+    "gpu": "test", "kind": "measured", "device": "made up", "dtype": "bf16",
+    "gemm": [{"m": 1024, "n": 1024, "k": 1024, "tflops": 100.0},
+             {"m": 4096, "n": 4096, "k": 4096, "tflops": 400.0},
+             {"m": 16384, "n": 16384, "k": 16384, "tflops": 600.0}],
+    "attention": [{"seq": 1024, "head_dim": 128, "causal": True, "direction": "fwd",
+                   "tflops": 200.0},
+                  {"seq": 4096, "head_dim": 128, "causal": True, "direction": "fwd",
+                   "tflops": 400.0},
+                  {"seq": 1024, "head_dim": 128, "causal": True, "direction": "fwd_bwd",
+                   "tflops": 175.0}],
+    "hbm_gbps": {"value": 2000.0}, "launch_us": {"value": 5.0},
+}
+
+
+def test_gemm_lookup_is_exact_on_a_point_and_between_its_neighbours_off_it():
+    t = parse(TABLE)
+    assert t.gemm_tflops(4096, 4096, 4096) == 400.0
+    mid = t.gemm_tflops(8192, 8192, 8192)
+    assert 400.0 < mid < 600.0
+    # Symmetric in log space: halfway between two points weighs them equally.
+    two = parse({**TABLE, "gemm": TABLE["gemm"][1:]})
+    assert two.gemm_tflops(8192, 8192, 8192) == pytest.approx(500.0)
+    assert t.gemm_tflops(100, 100, 100) == pytest.approx(t.gemm_tflops(100, 100, 100))
+    assert t.gemm_tflops(64, 64, 64) < 200.0  # nearest the smallest point
+
+
+def test_attention_lookup_interpolates_in_log_seq_and_derives_backward():
+    t = parse(TABLE)
+    assert t.attention_tflops(1024, 128, True, "fwd") == 200.0
+    assert t.attention_tflops(2048, 128, True, "fwd") == pytest.approx(300.0)
+    assert t.attention_tflops(65536, 128, True, "fwd") == 400.0  # clamped
+    assert t.attention_tflops(1024, 64, False, "fwd") == 200.0  # nearest width, other mask
+    # bwd from fwd and fwd_bwd: 3.5F/175 = F/200 + 2.5F/bwd  ->  bwd = 2.5 / (3.5/175 - 1/200)
+    assert t.attention_tflops(1024, 128, True, "bwd") == pytest.approx(2.5 / (0.02 - 0.005))
+
+
+def test_attention_flops_follow_flashattention():
+    assert attention_flops(2, 1024, 1024, 128, False, "fwd") == 4 * 2 * 1024 * 1024 * 128
+    assert attention_flops(2, 1024, 1024, 128, True, "fwd") == 2 * 2 * 1024 * 1024 * 128
+    assert attention_flops(1, 8, 8, 4, False, "bwd") == 2.5 * 4 * 8 * 8 * 4
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda d: d.pop("gemm"), "missing key 'gemm'"),
+    (lambda d: d.update(kind="fitted"), "kind="),
+    (lambda d: d["gemm"][0].update(tflops=-1), "tflops > 0"),
+    (lambda d: d["attention"][0].update(direction="sideways"), "direction one of"),
+    (lambda d: d.update(kind="published"), "cites a source"),
+    (lambda d: d.update(hbm_gbps={"value": "fast"}), "hbm_gbps"),
+])
+def test_a_bad_table_is_one_line_naming_the_problem(tmp_path, edit, needle):
+    raw = json.loads(json.dumps(TABLE))
+    edit(raw)
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(PlanError) as err:
+        load(path)
+    assert needle in str(err.value) and "\n" not in str(err.value) and str(path) in str(err.value)
+
+
+def test_committed_tables_load_and_every_preset_gpu_with_one_is_priced_from_it():
+    for name in available():
+        table = for_gpu(name)
+        assert table is not None and table.gemm
+        rates = rates_for(make_cluster(name, 8)) if name in _gpus() else None
+        if rates is not None:
+            assert rates.table is table and "kernel table" in rates.source
+
+
+def _gpus():
+    from meshloom.plan.hardware import GPUS
+    return GPUS
+
+
+def test_block_gemms_are_the_models_linear_layers():
+    shape = PRESETS["llama3-8b"]
+    fwd = block_gemms(shape, 4096, 2)
+    assert sum(g.m * g.n * g.k for g in fwd) == 4096 * shape.layer_matmul_params // 2
+    names = [g.name for g in fwd]
+    assert names == ["wq", "wk", "wv", "wo", "w1", "w3", "w2"]
+    wq = fwd[0]
+    dgrad, wgrad = wq.backward()
+    assert (dgrad.m, dgrad.n, dgrad.k) == (4096, shape.hidden, shape.q_dim // 2)
+    assert (wgrad.m, wgrad.n, wgrad.k) == (shape.hidden, shape.q_dim // 2, 4096)
+    assert len(all_gemms(shape, 4096, 2)) == 3 * (len(fwd) + 1)  # + the head
+
+
+def _rates(launch_us=0.0, hbm=2000.0) -> Rates:
+    raw = json.loads(json.dumps(TABLE))
+    raw["launch_us"] = {"value": launch_us} if launch_us else None
+    return Rates(parse(raw), 989.0, hbm, launch_us * 1e-6, 1.0, "test")
+
+
+def test_backward_costs_its_two_gemms_and_recompute_adds_the_forward():
+    shape, rates = PRESETS["llama3-1b"], _rates()
+    lay = Layout(micro_batch=2)
+    none = block_cost(shape, lay, rates, 2048, 2, True, Implementation())
+    full = block_cost(shape, replace(lay, recompute="full"), rates, 2048, 2, True,
+                      Implementation())
+    sel = block_cost(shape, replace(lay, recompute="selective"), rates, 2048, 2, True,
+                     Implementation())
+    gemms = block_gemms(shape, 4096, 1)
+    want = sum(rates.gemm(b) for g in gemms for b in g.backward())
+    assert none.bwd.gemm == pytest.approx(want)
+    assert full.bwd.total == pytest.approx(none.bwd.total + none.fwd.total)
+    assert sel.bwd.total == pytest.approx(none.bwd.total + none.fwd.attention)
+
+
+def test_fused_elementwise_and_loss_move_fewer_bytes_than_eager():
+    shape, rates = PRESETS["llama3-1b"], _rates()
+    lay = Layout(micro_batch=8)
+    eager = block_cost(shape, lay, rates, 2048, 2, True, Implementation(compile=False))
+    fused = block_cost(shape, lay, rates, 2048, 2, True, Implementation(compile=True))
+    assert fused.fwd.gemm == eager.fwd.gemm and fused.fwd.attention == eager.fwd.attention
+    assert eager.fwd.elementwise > 3 * fused.fwd.elementwise
+    ce_e = head_cost(shape, lay, rates, 2048, Implementation(compile=False))
+    ce_f = head_cost(shape, lay, rates, 2048, Implementation(compile=True))
+    logits = 8 * 2048 * shape.vocab
+    extra = (sum(ce_e) - sum(ce_f))
+    fused_b, eager_b = (sum(compute_mod.CE_BYTES_PER_LOGIT[k]) for k in ("fused", "eager"))
+    assert extra == pytest.approx((eager_b - fused_b) * logits / 2000e9)
+
+
+def test_a_kernel_never_takes_less_than_its_launch_gap():
+    shape = from_dims("llama", 64, 2, 4, 128)  # tiny: every kernel shorter than 5 us
+    lay = Layout(micro_batch=1)
+    slow = block_cost(shape, lay, _rates(launch_us=5.0), 16, 2, True, Implementation())
+    fast = block_cost(shape, lay, _rates(), 16, 2, True, Implementation())
+    assert slow.fwd.gemm == pytest.approx(7 * 5e-6)
+    assert slow.fwd.total > 10 * fast.fwd.total
+
+
+def test_optimizer_and_clipping_traffic():
+    rates = _rates()
+    assert compute_mod.optimizer_seconds(1e9, 1e9, rates) == pytest.approx(40e9 / 2000e9)
+    assert compute_mod.optimizer_seconds(1e9, 0, rates) == pytest.approx(28e9 / 2000e9)
+
+
+def test_fix_keys_select_the_implementation():
+    fixed = parse_fix("tp=2,compile=true,tp_overlap=on,fsdp_prefetch=false")
+    layout_keys, impl = split_fix(fixed)
+    assert layout_keys == {"tp": 2}
+    assert impl == Implementation(compile=True, tp_overlap=True, fsdp_prefetch=False)
+    with pytest.raises(PlanError, match="dp_overlap=maybe must be true or false"):
+        parse_fix("dp_overlap=maybe")
+
+
+def _one(shape, fixed, gpus=16, seq=4096, batch=64):
+    return search(shape, make_cluster("h100", gpus), seq, batch, fixed, top=1)[0]
+
+
+def test_overlap_options_hide_communication():
+    shape = PRESETS["llama3-8b"]
+    base = {"tp": 8, "pp": 1, "cp": 1, "zero": 1, "micro_batch": 1, "recompute": "full",
+            "sp": True}
+    plain = _one(shape, base)
+    tp_ov = _one(shape, {**base, "tp_overlap": True})
+    assert tp_ov.timing.tp < plain.timing.tp
+    assert tp_ov.timing.step_time_s < plain.timing.step_time_s
+    dp_ov = _one(shape, {**base, "dp_overlap": True})
+    assert dp_ov.timing.dp < plain.timing.dp
+    z3 = {"tp": 1, "pp": 1, "cp": 1, "zero": 3, "micro_batch": 1, "recompute": "full"}
+    pre = _one(shape, z3)
+    nopre = _one(shape, {**z3, "fsdp_prefetch": False})
+    ops = pre.timing.detail["comm_s"]["dp"]["ops"]
+    assert nopre.timing.dp == pytest.approx(sum(ops.values()))
+    assert pre.timing.dp < nopre.timing.dp
+
+
+def test_sequence_parallel_does_not_charge_the_embedding_output_again():
+    """The embedding's output is the first block's input (counted there, a 1/t slice under SP);
+    only GPT's embedding dropout keeps a mask of its own."""
+    llama = PRESETS["llama3-8b"]
+    lay = Layout(tp=8, dp=1, sp=True, micro_batch=1, recompute="full")
+    mem = memory_per_gpu(llama, lay, 4096, 1)
+    per_layer_input = 4096 * llama.hidden * 2 / 8
+    layers = llama.layers
+    from meshloom.plan.memory import layer_activation_bytes, logits_bytes
+    want = layers * per_layer_input + layer_activation_bytes(llama, 4096, 1, lay, "bf16",
+                                                             recompute="none") \
+        + logits_bytes(llama, 4096, 1, 8, "bf16") + 4096 * llama.hidden * 2
+    assert mem.activations == pytest.approx(want)
+
+
+def test_dropout_masks_only_for_models_with_dropout():
+    with_drop = from_dims("gpt", 1024, 4, 16, 50304)
+    without = from_dims("gpt", 1024, 4, 16, 50304, dropout=False)
+    lay = Layout(micro_batch=1)
+    a = memory_per_gpu(with_drop, lay, 2048, 1, flash=False).activations
+    b = memory_per_gpu(without, lay, 2048, 1, flash=False).activations
+    s, h, heads = 2048, 1024, 16
+    # per layer: 2 residual-branch masks, and per score dropout's mask (1 B) and output (2 B);
+    # the embedding dropout's mask
+    masks = 4 * (2 * s * h + heads * s * s * (1 + 2)) + s * h
+    assert a - b == pytest.approx(masks)
+
+
+def test_explain_prints_every_term_and_json_has_the_detail():
+    cmd = [sys.executable, "-m", "meshloom", "plan", "--model", "llama3-8b", "--gpus", "16",
+           "--seq", "4096", "--global-batch", "64", "--fix",
+           "tp=2,pp=1,cp=1,zero=3,micro_batch=2,recompute=selective,sp=true", "--explain"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    for needle in ("rates:", "implementation: compile=false", "gemm", "attention",
+                   "elementwise", "head_and_loss", "tp exposed", "dp exposed", "hidden",
+                   "all_gather", "optimizer + clipping", "= step", "activations", "= total"):
+        assert needle in out, needle
+    js = subprocess.run(cmd[:-1] + ["--json"], capture_output=True, text=True, check=True)
+    cand = json.loads(js.stdout)["candidates"][0]
+    detail = cand["time_detail_s"]
+    parts = sum(detail["compute_s"].values())
+    assert parts == pytest.approx(cand["time_breakdown_s"]["compute"], rel=1e-9)
+    assert math.isfinite(cand["step_time_s"])
+
+
+def test_a_gpu_without_a_table_says_so():
+    c = evaluate(PRESETS["gpt2-xl"], Layout(dp=2, zero=3), make_cluster("titan-rtx-24g", 2),
+                 1024, 2)
+    assert "no kernel table" in c.timing.detail["rates"]
