@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 from meshloom.plan import PlanError
@@ -81,19 +81,20 @@ def _gemm_rate(points: tuple, m: int, n: int, k: int) -> float:
     q = (math.log2(m), math.log2(n), math.log2(k))
     scored = []
     for pm, pn, pk, rate in points:
-        d2 = sum((a - b) ** 2 for a, b in zip(q, (math.log2(pm), math.log2(pn), math.log2(pk))))
+        here = (math.log2(pm), math.log2(pn), math.log2(pk))
+        d2 = sum((a - b) ** 2 for a, b in zip(q, here, strict=True))
         if d2 == 0.0:
             return rate
         scored.append((d2, rate))
     scored.sort()
     near = scored[:GEMM_NEIGHBOURS]
     weights = [1.0 / d2 for d2, _ in near]
-    rate = sum(w * r for w, (_, r) in zip(weights, near)) / sum(weights)
+    rate = sum(w * r for w, (_, r) in zip(weights, near, strict=True)) / sum(weights)
     # A GEMM no larger in any dimension than a measured one does not run faster than it: the
     # nearest such point caps the estimate (weights far above would otherwise lift a small
     # shape beyond anything measured at its size).
-    cover = [(sum((a - math.log2(b)) ** 2 for a, b in zip(q, p[:3])), p[3]) for p in points
-             if p[0] >= m and p[1] >= n and p[2] >= k]
+    cover = [(sum((a - math.log2(b)) ** 2 for a, b in zip(q, p[:3], strict=True)), p[3])
+             for p in points if p[0] >= m and p[1] >= n and p[2] >= k]
     return min(rate, min(cover)[1]) if cover else rate
 
 
@@ -207,7 +208,7 @@ def _check_source(raw: dict, row: dict, sources: dict, what: str, bad) -> None:
                   f"number (got {key!r})")
 
 
-@lru_cache(maxsize=None)
+@cache
 def for_gpu(name: str) -> KernelTable | None:
     """The committed table for a GPU preset, or None when there is none."""
     path = TABLE_DIR / f"{name}.json"
