@@ -49,6 +49,10 @@ def add_parser(sub) -> None:
     c.add_argument("--gpu-memory-gb", type=float, help="override the GPU's memory")
     c.add_argument("--intra-node-gbps", type=float, help="override NVLink GB/s (one way)")
     c.add_argument("--inter-node-gbps", type=float, help="override network GB/s per GPU")
+    c.add_argument("--kernels", metavar="TABLE",
+                   help="kernel rates: a table from `meshloom bench kernels` (JSON), or "
+                        "'datasheet' for peak and bandwidth only (default: the GPU's committed "
+                        "table in plan/kernels/)")
     c.add_argument("--action-cv", type=float, default=0.0,
                    help="measured coefficient of variation of single pipeline actions' times "
                         "(default 0: deterministic)")
@@ -102,7 +106,7 @@ def plan(args) -> tuple[ModelShape, list[Candidate], dict]:
     cluster = make_cluster(args.gpu, args.gpus, args.gpus_per_node,
                            peak_tflops=args.peak_tflops, memory_gb=args.gpu_memory_gb,
                            intra_gbps=args.intra_node_gbps, inter_gbps=args.inter_node_gbps,
-                           action_cv=args.action_cv)
+                           action_cv=args.action_cv, kernels=args.kernels)
     batch = args.global_batch or args.gpus
     if args.seq < 1 or batch < 1:
         raise PlanError(f"--seq={args.seq} and --global-batch={batch} must be positive")

@@ -19,10 +19,11 @@ upper bound on speed, and said so (`Rates.source`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cache
 
 from meshloom.plan.hardware import GB, Cluster
 from meshloom.plan.implementation import Implementation
-from meshloom.plan.kernel_table import KernelTable, attention_flops, for_gpu
+from meshloom.plan.kernel_table import KernelTable, attention_flops, for_gpu, load
 from meshloom.plan.layout import Layout
 from meshloom.plan.models import ModelShape
 from meshloom.plan.moe import ffn_elementwise_elems_per_token, load_factor
@@ -80,13 +81,23 @@ class Rates:
         return max(nbytes / (self.hbm_gbps * GB), kernels * self.launch_s)
 
 
+@cache
+def _load(path: str) -> KernelTable:
+    return load(path)
+
+
 def rates_for(cluster: Cluster) -> Rates:
     gpu = cluster.gpu
-    table = for_gpu(gpu.name)
+    if cluster.kernels == "datasheet":
+        table = None
+    elif cluster.kernels is not None:
+        table = _load(cluster.kernels)
+    else:
+        table = for_gpu(gpu.name)
     if table is None:
+        why = "--kernels datasheet" if cluster.kernels else f"no kernel table for {gpu.name}"
         return Rates(None, gpu.peak_tflops, gpu.hbm_gbps, 0.0, 1.0,
-                     f"no kernel table for {gpu.name}: datasheet peak and bandwidth "
-                     "(an upper bound on speed)")
+                     f"{why}: datasheet peak and bandwidth (an upper bound on speed)")
     from meshloom.plan.hardware import GPUS
     base = GPUS.get(gpu.name)
     scale = gpu.peak_tflops / base.peak_tflops if base else 1.0
@@ -95,7 +106,7 @@ def rates_for(cluster: Cluster) -> Rates:
         hbm *= gpu.hbm_gbps / base.hbm_gbps
     launch = (table.launch_us or 0.0) * 1e-6
     return Rates(table, gpu.peak_tflops, hbm, launch, scale,
-                 f"kernel table {table.gpu} ({table.kind}: {table.device})")
+                 f"kernel table {table.path.rsplit('/', 1)[-1]} ({table.kind}: {table.device})")
 
 
 @dataclass

@@ -55,6 +55,9 @@ class Cluster:
     # published figure exists for GPUs, so presets leave it at 0; `--action-cv` sets a measured
     # one (docs/plan.md).
     action_cv: float = 0.0
+    # Kernel rates (plan/compute.py): None = the GPU's committed table (plan/kernels/), a path
+    # = a table measured with `meshloom bench kernels`, "datasheet" = peak and bandwidth only.
+    kernels: str | None = None
 
     @property
     def nodes(self) -> int:
@@ -84,7 +87,7 @@ def ring_time(op: str, payload: float, size: int, bandwidth: float) -> float:
 def make_cluster(gpu: str, n_gpus: int, gpus_per_node: int = 8, *,
                  peak_tflops: float | None = None, memory_gb: float | None = None,
                  intra_gbps: float | None = None, inter_gbps: float | None = None,
-                 action_cv: float = 0.0) -> Cluster:
+                 action_cv: float = 0.0, kernels: str | None = None) -> Cluster:
     """A cluster from a GPU preset, with any figure overridden."""
     if gpu not in GPUS:
         import difflib
@@ -103,5 +106,8 @@ def make_cluster(gpu: str, n_gpus: int, gpus_per_node: int = 8, *,
             raise PlanError(f"--{key.replace('_', '-')}={value} must be positive")
     if not 0.0 <= action_cv < 1.0:
         raise PlanError(f"--action-cv={action_cv} must be in [0, 1)")
+    if kernels not in (None, "datasheet"):
+        from meshloom.plan.kernel_table import load
+        load(kernels)  # a bad file is a one-line error now, not mid-search
     return Cluster(replace(GPUS[gpu], **overrides), n_gpus, min(gpus_per_node, n_gpus),
-                   action_cv)
+                   action_cv, kernels)
