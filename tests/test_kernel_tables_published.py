@@ -1,0 +1,206 @@
+"""Kernel tables (src/meshloom/plan/kernels/<gpu>.json) are data the planner trusts, so every file
+there must keep the schema and every published number must stay traceable: each GEMM/attention row
+names a source, each source gives a url and the figure as quoted, and no rate exceeds what the
+GPU's datasheet allows. Read with plain `json` so a broken file cannot hide behind a loader."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+import meshloom.plan
+from meshloom.plan.hardware import GPUS
+
+KERNELS = Path(meshloom.plan.__file__).parent / "kernels"
+TABLES = sorted(KERNELS.glob("*.json"))
+
+TOP_KEYS = ("gpu", "device", "dtype", "kind", "provenance", "gemm", "attention", "hbm_gbps",
+            "launch_us")
+SOURCE_KEYS = ("title", "url", "where", "quote")
+DIRECTIONS = ("fwd", "bwd", "fwd_bwd")
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _number(value: object) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def _text(value: object) -> bool:
+    return isinstance(value, str) and value.strip() != ""
+
+
+def _check_source(problems: list[str], where: str, row: dict, table: dict) -> None:
+    """Published rows must point at a source that exists; measured rows need none."""
+    if table.get("kind") != "published":
+        return
+    if row.get("source") not in table.get("sources", {}):
+        problems.append(f"{where}: source {row.get('source')!r} is not in sources")
+
+
+def _check_rate(problems: list[str], where: str, row: dict, peak: float) -> None:
+    tflops = row.get("tflops")
+    if not _number(tflops) or not 0 < tflops < peak:
+        problems.append(f"{where}: tflops {tflops!r} not in (0, {peak}) (dense bf16 peak)")
+
+
+def _check_scalar(problems: list[str], name: str, table: dict, upper: float | None) -> None:
+    """hbm_gbps / launch_us: null, or {value, what, source}; value below `upper` if given."""
+    entry = table[name]
+    if entry is None:
+        return
+    if not isinstance(entry, dict):
+        problems.append(f"{name}: must be null or an object")
+        return
+    value = entry.get("value")
+    if not _number(value) or value <= 0 or (upper is not None and value >= upper):
+        problems.append(f"{name}: value {value!r} not in (0, {upper})")
+    if not _text(entry.get("what")):
+        problems.append(f"{name}: 'what' must say what was measured")
+    _check_source(problems, name, entry, table)
+
+
+def check_table(table: object, stem: str) -> list[str]:
+    """Every schema violation in one kernel table, as one line each (empty list = valid)."""
+    if not isinstance(table, dict):
+        return ["top level must be an object"]
+    missing = [key for key in TOP_KEYS if key not in table]
+    if missing:
+        return [f"missing keys: {', '.join(missing)}"]
+    problems: list[str] = []
+    gpu = GPUS.get(table["gpu"])
+    if gpu is None or table["gpu"] != stem:
+        problems.append(f"gpu {table['gpu']!r} must be a preset equal to the file name {stem!r}")
+        return problems
+    if not _text(table["device"]):
+        problems.append("device must name the GPU measured")
+    if table["dtype"] != "bf16":
+        problems.append(f"dtype {table['dtype']!r} must be 'bf16'")
+    if table["kind"] not in ("measured", "published"):
+        problems.append(f"kind {table['kind']!r} must be 'measured' or 'published'")
+    if not table["provenance"] or not isinstance(table["provenance"], (dict, str)):
+        problems.append("provenance must be a non-empty object or note")
+    if table["kind"] == "published":
+        sources = table.get("sources")
+        if not isinstance(sources, dict) or not sources:
+            problems.append("published table needs a non-empty sources map")
+        else:
+            for key, source in sources.items():
+                if not isinstance(source, dict):
+                    problems.append(f"sources[{key}] must be an object")
+                    continue
+                for field in SOURCE_KEYS:
+                    if not _text(source.get(field)):
+                        problems.append(f"sources[{key}] lacks {field}")
+                if not str(source.get("url", "")).startswith(("https://", "http://")):
+                    problems.append(f"sources[{key}] url must be http(s)")
+    for name in ("gemm", "attention"):
+        if not isinstance(table[name], list):
+            problems.append(f"{name} must be a list")
+    if problems:
+        return problems
+    for i, row in enumerate(table["gemm"]):
+        where = f"gemm[{i}]"
+        if not all(_positive_int(row.get(dim)) for dim in "mnk"):
+            problems.append(f"{where}: m, n, k must be positive integers")
+        _check_rate(problems, where, row, gpu.peak_tflops)
+        _check_source(problems, where, row, table)
+    for i, row in enumerate(table["attention"]):
+        where = f"attention[{i}]"
+        if not all(_positive_int(row.get(dim)) for dim in ("seq", "head_dim", "batch", "heads")):
+            problems.append(f"{where}: seq, head_dim, batch, heads must be positive integers")
+        if not isinstance(row.get("causal"), bool):
+            problems.append(f"{where}: causal must be true or false")
+        if row.get("direction") not in DIRECTIONS:
+            problems.append(f"{where}: direction {row.get('direction')!r} not in {DIRECTIONS}")
+        _check_rate(problems, where, row, gpu.peak_tflops)
+        _check_source(problems, where, row, table)
+    _check_scalar(problems, "hbm_gbps", table, gpu.hbm_gbps)
+    _check_scalar(problems, "launch_us", table, None)
+    return problems
+
+
+def test_kernel_tables_exist():
+    assert TABLES, f"no kernel tables in {KERNELS}"
+
+
+@pytest.mark.parametrize("path", TABLES, ids=[p.name for p in TABLES])
+def test_kernel_table_schema(path):
+    table = json.loads(path.read_text())
+    assert check_table(table, path.stem) == []
+
+
+def _valid_published() -> dict:
+    return {
+        "gpu": "h100", "device": "NVIDIA H100 80GB HBM3 (SXM5)", "dtype": "bf16",
+        "kind": "published", "provenance": {"note": "test fixture"},
+        "sources": {"s": {"title": "t", "url": "https://example.org/x", "where": "Table 1",
+                          "quote": "700 TFLOPS"}},
+        "gemm": [{"m": 8192, "n": 8192, "k": 8192, "tflops": 700.0, "source": "s"}],
+        "attention": [{"seq": 8192, "head_dim": 128, "causal": True, "direction": "fwd",
+                       "tflops": 500.0, "batch": 2, "heads": 16, "source": "s"}],
+        "hbm_gbps": {"value": 2900.0, "what": "copy", "source": "s"},
+        "launch_us": None,
+    }
+
+
+_DELETE = object()
+
+
+def _set(path: str, value: object):
+    def apply(table: dict) -> None:
+        *parents, last = path.split(".")
+        node = table
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        if value is _DELETE:
+            del node[last]
+        else:
+            node[last] = value
+    return apply
+
+
+BREAKS = {
+    "row source missing from sources": _set("gemm.0.source", "nowhere"),
+    "row without source": _set("gemm.0.source", _DELETE),
+    "gemm above the dense peak": _set("gemm.0.tflops", 1979.0),
+    "gemm rate zero": _set("gemm.0.tflops", 0.0),
+    "gemm shape not an integer": _set("gemm.0.k", 8192.5),
+    "attention above the dense peak": _set("attention.0.tflops", 990.0),
+    "attention direction unknown": _set("attention.0.direction", "forward"),
+    "attention causal not a bool": _set("attention.0.causal", "yes"),
+    "source without quote": _set("sources.s.quote", ""),
+    "source without url": _set("sources.s.url", _DELETE),
+    "bandwidth above the datasheet": _set("hbm_gbps.value", 3350.0),
+    "bandwidth source missing": _set("hbm_gbps.source", "nowhere"),
+    "fp8 table": _set("dtype", "fp8"),
+    "gpu not a preset": _set("gpu", "h100-pcie"),
+    "published without sources": _set("sources", {}),
+    "launch overhead negative": _set("launch_us", {"value": -1.0, "what": "gap", "source": "s"}),
+    "required key missing": _set("attention", _DELETE),
+}
+
+
+def test_checker_accepts_valid_fixture():
+    assert check_table(_valid_published(), "h100") == []
+    measured = _valid_published()
+    measured["kind"] = "measured"
+    del measured["sources"]
+    for row in measured["gemm"] + measured["attention"]:
+        del row["source"]
+    del measured["hbm_gbps"]["source"]
+    assert check_table(measured, "h100") == []
+
+
+@pytest.mark.parametrize("name", list(BREAKS))
+def test_checker_rejects_broken_table(name):
+    table = copy.deepcopy(_valid_published())
+    BREAKS[name](table)
+    assert check_table(table, "h100"), f"{name} was not caught"
