@@ -40,21 +40,33 @@ DOC = HERE.parent / "docs" / "plan.md"
 BEGIN, END = "<!-- validation:begin -->", "<!-- validation:end -->"
 GOAL_MEAN, GOAL_MAX = 0.08, 0.20
 
-# How each public trainer runs (plan/implementation.py keys); a row may override.
+# How each public trainer runs (plan/implementation.py keys), matched on the start of the
+# row's `trainer`; a row may override with its own "implementation". Fused kernels count as
+# `compile` (Megatron's fused softmax/bias-GeLU/LayerNorm, flash-attention's training stack,
+# TinyLlama's fused rotary/SwiGLU/loss); Megatron-style selective recompute reruns the
+# attention core only.
 TRAINER_IMPL = {
-    "megatron-lm": {"compile": True, "tp_overlap": True, "dp_overlap": True},
-    "nemo": {"compile": True, "tp_overlap": True, "dp_overlap": True},
+    "megatron-lm": {"compile": True, "tp_overlap": True, "dp_overlap": True,
+                    "selective_elementwise": False},
+    "nemo": {"compile": True, "tp_overlap": True, "dp_overlap": True,
+             "selective_elementwise": False},
+    "megatron-deepspeed": {"compile": True, "selective_elementwise": False},
+    "flash-attention": {"compile": True},
+    "tinyllama": {"compile": True},
     "llm-foundry": {"compile": False},
     "torchtitan": {"compile": False},
-    "nanotron": {"compile": False},
-    "picotron": {"compile": False},
 }
+
+
+def trainer_impl(trainer: str) -> dict:
+    key = trainer.lower()
+    return next((dict(v) for k, v in TRAINER_IMPL.items() if key.startswith(k)), {})
 
 
 def _row(set_name: str, rid: str, gpu: str, gpus: int, shape, seq: int, batch: int,
          fixed: dict, published_tps: float, flash: bool = True, gpus_per_node: int = 8,
-         extra: dict | None = None) -> dict:
-    cluster = make_cluster(gpu, gpus, gpus_per_node)
+         extra: dict | None = None, memory_gb: float | None = None) -> dict:
+    cluster = make_cluster(gpu, gpus, gpus_per_node, memory_gb=memory_gb)
     best = search(shape, cluster, seq, batch, fixed, flash=flash, top=1)[0]
     got = best.tokens_per_s_per_gpu
     return {"set": set_name, "id": rid, "gpu": gpu, "gpus": gpus, "layout": best.layout.short(),
@@ -74,8 +86,9 @@ def meshloom_h100_rows() -> list[dict]:
         data = json.loads((H100_RUNS / name).read_text())["models"]["llama1b"]["variants"]
         variants.update({k: (v, name) for k, v in data.items()})
     for key, (v, name) in sorted(variants.items()):
+        # The stripped benchmark frees its gradients and does not clip.
         fixed = {"micro_batch": 8, "compile": v["compiled"],
-                 "recompute": v["activation_checkpointing"]}
+                 "recompute": v["activation_checkpointing"], "grad_clip": False}
         rows.append(_row("meshloom-h100", f"benchmark {key}", "h100", 1, shape, 2048, 8, fixed,
                          8 * 2048 / v["median_step_s"],
                          extra={"source": f"benchmarks/measured/h100-2026-11-22/{name}",
@@ -128,17 +141,20 @@ def published_rows(path: Path = RUNS) -> list[dict]:
         if lay.get("schedule"):
             fixed["schedule"] = lay["schedule"]
         fixed["micro_batch"] = run["micro_batch"]
-        impl = dict(TRAINER_IMPL.get(run["trainer"], {}))
+        impl = trainer_impl(run["trainer"])
         impl.update(run.get("implementation") or {})
         if run.get("compile") is not None:
             impl["compile"] = run["compile"]
         fixed.update(impl)
-        rows.append(_row(f"published-{run['gpu']}", run["id"], run["gpu"], run["gpus"], shape,
+        variant = f"-{run['variant']}" if run.get("variant") else ""
+        rows.append(_row(f"published-{run['gpu']}{variant}", run["id"], run["gpu"], run["gpus"],
+                         shape,
                          run["seq"], run["global_batch"], fixed,
                          run["published"]["tokens_per_s_per_gpu"],
                          flash=run.get("attention", "flash") == "flash",
                          gpus_per_node=run.get("gpus_per_node", 8),
-                         extra={"trainer": run["trainer"], "source": run["source"]}))
+                         extra={"trainer": run["trainer"], "source": run["source"]},
+                         memory_gb=run.get("gpu_memory_gb")))
     return rows
 
 

@@ -46,10 +46,12 @@ from meshloom.plan.step_kernels import (
 CE_BYTES_PER_LOGIT = {"fused": (2.0, 4.0), "eager": (18.0, 22.0)}
 CE_KERNELS = {"fused": (1, 1), "eager": (4, 5)}
 # AdamW (fused, fp32 state) reads and writes the master weight, m and v and reads the gradient
-# (28 bytes). Clipping by the global norm reads every gradient for the norm and scales it in
-# place (read, write): 12 bytes more. meshloom always clips (train.grad_clip).
+# (28 bytes). A training loop's gradient bookkeeping (Implementation.grad_clip): the global
+# norm reads every gradient and clipping scales it in place (read, write: 12 bytes), and
+# gradients kept allocated are zeroed each step (write 4) and accumulated into by backward
+# (an extra read of 4): 20 bytes.
 OPTIMIZER_BYTES_PER_PARAM = 28.0
-CLIP_BYTES_PER_PARAM = 12.0
+CLIP_BYTES_PER_PARAM = 20.0
 
 
 @dataclass(frozen=True)
@@ -179,6 +181,8 @@ def block_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, e: int, f
         bwd = bwd + fwd
     elif lay.recompute == "selective":
         bwd = bwd + att
+        if impl.selective_elementwise:  # the rest of the forward but its GEMMs
+            bwd = bwd + PassCost(elementwise=fwd.elementwise - att.elementwise)
     return BlockCost(fwd, bwd, att)
 
 

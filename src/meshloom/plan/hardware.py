@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from meshloom.plan import PlanError
 
 GB = 1e9
+MIB = 2**20 / GB  # a MiB in GB
 LINK_EFFICIENCY = 370.0 / 450.0  # measured NCCL bus bandwidth / one-way NVLink 4 rate (H100)
 
 
@@ -22,7 +23,7 @@ LINK_EFFICIENCY = 370.0 / 450.0  # measured NCCL bus bandwidth / one-way NVLink 
 class GPU:
     name: str
     peak_tflops: float  # dense bf16/fp16 tensor-core peak
-    memory_gb: float  # GB = 1e9 bytes, as marketed; we never count on more
+    memory_gb: float  # GB = 1e9 bytes: what the driver reports where measured, else marketed
     hbm_gbps: float  # memory bandwidth, GB/s (the optimizer step is bound by it)
     intra_gbps: float  # one-way GPU-to-GPU bandwidth inside a node, GB/s
     inter_gbps: float  # one-way network bandwidth per GPU between nodes, GB/s
@@ -31,13 +32,17 @@ class GPU:
 GPUS: dict[str, GPU] = {
     # published.md: H100 SXM 989 TFLOP/s, 80 GB at 3.35 TB/s, NVLink 4 900 GB/s both ways,
     # 400 Gb/s network per GPU.
-    "h100": GPU("h100", 989.0, 80.0, 3350.0, 450.0, 50.0),
+    # Memory: what the driver reports, not the marketed "80 GB" (which is 80 GiB): nvidia-smi's
+    # memory.total on the lent H100 was 81559 MiB (benchmarks/measured/h100-2026-11-22/env.txt).
+    "h100": GPU("h100", 989.0, 81559 * MIB, 3350.0, 450.0, 50.0),
     # Vendor spec (not in published.md): same compute and links as H100, 141 GB at 4.8 TB/s.
     "h200": GPU("h200", 989.0, 141.0, 4800.0, 450.0, 50.0),
     # published.md: A100 312 TFLOP/s, 2.0 TB/s, NVLink 600 GB/s; the Megatron-LM cluster had
     # 8 x 200 Gb/s HDR InfiniBand per node of 8 GPUs = 25 GB/s per GPU.
-    "a100-80g": GPU("a100-80g", 312.0, 80.0, 2000.0, 300.0, 25.0),
-    "a100-40g": GPU("a100-40g", 312.0, 40.0, 1555.0, 300.0, 25.0),
+    # nvidia-smi reports 81920 MiB for an A100-SXM4-80GB and 40960 MiB for the 40 GB part
+    # (public nvidia-smi listings; docs/plan.md cites them).
+    "a100-80g": GPU("a100-80g", 312.0, 81920 * MIB, 2000.0, 300.0, 25.0),
+    "a100-40g": GPU("a100-40g", 312.0, 40960 * MIB, 1555.0, 300.0, 25.0),
     # Vendor spec (not in published.md): Titan RTX, the GPU of the Hugging Face FSDP blog;
     # 130 TFLOP/s fp16 tensor, 24 GB at 672 GB/s, PCIe 3.0 x16 between the two cards.
     "titan-rtx-24g": GPU("titan-rtx-24g", 130.0, 24.0, 672.0, 16.0, 12.5),
@@ -64,8 +69,22 @@ class Cluster:
         return -(-self.n_gpus // self.gpus_per_node)
 
     def bus_bandwidth(self, size: int, stride: int) -> float:
-        """Bytes/s a ring collective over `size` ranks, `stride` apart in rank order, gets per
-        GPU: the intra-node link if the whole group sits in one node, else the network."""
+        """Bus bandwidth (NCCL's convention) of a ring collective over `size` ranks, `stride`
+        apart in rank order: the intra-node link if the whole group sits in one node. Across
+        nodes every GPU has its own network port (the rail-optimised clusters of
+        published.md: 400 Gb/s per GPU), and NCCL splits a collective over parallel rings
+        (channels) that leave a node through different GPUs' ports: with k members of the
+        group in each node, k ports carry the inter-node hops at once, so the bus bandwidth is
+        k x the per-GPU network rate, at most the intra-node link's."""
+        if stride * size <= self.gpus_per_node:
+            return self.gpu.intra_gbps * GB * LINK_EFFICIENCY
+        per_node = max(1, min(size, self.gpus_per_node // stride))
+        gbps = min(self.gpu.intra_gbps, per_node * self.gpu.inter_gbps)
+        return gbps * GB * LINK_EFFICIENCY
+
+    def link_bandwidth(self, size: int, stride: int) -> float:
+        """Bytes/s one GPU sends to another member of a group (point-to-point, all-to-all):
+        NVLink inside a node, else its own network port."""
         inside = stride * size <= self.gpus_per_node
         gbps = self.gpu.intra_gbps if inside else self.gpu.inter_gbps
         return gbps * GB * LINK_EFFICIENCY

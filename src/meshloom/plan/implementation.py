@@ -14,6 +14,13 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   meshloom reduce-scatters after the backward and gathers after the step.
 - `fsdp_prefetch`: ZeRO-3 gathers the next unit while the current one computes (meshloom does;
   off, every gather and reduce-scatter waits).
+- `grad_clip`: the training loop clips the gradients by their global norm and keeps them
+  allocated between steps (zeroed, then accumulated into), as meshloom's loop, Megatron's and
+  most trainers' do; off for a bare benchmark loop that frees them.
+- `selective_elementwise`: selective recompute reruns the elementwise kernels (norms,
+  activations) along with the attention core, as meshloom's policy does (it saves only matmul
+  outputs); off, only the attention core is rerun (Korthikanti et al.'s selective recompute,
+  Megatron's).
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ class Implementation:
     tp_overlap: bool = False
     dp_overlap: bool = False
     fsdp_prefetch: bool = True
+    grad_clip: bool = True
+    selective_elementwise: bool = True
 
     @property
     def elementwise(self) -> str:

@@ -8,7 +8,7 @@ microbenchmark and cited per number (`kind: published`). Nothing in a table is f
 end-to-end training throughput: the planner's step times are built from these rates, and the
 validation against published runs (benchmarks/planner_validation.py) is a prediction.
 
-Lookups between measured points:
+A shape measured by several sources is one point, their mean. Lookups between points:
 - GEMM: a shape in the table is answered exactly. Otherwise the rate is the inverse-distance
   weighted mean (power 2) of the `GEMM_NEIGHBOURS` nearest points, distance measured in
   log2(m), log2(n), log2(k): GEMM efficiency follows the size of each dimension on a log scale
@@ -195,7 +195,17 @@ def parse(raw: dict, where: str = "<table>") -> KernelTable:
             _check_source(raw, entry, sources, key, bad)
         scalars[key] = float(value) if value is not None else None
     return KernelTable(str(raw["gpu"]), raw["kind"], str(raw.get("device", raw["gpu"])), where,
-                       tuple(gemm), tuple(attention), scalars["hbm_gbps"], scalars["launch_us"])
+                       _mean_duplicates(gemm, 3), _mean_duplicates(attention, 4),
+                       scalars["hbm_gbps"], scalars["launch_us"])
+
+
+def _mean_duplicates(rows: list[tuple], key_len: int) -> tuple:
+    """One point per shape: sources that measured the same shape (e.g. two software
+    generations) are averaged rather than one of them chosen."""
+    groups: dict[tuple, list[float]] = {}
+    for row in rows:
+        groups.setdefault(row[:key_len], []).append(row[-1])
+    return tuple((*k, sum(v) / len(v)) for k, v in groups.items())
 
 
 def _check_source(raw: dict, row: dict, sources: dict, what: str, bad) -> None:

@@ -61,8 +61,8 @@ def all_to_alls(recompute: str) -> int:
 
 def all_to_all_bandwidth(cluster: Cluster, lay: Layout) -> float:
     """Per-GPU bytes/s of the ep group (ep ranks at stride tp): NVLink inside a node, else the
-    network (Cluster.bus_bandwidth's rule)."""
-    return cluster.bus_bandwidth(lay.ep, lay.tp)
+    network (Cluster.link_bandwidth: each GPU sends its own share through its own port)."""
+    return cluster.link_bandwidth(lay.ep, lay.tp)
 
 
 def all_to_all_time(payload: float, ep: int, bandwidth: float, load: float = 1.0) -> float:

@@ -138,7 +138,7 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     cp_f = cp_b = 0.0
     if lay.cp > 1:
         kv_bytes = 2 * tokens * shape.kv_dim * e / t
-        hop = kv_bytes / cluster.bus_bandwidth(lay.cp, t)  # the network once the ring leaves a node
+        hop = kv_bytes / cluster.link_bandwidth(lay.cp, t)  # the network once the ring leaves a node
         block = blk.fwd.attention / lay.cp
         cp_f = (lay.cp - 1) * max(0.0, hop - block)
         cp_b = (lay.cp - 1) * max(0.0, 2 * hop - 2 * block)
@@ -177,7 +177,7 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     if p > 1:
         stride = lay.dp * lay.cp * t
         act = tokens * shape.hidden * e / (t if lay.sp else 1)
-        hop_pp = act / cluster.bus_bandwidth(2, stride)
+        hop_pp = act / cluster.link_bandwidth(2, stride)
 
     # Busiest rank: the last (it also runs the head).
     busy_mb = v * (f_chunk + b_chunk) + head_f + head_b
@@ -214,7 +214,7 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     if experts:
         opt_params += experts / (expert_shard(lay) if lay.zero else 1)
     clip_params = opt_params if lay.zero >= 2 else dense + experts  # ZeRO-2/3 keep a shard
-    optimizer = optimizer_seconds(opt_params, clip_params, rates)
+    optimizer = optimizer_seconds(opt_params, clip_params if impl.grad_clip else 0.0, rates)
 
     total = span + dp["exposed"] + optimizer
     mf = model_flops(shape, seq, global_batch)
