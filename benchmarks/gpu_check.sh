@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_check.sh mfu MODELS [gpu_mfu.py args]   # the MFU benchmark
 #   bash benchmarks/gpu_check.sh lib NAME [--set ...]   # meshloom train on the 1B Llama
 #   bash benchmarks/gpu_check.sh tests      # tests/test_gpu.py
+#   bash benchmarks/gpu_check.sh kernels [bench args]   # kernel table (docs/kernel-tables.md)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results/gpu_check}
 mkdir -p "$OUT"
@@ -83,5 +84,9 @@ if [ "$phase" = tests ]; then  # the tests that need a GPU (skipped on CI's CPU 
   timeout 560 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py "$@" 2>&1 | tail -n 30
   exit 0
 fi
-echo "usage: gpu_check.sh train | mfu MODELS [args] | lib NAME [--set ...] | tests" >&2
+if [ "$phase" = kernels ]; then  # the planner's kernel table, written into $OUT to come back
+  timeout 560 "$PY" -m meshloom bench kernels --out "$OUT/kernels.json" "$@" 2>&1 | tail -n 60
+  exit 0
+fi
+echo "usage: gpu_check.sh train | mfu MODELS [args] | lib NAME [--set ...] | tests | kernels" >&2
 exit 2

@@ -2,7 +2,7 @@
 parser (`add_parser`) and running it. Only a command's own code imports torch, when it runs, so
 `meshloom --help` and bad-input errors stay fast.
 
-    meshloom train | layout | report | plan | generate | convert | checkpoint
+    meshloom train | layout | report | plan | generate | convert | checkpoint | bench
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from meshloom.commands import checkpoint, convert, generate, plan, report, train
+from meshloom.commands import bench, checkpoint, convert, generate, plan, report, train
 from meshloom.launch import EXIT_BAD_INPUT
 
 
@@ -23,7 +23,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="meshloom", description="Train transformers with any mix of parallelism.")
     sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for command in (train, report, plan, generate, convert, checkpoint):
+    for command in (train, report, plan, generate, convert, checkpoint, bench):
         command.add_parser(sub)
     return ap
 
