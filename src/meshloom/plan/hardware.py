@@ -15,6 +15,12 @@ from dataclasses import dataclass, replace
 from meshloom.plan import PlanError
 
 GB = 1e9
+# Compute slows while a collective runs beside it (the two share SMs and memory bandwidth):
+# Lee et al., "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep
+# Learning" (arXiv 2507.03114), measured GPT and Llama training on 4 A100s and H100s (and two
+# AMD parts): "an average computational slowdown of 18.9%, with a maximum of 40.0%". The
+# planner charges this fraction of every hidden collective's time (plan/timing.py).
+OVERLAP_SLOWDOWN = 0.189
 MIB = 2**20 / GB  # a MiB in GB
 LINK_EFFICIENCY = 370.0 / 450.0  # measured NCCL bus bandwidth / one-way NVLink 4 rate (H100)
 

@@ -30,7 +30,7 @@ from functools import lru_cache
 
 from meshloom.parallel.pipeline_schedule import Action, build_schedule, simulate
 from meshloom.plan.compute import block_cost, head_cost, optimizer_seconds, rates_for
-from meshloom.plan.hardware import Cluster, ring_time
+from meshloom.plan.hardware import OVERLAP_SLOWDOWN, Cluster, ring_time
 from meshloom.plan.implementation import MESHLOOM, Implementation
 from meshloom.plan.layout import Layout
 from meshloom.plan.memory import act_elem_bytes, layers_on_rank, precision, rank_param_split
@@ -127,9 +127,8 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     tp_bw = cluster.bus_bandwidth(t, 1)
     tp_one = ring_time("all_reduce", tokens * shape.hidden * e, t, tp_bw)
     tp_f_all, tp_b_all = 2 * tp_one, (4 if lay.recompute == "full" else 2) * tp_one
-    if impl.tp_overlap:
-        tp_f = max(0.0, tp_f_all - blk.fwd.gemm)
-        tp_b = max(0.0, tp_b_all - blk.bwd.gemm)
+    if impl.tp_overlap:  # the hidden part still slows the GEMMs it runs beside
+        tp_f, tp_b = _exposed(tp_f_all, blk.fwd.gemm), _exposed(tp_b_all, blk.bwd.gemm)
     else:
         tp_f, tp_b = tp_f_all, tp_b_all
 
@@ -140,8 +139,8 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
         kv_bytes = 2 * tokens * shape.kv_dim * e / t
         hop = kv_bytes / cluster.link_bandwidth(lay.cp, t)  # the network once the ring leaves a node
         block = blk.fwd.attention / lay.cp
-        cp_f = (lay.cp - 1) * max(0.0, hop - block)
-        cp_b = (lay.cp - 1) * max(0.0, 2 * hop - 2 * block)
+        cp_f = (lay.cp - 1) * _exposed(hop, block)
+        cp_b = (lay.cp - 1) * _exposed(2 * hop, 2 * block)
         if lay.recompute == "full":
             cp_b += cp_f
 
@@ -283,7 +282,7 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
             reduce += ring_time("all_reduce", x_grad, xr,
                                 cluster.bus_bandwidth(xr, lay.ep * lay.tp))
         ops["all_reduce"] = reduce
-        return {"exposed": max(0.0, reduce - b_mb), "total": reduce, "ops": ops}
+        return {"exposed": _exposed(reduce, b_mb), "total": reduce, "ops": ops}
     out = 0.0
     ag = ring_time("all_gather", param_b, n, bw)
     rs = ring_time("reduce_scatter", grad_b, n, bw)
@@ -293,16 +292,16 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     if lay.zero in (1, 2):
         ops = {"reduce_scatter": rs * (m if lay.zero == 2 else 1), "all_gather": ag}
         if impl.dp_overlap:
-            out += max(0.0, rs - b_mb) * (m if lay.zero == 2 else 1) + max(0.0, ag - f_mb)
+            out += _exposed(rs, b_mb) * (m if lay.zero == 2 else 1) + _exposed(ag, f_mb)
         elif lay.zero == 1:  # reduce-scatters the accumulated gradients after the last backward
             out += rs + ag
         else:
-            out += m * max(0.0, rs - b_mb) + ag
+            out += m * _exposed(rs, b_mb) + ag
     else:
         units = max(1, layers_on_rank(shape, lay.pp))
         ops = {"all_gather": 2 * m * ag, "reduce_scatter": m * rs}
         if impl.fsdp_prefetch:
-            out += m * (max(0.0, ag - f_mb) + max(0.0, ag + rs - b_mb) + ag / units)
+            out += m * (_exposed(ag, f_mb) + _exposed(ag + rs, b_mb) + ag / units)
         else:
             out += m * (2 * ag + rs)
     if lay.dp_replicate > 1:
@@ -317,6 +316,13 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
         ops["cp_all_reduce"] = cpr
         out += cpr
     return {"exposed": out, "total": max(out, sum(ops.values())), "ops": ops}
+
+
+def _exposed(comm: float, compute: float) -> float:
+    """What a collective of `comm` seconds hidden behind `compute` seconds adds to the step:
+    the part that does not fit, plus the slowdown of the compute it runs beside
+    (hardware.OVERLAP_SLOWDOWN, a published average) over the overlapped time."""
+    return max(0.0, comm - compute) + OVERLAP_SLOWDOWN * min(comm, compute)
 
 
 def _cost_key(cost, n_stages: int, v: int) -> tuple:
