@@ -137,7 +137,7 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     cp_f = cp_b = 0.0
     if lay.cp > 1:
         kv_bytes = 2 * tokens * shape.kv_dim * e / t
-        hop = kv_bytes / cluster.link_bandwidth(lay.cp, t)  # the network once the ring leaves a node
+        hop = kv_bytes / cluster.link_bandwidth(lay.cp, t)
         block = blk.fwd.attention / lay.cp
         cp_f = (lay.cp - 1) * _exposed(hop, block)
         cp_b = (lay.cp - 1) * _exposed(2 * hop, 2 * block)
