@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
@@ -48,10 +48,17 @@ class KernelTable:
     attention: tuple[tuple[int, int, bool, str, float], ...]  # (seq, head_dim, causal, dir, TF/s)
     hbm_gbps: float | None  # achieved streaming bandwidth, GB/s
     launch_us: float | None  # gap per kernel launch, microseconds
+    # Answers already worked out: a search asks about the same few dozen shapes thousands of
+    # times.
+    _memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def gemm_tflops(self, m: int, n: int, k: int) -> float:
         """bf16 TFLOP/s of C[m, n] = A[m, k] B[k, n] on this GPU."""
-        return _gemm_rate(self.gemm, max(1, int(m)), max(1, int(n)), max(1, int(k)))
+        key = (max(1, int(m)), max(1, int(n)), max(1, int(k)))
+        rate = self._memo.get(key)
+        if rate is None:
+            rate = self._memo[key] = _gemm_rate(self.gemm, *key)
+        return rate
 
     def gemm_seconds(self, m: float, n: float, k: float, count: float = 1.0) -> float:
         if m <= 0 or n <= 0 or k <= 0:
