@@ -255,3 +255,26 @@ def test_a_shape_measured_twice_is_their_mean():
     raw["gemm"].append({"m": 4096, "n": 4096, "k": 4096, "tflops": 500.0})
     t = parse(raw)
     assert t.gemm_tflops(4096, 4096, 4096) == 450.0 and len(t.gemm) == 3
+
+
+def test_ring_collectives_across_nodes_use_every_members_port():
+    """k members of a group in each node drive k network ports at once (NCCL's rings leave the
+    node through different GPUs); one member per node, or a point-to-point send, gets one."""
+    from meshloom.plan.hardware import GB, LINK_EFFICIENCY
+    cl = make_cluster("a100-80g", 32)
+    assert cl.bus_bandwidth(16, 1) == pytest.approx(8 * 25 * GB * LINK_EFFICIENCY)
+    assert cl.bus_bandwidth(16, 2) == pytest.approx(4 * 25 * GB * LINK_EFFICIENCY)
+    assert cl.bus_bandwidth(4, 8) == pytest.approx(25 * GB * LINK_EFFICIENCY)
+    assert cl.link_bandwidth(16, 1) == pytest.approx(25 * GB * LINK_EFFICIENCY)
+    h = make_cluster("h100", 32)
+    assert h.bus_bandwidth(32, 1) == pytest.approx(8 * 50 * GB * LINK_EFFICIENCY)
+    fast = make_cluster("h100", 32, inter_gbps=100)  # 8 x 100 would exceed NVLink's 450
+    assert fast.bus_bandwidth(32, 1) == pytest.approx(450 * GB * LINK_EFFICIENCY)
+
+
+def test_a_hidden_collective_still_slows_the_compute_it_runs_beside():
+    from meshloom.plan.hardware import OVERLAP_SLOWDOWN
+    from meshloom.plan.timing import _exposed
+    assert _exposed(1.0, 3.0) == pytest.approx(OVERLAP_SLOWDOWN)
+    assert _exposed(3.0, 1.0) == pytest.approx(2.0 + OVERLAP_SLOWDOWN)
+    assert OVERLAP_SLOWDOWN == 0.189  # Lee et al. (arXiv 2507.03114), the published average
