@@ -18,10 +18,10 @@ upper bound on speed, and said so (`Rates.source`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cache
 
-from meshloom.plan.hardware import GB, Cluster
+from meshloom.plan.hardware import GB, GPUS, Cluster
 from meshloom.plan.implementation import Implementation
 from meshloom.plan.kernel_table import KernelTable, attention_flops, for_gpu, load
 from meshloom.plan.layout import Layout
@@ -100,7 +100,6 @@ def rates_for(cluster: Cluster) -> Rates:
         why = "--kernels datasheet" if cluster.kernels else f"no kernel table for {gpu.name}"
         return Rates(None, gpu.peak_tflops, gpu.hbm_gbps, 0.0, 1.0,
                      f"{why}: datasheet peak and bandwidth (an upper bound on speed)")
-    from meshloom.plan.hardware import GPUS
     base = GPUS.get(gpu.name)
     scale = gpu.peak_tflops / base.peak_tflops if base else 1.0
     hbm = table.hbm_gbps or gpu.hbm_gbps
@@ -117,7 +116,6 @@ class PassCost:
     gemm: float = 0.0
     attention: float = 0.0
     elementwise: float = 0.0
-    detail: dict = field(default_factory=dict)
 
     @property
     def total(self) -> float:
