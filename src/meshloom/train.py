@@ -304,7 +304,7 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
     if device.type == "cuda" and "total" in predicted:
         logger.message(f"memory per GPU: peak allocated {max(peaks) / 1e9:.2f} GB, reserved "
                        f"{max(reserved) / 1e9:.2f} GB; planner predicted "
-                       f"{predicted['total'] / 1e9:.2f} GB (with its allocator allowance)")
+                       f"{predicted['total'] / 1e9:.2f} GB (allocated peak plus the CUDA context)")
     total_steps = cfg.train.steps - start
     result.summary.update({
         "run_dir": str(run_dir), "steps": cfg.train.steps, "start_step": start,

@@ -187,6 +187,6 @@ def format_table(shape: ModelShape, found: list[Candidate], setup: dict) -> str:
     lines.append(f"best: memory per GPU {mem.total / gb:.1f} of {best.gpu_memory / gb:.0f} GB "
                  f"= params {mem.params / gb:.1f} + grads {mem.grads / gb:.1f} + optimizer "
                  f"{mem.optimizer / gb:.1f} + activations {mem.activations / gb:.1f} + buffers "
-                 f"{mem.buffers / gb:.1f} + allocator {mem.allocator / gb:.1f}")
+                 f"{mem.buffers / gb:.1f} + CUDA context {mem.context / gb:.1f}")
     lines += describe_best(best.moe, best.timing.step_time_s)
     return "\n".join(lines)

@@ -40,7 +40,7 @@ def explain(c: Candidate) -> str:
                  f"{100 * t.optimizer / step:5.1f}%")
     lines.append(f"  {'= step':<28}{_ms(step)}")
     lines += ["", f"memory per GPU (pipeline rank {mem.rank}):"]
-    for name in ("params", "grads", "optimizer", "activations", "buffers", "allocator"):
+    for name in ("params", "grads", "optimizer", "activations", "buffers", "context"):
         lines.append(f"  {name:<28}{getattr(mem, name) / GB:10.2f} GB")
     lines.append(f"  {'= total':<28}{mem.total / GB:10.2f} GB of {c.gpu_memory / GB:.0f} GB")
     return "\n".join(lines)

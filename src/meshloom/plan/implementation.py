@@ -21,6 +21,12 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   activations) along with the attention core, as meshloom's policy does (it saves only matmul
   outputs); off, only the attention core is rerun (Korthikanti et al.'s selective recompute,
   Megatron's).
+- `meshloom_block`: a Llama block's activation memory is what meshloom's own block keeps under
+  bf16 autocast, counted tensor by tensor from its autograd graph (fp32 residual stream and
+  norm internals, one bf16 copy of a norm's output per projection that reads it, the bf16
+  weight copies the matmuls save, meshloom's eager or compiled cross entropy; plan/memory.py).
+  Off: every saved tensor once in 16-bit (Korthikanti et al.'s accounting), what trainers that
+  keep bf16 parameters and fused kernels (Megatron, FSDP with a bf16 param dtype) hold.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ class Implementation:
     fsdp_prefetch: bool = True
     grad_clip: bool = True
     selective_elementwise: bool = True
+    meshloom_block: bool = True
 
     @property
     def elementwise(self) -> str:

@@ -1,4 +1,4 @@
-"""Memory per GPU of a layout: model states, activations, buffers and an allocator allowance.
+"""Memory per GPU of a layout: model states, activations, buffers and the CUDA context.
 
 Model states come from `formulas.model_state_bytes` (the formulas the ZeRO code is tested
 against). Activations follow Korthikanti et al. (arXiv 2205.05198, Table 2): per layer
@@ -9,6 +9,11 @@ How many micro-batches a pipeline rank holds comes from walking the schedule's o
 lists (`pipeline_schedule.compute_lists`), the lists the pipeline executor runs.
 A mixture-of-experts block's routed experts are counted apart from the rest (plan/moe.py): split
 over ep, ZeRO-sharded over the expert shard degree, not split over tp.
+
+With `Implementation.meshloom_block` (the default) a dense Llama block in bf16 is counted as
+meshloom's own block keeps it (`meshloom_block_bytes`), term by term from its autograd graph;
+tests/test_plan_memory_census.py walks that graph on CPU and checks the count. On one H100 this
+predicts the 1B Llama's measured peaks, eager and compiled, with and without recompute.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from functools import lru_cache
 
 from meshloom.parallel.pipeline_schedule import compute_lists
 from meshloom.plan.formulas import FP32, MIXED, model_state_bytes
+from meshloom.plan.implementation import MESHLOOM, Implementation
 from meshloom.plan.layout import Layout
 from meshloom.plan.models import ModelShape
 from meshloom.plan.moe import (
@@ -27,9 +33,10 @@ from meshloom.plan.moe import (
     load_factor,
 )
 
-# Stated allowances, not measurements: the caching allocator's fragmentation (a fraction of
-# everything above) and the CUDA context plus library workspaces (cuBLAS, NCCL) per GPU.
-ALLOCATOR_FRACTION = 0.10
+# The CUDA context plus library workspaces (cuBLAS, NCCL) per GPU, outside the allocator's
+# count. A layout fits when its peak of allocated bytes plus this is at most the GPU's memory:
+# PyTorch's allocator frees its cached blocks and retries before it fails, so the cache it
+# reserves above the allocated peak (0.2-5.5 GB on the H100 runs, docs/plan.md) is not a limit.
 CONTEXT_BYTES = 1.0e9
 DDP_BUCKET_BYTES = 25 * 2**20  # meshloom's default parallel.ddp_bucket_mb; two in flight
 
@@ -85,8 +92,51 @@ def rank_model_states(shape: ModelShape, lay: Layout, rank: int, prec) -> dict[s
     return states
 
 
+def uses_meshloom_block(shape: ModelShape, dtype: str, impl: Implementation | None,
+                        lay: Layout) -> bool:
+    """Whether the activations are meshloom's own Llama block's census: a dense block in bf16
+    without ZeRO, where meshloom keeps fp32 parameters and runs the forward under autocast
+    (docs/mixed-precision.md); sharded stages compute with bf16 working parameters instead."""
+    return (impl is not None and impl.meshloom_block and shape.arch == "llama"
+            and not shape.is_moe and dtype == "bf16" and lay.zero == 0)
+
+
+def meshloom_block_bytes(shape: ModelShape, s: int, b: int, lay: Layout, rec: str,
+                         fused: bool) -> float:
+    """Bytes meshloom's Llama block (models/llama.py) keeps for backward per micro-batch under
+    bf16 autocast with fp32 parameters, read off its autograd graph (the saved tensors, each
+    storage once). Per token, with q = q_dim, F = ffn_hidden, a = heads:
+    - eager, no recompute: 8F (w1 and w3 outputs, silu, product) + 16h (each RMSNorm keeps its
+      fp32 input and its fp32 normalised value) + 10h (autocast's bf16 copy of a norm's fp32
+      output for each of wq, wk, wv, w1, w3) + 8q (SDPA's q, k and v repeated to every head,
+      and its output, which wo reads) + 4a (log-sum-exp) + 8 (two fp32 rsqrt); qk-norm adds
+      its fp32 pair per head for q and k;
+    - compiled (inductor's partition): 6F (silu rerun) + 4h (the fp32 block input) + 6h (one
+      bf16 copy per norm output, and wo's input) + 8q + 4a + 8;
+    - selective (meshloom's policy keeps matmul outputs): 4h (the fp32 input the checkpoint
+      holds) + 2(q + 2 kv + 2h + 2F);
+    - full: the fp32 input, 4h.
+    Split over tp as the projections are; h-wide terms whole on each rank (SP: a slice)."""
+    t = lay.tp
+    h, q, kv, f, a = shape.hidden, shape.q_dim / t, shape.kv_dim / t, shape.ffn_hidden / t, \
+        shape.heads / t
+    whole = t if lay.sp else 1
+    if rec == "full":
+        per = 4 * h / whole
+    elif rec == "selective":
+        per = 4 * h / whole + 2 * (q + 2 * kv + 2 * h / t + 2 * f)
+    elif fused:
+        per = 6 * f + 10 * h / whole + 8 * q + 4 * a + 8
+    else:
+        per = 8 * f + 26 * h / whole + 8 * q + 4 * a + 8
+        if shape.qk_norm:
+            per += 8 * (q + kv) + 4 * (a + shape.kv_heads / t)
+    return s * b * per
+
+
 def layer_activation_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype: str,
-                           flash: bool = True, recompute: str | None = None) -> float:
+                           flash: bool = True, recompute: str | None = None,
+                           impl: Implementation | None = None) -> float:
     """Activation bytes one layer keeps for backward per micro-batch (s = local tokens per
     sequence, i.e. seq / cp). Terms, in units of sb x element size:
     - whole on every TP rank (split by SP): the two norm inputs and the two matmul-block inputs
@@ -95,8 +145,11 @@ def layer_activation_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype
       output (2F), SwiGLU keeps gate, up, silu(gate) and their product (4F);
     - the attention core: GPT eager keeps softmax, dropout mask and output (5as, Korthikanti);
       Llama eager keeps the softmax (a s); FlashAttention keeps only the log-sum-exp (fp32).
-    With 2-byte elements and GPT's shape this is Korthikanti's sbh(34 + 5as/h) at t = 1."""
+    With 2-byte elements and GPT's shape this is Korthikanti's sbh(34 + 5as/h) at t = 1.
+    With `impl.meshloom_block`, a dense bf16 Llama block is meshloom's (`meshloom_block_bytes`)."""
     rec = lay.recompute if recompute is None else recompute
+    if uses_meshloom_block(shape, dtype, impl, lay) and flash:
+        return meshloom_block_bytes(shape, s, b, lay, rec, impl.compile)
     t, e = lay.tp, act_elem_bytes(dtype)
     h, a, f = shape.hidden, shape.heads, shape.ffn_hidden
     sb = s * b
@@ -121,10 +174,38 @@ def layer_activation_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype
     return whole_bytes + sb * split / t + sb * core / t + moe
 
 
-def logits_bytes(shape: ModelShape, s: int, b: int, t: int, dtype: str) -> float:
+def logits_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype: str,
+                 impl: Implementation | None = None) -> float:
     """The last rank's loss: logits in the compute dtype plus one fp32 copy for the cross
-    entropy (its softmax, later overwritten by the gradient), vocabulary-parallel over tp."""
-    return s * b * shape.vocab / t * (act_elem_bytes(dtype) + 4)
+    entropy (its softmax, later overwritten by the gradient), vocabulary-parallel over tp.
+    meshloom's own loss at tp = 1 (`meshloom_block`): eager, its peak is the backward's fp32
+    log-softmax, the fp32 gradient it receives and the one it writes (12 bytes per logit, the
+    bf16 logits already freed); compiled (`parallel.compiled_loss`), the bf16 logits it saves
+    and their bf16 gradient (4 bytes)."""
+    if lay.tp == 1 and uses_meshloom_block(shape, dtype, impl, lay):
+        return s * b * shape.vocab * (4 if impl.compile else 12)
+    return s * b * shape.vocab / lay.tp * (act_elem_bytes(dtype) + 4)
+
+
+def final_norm_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype: str,
+                     impl: Implementation | None = None) -> float:
+    """The final norm's saved input: sbh·e; meshloom's (fp32 input and normalised value, and
+    autocast's bf16 copy the head reads) 10 bytes per h."""
+    per = 10 if uses_meshloom_block(shape, dtype, impl, lay) else act_elem_bytes(dtype)
+    return s * b * shape.hidden * per / (lay.tp if lay.sp else 1)
+
+
+def weight_copy_bytes(shape: ModelShape, lay: Layout, rank: int, dtype: str,
+                      impl: Implementation | None) -> float:
+    """autocast's bf16 copies of the fp32 weight matrices, which the matmuls save for backward
+    (meshloom's block without recompute: with recompute the copies die with the forward). Not
+    with ZeRO, whose working parameters are bf16 already."""
+    if not uses_meshloom_block(shape, dtype, impl, lay) or lay.recompute != "none":
+        return 0.0
+    n = layers_on_rank(shape, lay.pp) * shape.tp_split_params / lay.tp
+    if rank == lay.pp - 1:
+        n += shape.vocab * shape.hidden / lay.tp
+    return 2 * n
 
 
 @lru_cache(maxsize=4096)
@@ -158,47 +239,56 @@ class Memory:
     optimizer: float
     activations: float
     buffers: float
-    allocator: float
+    context: float  # CUDA context and library workspaces, outside the allocator's count
     rank: int  # the pipeline rank this breakdown is for (the fullest)
 
     @property
     def total(self) -> float:
         return (self.params + self.grads + self.optimizer + self.activations + self.buffers
-                + self.allocator)
+                + self.context)
 
     def to_dict(self) -> dict:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
                 "activations": self.activations, "buffers": self.buffers,
-                "allocator": self.allocator, "total": self.total, "pipeline_rank": self.rank}
+                "context": self.context, "total": self.total, "pipeline_rank": self.rank}
 
 
 def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
-                   dtype: str = "bf16", flash: bool = True) -> Memory:
-    """Peak bytes on the fullest GPU of the layout."""
+                   dtype: str = "bf16", flash: bool = True,
+                   impl: Implementation = MESHLOOM) -> Memory:
+    """Peak bytes on the fullest GPU of the layout, run as `impl` says. Gradients count unless
+    the loop frees them between steps (`grad_clip` off) and one micro-batch on one stage makes
+    the step's peak fall at the start of the backward, before any gradient is written."""
     prec = precision(dtype)
+    if impl.meshloom_block and lay.zero == 0:
+        prec = FP32  # unsharded, meshloom's parameters are the fp32 masters (autocast computes)
     s, b, m = seq // lay.cp, lay.micro_batch, lay.microbatches(global_batch)
     flight = in_flight(lay.schedule if lay.pp > 1 else "1f1b", lay.pp, m, lay.v)
     first, last = flight[0], flight[-1]
-    per_layer = layer_activation_bytes(shape, s, b, lay, dtype, flash)
-    working = (layer_activation_bytes(shape, s, b, lay, dtype, flash, recompute="none")
+    per_layer = layer_activation_bytes(shape, s, b, lay, dtype, flash, impl=impl)
+    working = (layer_activation_bytes(shape, s, b, lay, dtype, flash, recompute="none",
+                                      impl=impl)
                if lay.recompute == "full" else 0.0)  # one layer recomputed during backward
-    e = act_elem_bytes(dtype)
+    grads_at_peak = impl.grad_clip or m > 1 or lay.pp > 1
     best = None
     # Middle ranks hold no embedding or head and at most the first rank's micro-batches in
     # flight, so the fullest GPU is on the first or the last pipeline rank.
     for rank in sorted({0, lay.pp - 1}):
         states = rank_model_states(shape, lay, rank, prec)
         alive = first if rank == 0 else last
-        acts = alive * layers_on_rank(shape, lay.pp) * per_layer + working
+        acts = alive * layers_on_rank(shape, lay.pp) * per_layer
         if rank == 0 and shape.has_dropout:  # the embedding dropout's 1-byte mask; the
             # embedding's output itself is the first block's input, counted there (SP: a slice)
             acts += alive * s * b * shape.hidden / (lay.tp if lay.sp else 1)
-        if rank == lay.pp - 1:
-            acts += logits_bytes(shape, s, b, lay.tp, dtype) + s * b * shape.hidden * e
+        # The loss's backward is over before the last block's recompute starts: the rank's peak
+        # holds one or the other.
+        loss = (logits_bytes(shape, s, b, lay, dtype, impl)
+                + final_norm_bytes(shape, s, b, lay, dtype, impl)) if rank == lay.pp - 1 else 0.0
+        acts += max(loss, working)
+        acts += weight_copy_bytes(shape, lay, rank, dtype, impl)
         buffers = _buffers(shape, lay, s, b, dtype)
-        mem = Memory(states["params"], states["grads"], states["optimizer"], acts, buffers, 0.0,
-                     rank)
-        mem.allocator = ALLOCATOR_FRACTION * mem.total + CONTEXT_BYTES
+        mem = Memory(states["params"], states["grads"] if grads_at_peak else 0.0,
+                     states["optimizer"], acts, buffers, CONTEXT_BYTES, rank)
         if best is None or mem.total > best.total:
             best = mem
     return best
@@ -247,4 +337,6 @@ def predict_run_memory(llama_cfg, cfg, dims, micro_batch: int) -> Memory:
                           dropout=getattr(m, "dropout", 0.0) > 0)
     else:
         shape = from_llama_config(llama_cfg, "run")
-    return memory_per_gpu(shape, lay, cfg.data.seq_len, cfg.train.global_batch, dtype)
+    impl = Implementation(compile=bool(getattr(cfg.train, "compile", False)))
+    return memory_per_gpu(shape, lay, cfg.data.seq_len, cfg.train.global_batch, dtype,
+                          impl=impl)

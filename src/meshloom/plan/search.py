@@ -183,7 +183,7 @@ def evaluate(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global_
     why = check_layout(shape, lay, cluster, seq, global_batch)
     if why:
         raise PlanError(f"layout {lay.short()}: {why}")
-    mem = memory or memory_per_gpu(shape, lay, seq, global_batch, dtype, flash)
+    mem = memory or memory_per_gpu(shape, lay, seq, global_batch, dtype, flash, impl)
     tim = step_time(shape, lay, cluster, seq, global_batch, dtype, flash, exact_bubble=exact,
                     impl=impl)
     moe = None
@@ -273,7 +273,7 @@ def search(shape: ModelShape, cluster: Cluster, seq: int, global_batch: int, fix
     count = 0
     for lay in layouts(shape, cluster, seq, global_batch, fixed):
         count += 1
-        mem = memory_per_gpu(shape, lay, seq, global_batch, dtype, flash)
+        mem = memory_per_gpu(shape, lay, seq, global_batch, dtype, flash, impl)
         if mem.total > cluster.gpu.memory_gb * 1e9:
             smallest.append((mem.total, lay))
             continue
