@@ -54,7 +54,7 @@ TRAINER_IMPL = {
     "flash-attention": {"compile": True},
     "tinyllama": {"compile": True},
     "llm-foundry": {"compile": False},
-    "torchtitan": {"compile": False},
+    "torchtitan": {"compile": False, "op_sac": True},
 }
 
 

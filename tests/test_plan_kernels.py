@@ -138,6 +138,29 @@ def test_backward_costs_its_two_gemms_and_recompute_adds_the_forward():
     assert core.bwd.total == pytest.approx(none.bwd.total + none.fwd.attention)
 
 
+def test_torchtitan_op_sac_reruns_every_second_matmul_and_keeps_attention():
+    """torchtitan's per-op policy (`op_sac`): a Llama block keeps wq, wv, w1, w2 (the 1st, 3rd,
+    5th and 7th matmuls it runs) and attention's outputs, reruns wk, wo, w3 and the elementwise
+    ops; memory is its input, those outputs and attention's output and log-sum-exp."""
+    from meshloom.plan.memory import layer_activation_bytes
+    shape, rates = PRESETS["llama3-8b"], _rates()
+    lay = Layout(micro_batch=1, recompute="selective")
+    impl = Implementation(op_sac=True, meshloom_block=False)
+    none = block_cost(shape, replace(lay, recompute="none"), rates, 4096, 2, True, impl)
+    op = block_cost(shape, lay, rates, 4096, 2, True, impl)
+    g = {x.name: x for x in block_gemms(shape, 4096, 1)}
+    rerun = sum(rates.gemm(g[k]) for k in ("wk", "wo", "w3"))
+    assert op.bwd.gemm == pytest.approx(none.bwd.gemm + rerun)
+    assert op.bwd.attention == none.bwd.attention  # the kernel's outputs were kept
+    assert op.bwd.elementwise == pytest.approx(none.bwd.elementwise + none.fwd.elementwise)
+    h, q, kv, f, a = 4096, 4096, 1024, 14336, 32
+    want = 4096 * ((h + q + kv + f + h + q) * 2 + 4 * a)
+    assert layer_activation_bytes(shape, 4096, 1, lay, "bf16", impl=impl) == want
+    korthikanti = layer_activation_bytes(shape, 4096, 1, lay, "bf16",
+                                         impl=Implementation(meshloom_block=False))
+    assert want < 0.6 * korthikanti
+
+
 def test_fused_elementwise_and_loss_move_fewer_bytes_than_eager():
     shape, rates = PRESETS["llama3-1b"], _rates()
     lay = Layout(micro_batch=8)

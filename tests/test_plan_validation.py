@@ -90,11 +90,7 @@ def test_docs_validation_tables_are_rendered_from_the_data():
 # Runs that trained but that the planner predicts not to fit: open gaps, each with its reason
 # (docs/plan.md "Known gaps"). A run that starts to fit must leave this list, and any other
 # run that stops fitting fails the test.
-DOES_NOT_FIT_YET = {
-    # torchtitan's per-op selective checkpointing keeps about half the matmul outputs; the
-    # planner's selective keeps Korthikanti's tensors (30 GB more on Llama-2 70B).
-    "torchtitan-a100-80g-llama2-70b-4096-64gpu-sacop-lbs1": "selective policy",
-}
+DOES_NOT_FIT_YET: dict[str, str] = {}  # every published layout that trained is predicted to fit
 
 
 def test_every_layout_that_ran_is_predicted_to_fit(validation_rows):

@@ -177,6 +177,10 @@ def block_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, e: int, f
 
     if lay.recompute == "full":
         bwd = bwd + fwd
+    elif lay.recompute == "selective" and impl.op_sac and not shape.is_moe:
+        # every second matmul and every elementwise op; attention's outputs were kept
+        bwd = bwd + PassCost(gemm=sum(rates.gemm(g) for g in gemms[1::2]),
+                             elementwise=fwd.elementwise - att.elementwise)
     elif lay.recompute == "selective":
         bwd = bwd + att
         if impl.selective_elementwise:  # the rest of the forward but its GEMMs

@@ -21,6 +21,11 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   activations) along with the attention core, as meshloom's policy does (it saves only matmul
   outputs); off, only the attention core is rerun (Korthikanti et al.'s selective recompute,
   Megatron's).
+- `op_sac`: selective recompute is torchtitan's per-op policy (`selective_ac_option = "op"`):
+  of a block's matmuls, in the order they run, it keeps the outputs of the 1st, 3rd, 5th, ...
+  and reruns the others (a Llama block keeps wq, wv, w1, w2 and reruns wk, wo, w3), keeps the
+  attention kernel's outputs, and reruns every elementwise op. Off: meshloom's policy (every
+  matmul output kept) or, with `selective_elementwise` off, Korthikanti's.
 - `meshloom_block`: a Llama block's activation memory is what meshloom's own block keeps under
   bf16 autocast, counted tensor by tensor from its autograd graph (fp32 residual stream and
   norm internals, one bf16 copy of a norm's output per projection that reads it, the bf16
@@ -45,6 +50,7 @@ class Implementation:
     grad_clip: bool = True
     selective_elementwise: bool = True
     meshloom_block: bool = True
+    op_sac: bool = False
 
     @property
     def elementwise(self) -> str:

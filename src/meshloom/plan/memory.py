@@ -32,6 +32,7 @@ from meshloom.plan.moe import (
     expert_shard,
     load_factor,
 )
+from meshloom.plan.step_kernels import block_gemms
 
 # The CUDA context plus library workspaces (cuBLAS, NCCL) per GPU, outside the allocator's
 # count. A layout fits when its peak of allocated bytes plus this is at most the GPU's memory:
@@ -134,6 +135,17 @@ def meshloom_block_bytes(shape: ModelShape, s: int, b: int, lay: Layout, rec: st
     return s * b * per
 
 
+def op_sac_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype: str) -> float:
+    """torchtitan's per-op selective checkpointing (`Implementation.op_sac`): the block's input
+    (held by the checkpoint), the outputs of its 1st, 3rd, ... matmuls in the order they run,
+    and the attention kernel's output and fp32 log-sum-exp."""
+    e, t = act_elem_bytes(dtype), lay.tp
+    kept = sum(g.n for g in block_gemms(shape, 1, t)[0::2])
+    per = shape.hidden * e / (t if lay.sp else 1) + (kept + shape.q_dim / t) * e \
+        + 4 * shape.heads / t
+    return s * b * per
+
+
 def layer_activation_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype: str,
                            flash: bool = True, recompute: str | None = None,
                            impl: Implementation | None = None) -> float:
@@ -148,6 +160,8 @@ def layer_activation_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype
     With 2-byte elements and GPT's shape this is Korthikanti's sbh(34 + 5as/h) at t = 1.
     With `impl.meshloom_block`, a dense bf16 Llama block is meshloom's (`meshloom_block_bytes`)."""
     rec = lay.recompute if recompute is None else recompute
+    if rec == "selective" and impl is not None and impl.op_sac and not shape.is_moe and flash:
+        return op_sac_bytes(shape, s, b, lay, dtype)
     if uses_meshloom_block(shape, dtype, impl, lay) and flash:
         return meshloom_block_bytes(shape, s, b, lay, rec, impl.compile)
     t, e = lay.tp, act_elem_bytes(dtype)
