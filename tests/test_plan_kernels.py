@@ -187,8 +187,27 @@ def test_a_kernel_never_takes_less_than_its_launch_gap():
 
 def test_optimizer_and_clipping_traffic():
     rates = _rates()
-    assert compute_mod.optimizer_seconds(1e9, 1e9, rates) == pytest.approx(48e9 / 2000e9)
+    assert compute_mod.optimizer_seconds(1e9, 1e9, rates) == pytest.approx(44e9 / 2000e9)
     assert compute_mod.optimizer_seconds(1e9, 0, rates) == pytest.approx(28e9 / 2000e9)
+    assert compute_mod.accumulate_seconds(1e9, 3, rates) == pytest.approx(36e9 / 2000e9)
+    assert compute_mod.accumulate_seconds(1e9, 0, rates) == 0.0
+
+
+def test_every_micro_batch_that_finds_a_gradient_adds_into_it():
+    """A loop that keeps its gradients accumulates on each of the m micro-batches, one that
+    frees them on m - 1 (the first takes the fresh gradient over); a fused weight-gradient
+    GEMM on none."""
+    shape, cl = PRESETS["llama3-1b"], make_cluster("h100", 1)
+    lay = Layout(micro_batch=2)
+
+    def acc(batch, **impl):
+        t = evaluate(shape, lay, cl, 2048, batch, impl=Implementation(**impl)).timing
+        return t.detail["accumulate_s"]
+    one = compute_mod.accumulate_seconds(shape.params, 1, rates_for(cl))
+    assert acc(8) == pytest.approx(4 * one)
+    assert acc(8, grad_clip=False) == pytest.approx(3 * one)
+    assert acc(2, grad_clip=False) == 0.0
+    assert acc(8, fused_grad_accumulation=True) == 0.0
 
 
 def test_fix_keys_select_the_implementation():
@@ -259,7 +278,7 @@ def test_explain_prints_every_term_and_json_has_the_detail():
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     for needle in ("rates:", "implementation: compile=false", "gemm", "attention",
                    "elementwise", "head_and_loss", "tp exposed", "dp exposed", "hidden",
-                   "all_gather", "optimizer + clipping", "= step", "activations", "= total"):
+                   "all_gather", "optimizer, clip, accumulate", "= step", "activations", "= total"):
         assert needle in out, needle
     js = subprocess.run(cmd[:-1] + ["--json"], capture_output=True, text=True, check=True)
     cand = json.loads(js.stdout)["candidates"][0]

@@ -48,10 +48,14 @@ CE_KERNELS = {"fused": (1, 1), "eager": (4, 5)}
 # AdamW (fused, fp32 state) reads and writes the master weight, m and v and reads the gradient
 # (28 bytes). A training loop's gradient bookkeeping (Implementation.grad_clip): the global
 # norm reads every gradient and clipping scales it in place (read, write: 12 bytes), and
-# gradients kept allocated are zeroed each step (write 4) and accumulated into by backward
-# (an extra read of 4): 20 bytes.
+# gradients kept allocated are zeroed each step (write 4): 16 bytes.
 OPTIMIZER_BYTES_PER_PARAM = 28.0
-CLIP_BYTES_PER_PARAM = 20.0
+CLIP_BYTES_PER_PARAM = 16.0
+# A backward that finds a gradient already there adds into it in place (autograd's
+# AccumulateGrad: `variable_grad += new_grad`): read the new fp32 gradient, read the kept one,
+# write it, 12 bytes. A gradient found empty is taken over as it is (no pass). So a loop that
+# keeps its gradients pays this on every micro-batch, one that frees them on all but the first.
+ACCUMULATE_BYTES_PER_PARAM = 12.0
 
 
 @dataclass(frozen=True)
@@ -204,3 +208,8 @@ def head_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int,
 def optimizer_seconds(params: float, grads: float, rates: Rates) -> float:
     """The optimizer step on `params` parameters, after clipping `grads` gradients."""
     return rates.stream(params * OPTIMIZER_BYTES_PER_PARAM + grads * CLIP_BYTES_PER_PARAM)
+
+
+def accumulate_seconds(grads: float, additions: int, rates: Rates) -> float:
+    """`additions` micro-batches' backwards adding into `grads` kept gradients."""
+    return rates.stream(grads * ACCUMULATE_BYTES_PER_PARAM * additions) if additions else 0.0

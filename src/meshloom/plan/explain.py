@@ -36,7 +36,7 @@ def explain(c: Candidate) -> str:
         for op, secs in (parts.get("ops") or {}).items():
             lines.append(f"    {op:<26}{_ms(secs)} in all")
     lines.append(f"  {'pipeline bubble':<28}{_ms(t.bubble)}  {100 * t.bubble / step:5.1f}%")
-    lines.append(f"  {'optimizer + clipping':<28}{_ms(t.optimizer)}  "
+    lines.append(f"  {'optimizer, clip, accumulate':<28}{_ms(t.optimizer)}  "
                  f"{100 * t.optimizer / step:5.1f}%")
     lines.append(f"  {'= step':<28}{_ms(step)}")
     lines += ["", f"memory per GPU (pipeline rank {mem.rank}):"]

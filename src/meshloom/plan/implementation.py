@@ -21,6 +21,10 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   activations) along with the attention core, as meshloom's policy does (it saves only matmul
   outputs); off, only the attention core is rerun (Korthikanti et al.'s selective recompute,
   Megatron's).
+- `fused_grad_accumulation`: the weight-gradient GEMMs add straight into the kept fp32
+  gradients (Megatron's `--gradient-accumulation-fusion`, TransformerEngine), so no micro-batch
+  pays a separate accumulation pass. Off (meshloom, PyTorch autograd): a backward that finds a
+  gradient already there adds into it in place, a read-modify-write per micro-batch.
 - `op_sac`: selective recompute is torchtitan's per-op policy (`selective_ac_option = "op"`):
   of a block's matmuls, in the order they run, it keeps the outputs of the 1st, 3rd, 5th, ...
   and reruns the others (a Llama block keeps wq, wv, w1, w2 and reruns wk, wo, w3), keeps the
@@ -51,6 +55,7 @@ class Implementation:
     selective_elementwise: bool = True
     meshloom_block: bool = True
     op_sac: bool = False
+    fused_grad_accumulation: bool = False
 
     @property
     def elementwise(self) -> str:

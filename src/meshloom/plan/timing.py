@@ -29,7 +29,13 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from meshloom.parallel.pipeline_schedule import Action, build_schedule, simulate
-from meshloom.plan.compute import block_cost, head_cost, optimizer_seconds, rates_for
+from meshloom.plan.compute import (
+    accumulate_seconds,
+    block_cost,
+    head_cost,
+    optimizer_seconds,
+    rates_for,
+)
 from meshloom.plan.hardware import OVERLAP_SLOWDOWN, Cluster, ring_time
 from meshloom.plan.implementation import MESHLOOM, Implementation
 from meshloom.plan.layout import Layout
@@ -214,6 +220,9 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
         opt_params += experts / (expert_shard(lay) if lay.zero else 1)
     clip_params = opt_params if lay.zero >= 2 else dense + experts  # ZeRO-2/3 keep a shard
     optimizer = optimizer_seconds(opt_params, clip_params if impl.grad_clip else 0.0, rates)
+    additions = 0 if impl.fused_grad_accumulation else m if impl.grad_clip else m - 1
+    accumulate = accumulate_seconds(clip_params, additions, rates)
+    optimizer += accumulate
 
     total = span + dp["exposed"] + optimizer
     mf = model_flops(shape, seq, global_batch)
@@ -233,7 +242,7 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
                           "ops": dp["ops"]},
                    "pp": {"exposed": pp_comm}}
         | ({"ep": {"exposed": ep_total}} if shape.is_moe else {}),
-        "bubble_s": bubble, "optimizer_s": optimizer,
+        "bubble_s": bubble, "optimizer_s": optimizer, "accumulate_s": accumulate,
     }
     return Timing(total, compute, tp_total, cp_total, pp_comm, dp["exposed"], bubble,
                   optimizer, max(0.0, 1.0 - mean_busy / span_nolat) if span_nolat else 0.0, mf,
