@@ -242,3 +242,20 @@ def test_meshloom_peak_memory_on_the_h100_is_predicted_within_3_percent(validati
     assert len(rows) == 8 and {r["set"] for r in rows} == {"meshloom-h100"}
     assert all(abs(r["memory_error"]) <= 0.03 for r in rows), \
         {r["id"]: r["memory_error"] for r in rows}
+
+
+def test_published_runs_are_cited_and_consistent():
+    """benchmarks/published/runs.json: every row quotes its source, names sources that exist,
+    and its layout multiplies out (tp·pp·cp·dp = GPUs, micro-batch · accumulation · dp = global
+    batch)."""
+    data = json.loads((ROOT / "benchmarks" / "published" / "runs.json").read_text())
+    ids = [r["id"] for r in data["runs"]]
+    assert len(ids) == len(set(ids))
+    for r in data["runs"]:
+        lay = r["layout"]
+        assert r["quote"] and r["source"] in data["sources"], r["id"]
+        for key in (r["model"].get("dims_source") or "").split(","):
+            assert not key.strip() or key.strip() in data["sources"], (r["id"], key)
+        assert lay["tp"] * lay["pp"] * lay["cp"] * lay["dp"] == r["gpus"], r["id"]
+        assert r["micro_batch"] * r["grad_accum"] * lay["dp"] == r["global_batch"], r["id"]
+        assert r["published"]["tokens_per_s_per_gpu"] > 0, r["id"]
