@@ -1,45 +1,88 @@
-"""The planner's activation memory for meshloom's own Llama block (plan/memory.py,
-`meshloom_block_bytes`) against the block itself: the tensors its autograd graph saves for
-backward under bf16 autocast, each storage counted once, measured on CPU at two sequence lengths
-so that the weights' bf16 copies (which do not grow with the tokens) drop out. On one H100 the
-same accounting predicts the 1B Llama's measured peaks within 2.3% (test_plan_validation.py)."""
+"""The planner's activation memory for meshloom's own blocks (plan/memory.py,
+`meshloom_block_bytes`) against the blocks themselves: the tensors their autograd graph saves
+for backward, each storage counted once, measured on CPU at two sequence lengths so that what
+does not grow with the tokens (the weights, or autocast's bf16 copies of them) drops out. Both
+families (Llama, GPT-2) and both ways meshloom runs bf16: unsharded layouts keep fp32 parameters
+under autocast ("amp"), ZeRO stages compute with bf16 working parameters ("bf16"). On one H100
+the amp accounting predicts the 1B Llama's measured peaks within 2.3% (test_plan_validation.py).
+
+One CPU/CUDA difference is corrected here, not in the planner: with bf16 input and bf16
+weights, PyTorch's CPU LayerNorm keeps its mean and rstd in bf16 (layer_norm_cpu's
+`param_scalar_type`), its CUDA one in fp32 (the accumulation type), 8 bytes more per token for
+GPT-2's two norms."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
+from meshloom.models.gpt2 import GPT2, GPT2Config
 from meshloom.models.llama import Llama, LlamaConfig
+from meshloom.parallel.activation_checkpointing import apply_block_options
 from meshloom.plan.implementation import Implementation
 from meshloom.plan.layout import Layout
 from meshloom.plan.memory import layer_activation_bytes, memory_per_gpu, meshloom_block_bytes
-from meshloom.plan.models import PRESETS, from_llama_config
+from meshloom.plan.models import PRESETS, from_dims, from_llama_config
 
 CONFIGS = {
     "gqa": dict(dim=256, n_heads=8, n_kv_heads=2, ffn_hidden=768),
     "mha": dict(dim=192, n_heads=6, n_kv_heads=6, ffn_hidden=640),
     "qk_norm+bias": dict(dim=256, n_heads=8, n_kv_heads=4, ffn_hidden=512, qk_norm=True,
                          attention_bias=True),
+    "gpt2": dict(dim=256, n_heads=8, ffn_hidden=768),
 }
+CPU_LAYERNORM_STATS = 8  # see the module docstring
+LAYOUT = {"amp": Layout(), "bf16": Layout(zero=1, dp=2)}  # what decides meshloom's precision
 
 
-def _block(overrides: dict) -> tuple[LlamaConfig, Llama]:
+def _block(overrides: dict, precision: str = "amp"):
     torch.manual_seed(0)
-    cfg = LlamaConfig(n_layers=1, vocab_size=300, max_seq_len=1024, **overrides)
-    return cfg, Llama(cfg)
+    if "n_kv_heads" in overrides:
+        cfg = LlamaConfig(n_layers=1, vocab_size=300, max_seq_len=1024, **overrides)
+        model = Llama(cfg)
+    else:
+        cfg = GPT2Config(n_layers=1, vocab_size=300, max_seq_len=1024, **overrides)
+        model = GPT2(cfg)
+    if precision == "bf16":  # a ZeRO stage's working parameters (buffers such as RoPE stay)
+        for p in model.parameters():
+            p.data = p.data.to(torch.bfloat16)
+    return cfg, model
 
 
-def _inputs(model: Llama, s: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A block's fp32 input (a leaf, as the embedding's output is to the first block) and RoPE."""
+def _shape(cfg):
+    if isinstance(cfg, GPT2Config):
+        return from_dims("gpt", cfg.dim, cfg.n_layers, cfg.n_heads, cfg.vocab_size,
+                         ffn_hidden=cfg.hidden, positions=cfg.max_seq_len, dropout=False)
+    return from_llama_config(cfg)
+
+
+def _cpu_offset(cfg, precision: str) -> int:
+    return CPU_LAYERNORM_STATS if isinstance(cfg, GPT2Config) and precision == "bf16" else 0
+
+
+def _inputs(model, s: int) -> tuple[torch.Tensor, tuple]:
+    """A block's input (a leaf, as the embedding's output is to the first block: fp32 under
+    amp, bf16 with bf16 parameters) and its extra arguments (Llama's RoPE table)."""
     with torch.no_grad():
-        h = model.tok_embeddings(torch.randint(0, model.cfg.vocab_size, (1, s)))
-    return h.requires_grad_(), model.rope(s)
+        if isinstance(model, Llama):
+            h, extra = model.tok_embeddings(torch.randint(0, 300, (1, s))), (model.rope(s),)
+        else:
+            h, extra = model.wte(torch.randint(0, 300, (1, s))), ()
+    return h.clone().requires_grad_(), extra
 
 
-def _run(model: Llama, block, s: int):
-    h, rope = _inputs(model, s)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        return block(h, rope)
+def _autocast(precision: str):
+    return (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "amp"
+            else contextlib.nullcontext())
+
+
+def _run(model, block, s: int, precision: str):
+    h, extra = _inputs(model, s)
+    with _autocast(precision):
+        return block(h, *extra)
 
 
 def _graph_bytes(out: torch.Tensor) -> int:
@@ -64,7 +107,7 @@ def _graph_bytes(out: torch.Tensor) -> int:
     return sum(storages.values())
 
 
-def _packed_bytes(model: Llama, block, s: int) -> int:
+def _packed_bytes(model, block, s: int, precision: str) -> int:
     """Bytes of every distinct storage packed for backward (sees a compiled graph's saves)."""
     storages = {}
 
@@ -73,44 +116,80 @@ def _packed_bytes(model: Llama, block, s: int) -> int:
         storages[st.data_ptr()] = st.nbytes()
         return t
 
-    h, rope = _inputs(model, s)
-    with torch.autocast("cpu", dtype=torch.bfloat16), \
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        block(h, rope)
+    h, extra = _inputs(model, s)
+    with _autocast(precision), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(h, *extra)
     return sum(storages.values())
 
 
+def _alive_bytes(model, block, s: int, precision: str) -> int:
+    """Bytes the forward allocated and left alive, its output aside: what a checkpointed block
+    keeps (selective recompute's saved matmul outputs sit in the checkpoint's own cache, out of
+    reach of saved-tensor hooks), from the CPU profiler's allocation records. The input was
+    allocated before, so it is not among them."""
+    h, extra = _inputs(model, s)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, \
+            _autocast(precision):
+        out = block(h, *extra)
+    return sum(e.self_cpu_memory_usage for e in prof.events()) - out.untyped_storage().nbytes()
+
+
+@pytest.mark.parametrize("precision", ["amp", "bf16"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_eager_block_saves_what_the_planner_counts(name):
-    cfg, model = _block(CONFIGS[name])
+def test_eager_block_saves_what_the_planner_counts(name, precision):
+    cfg, model = _block(CONFIGS[name], precision)
     block = model.layers[0]
-    longer, shorter = _graph_bytes(_run(model, block, 256)), _graph_bytes(_run(model, block, 128))
+    longer = _graph_bytes(_run(model, block, 256, precision))
+    shorter = _graph_bytes(_run(model, block, 128, precision))
     per_token = (longer - shorter) / 128
-    shape = from_llama_config(cfg)
-    assert meshloom_block_bytes(shape, 1, 1, Layout(), "none", fused=False) == per_token
+    counted = meshloom_block_bytes(_shape(cfg), 1, 1, LAYOUT[precision], "none", fused=False)
+    assert counted - _cpu_offset(cfg, precision) == per_token
 
 
-def test_compiled_block_saves_what_the_planner_counts():
-    cfg, model = _block(CONFIGS["gqa"])
+@pytest.mark.parametrize("name, precision", [("gqa", "amp"), ("gqa", "bf16"), ("gpt2", "amp"),
+                                             ("gpt2", "bf16")])
+def test_compiled_block_saves_what_the_planner_counts(name, precision):
+    cfg, model = _block(CONFIGS[name], precision)
     block = torch.compile(model.layers[0], backend="inductor", dynamic=False)
-    per_token = (_packed_bytes(model, block, 512) - _packed_bytes(model, block, 256)) / 256
-    shape = from_llama_config(cfg)
-    assert meshloom_block_bytes(shape, 1, 1, Layout(), "none", fused=True) == per_token
+    per_token = (_packed_bytes(model, block, 512, precision)
+                 - _packed_bytes(model, block, 256, precision)) / 256
+    counted = meshloom_block_bytes(_shape(cfg), 1, 1, LAYOUT[precision], "none", fused=True)
+    assert counted - _cpu_offset(cfg, precision) == per_token
 
 
-def test_census_only_for_meshloom_dense_bf16_unsharded():
-    shape = PRESETS["llama3-1b"]
-    lay = Layout(micro_batch=1)
+@pytest.mark.parametrize("precision", ["amp", "bf16"])
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+@pytest.mark.parametrize("name", ["gqa", "gpt2"])
+def test_checkpointed_block_keeps_what_the_planner_counts(name, recompute, precision):
+    cfg, model = _block(CONFIGS[name], precision)
+    apply_block_options(model, recompute)  # meshloom's own checkpointing and policy
+    block = model.layers[0]
+    per_token = (_alive_bytes(model, block, 512, precision)
+                 - _alive_bytes(model, block, 256, precision)) / 256
+    held_input = (4 if precision == "amp" else 2) * cfg.dim  # the checkpoint keeps its input
+    counted = meshloom_block_bytes(_shape(cfg), 1, 1, LAYOUT[precision], recompute, fused=False)
+    assert counted == per_token + held_input
+
+
+def test_census_for_meshloom_dense_bf16_blocks_only():
+    lay, zero = Layout(micro_batch=1), Layout(micro_batch=1, zero=1, dp=2)
     ideal = Implementation(meshloom_block=False)
-    census = layer_activation_bytes(shape, 2048, 1, lay, "bf16", impl=Implementation())
-    assert census == meshloom_block_bytes(shape, 2048, 1, lay, "none", fused=False)
-    assert layer_activation_bytes(shape, 2048, 1, lay, "bf16", impl=ideal) \
-        == layer_activation_bytes(shape, 2048, 1, lay, "bf16")  # Korthikanti's accounting
-    assert census > layer_activation_bytes(shape, 2048, 1, lay, "bf16", impl=ideal)
-    # ZeRO computes with bf16 working parameters, fp32 runs without autocast: not the census.
-    for other_lay, dtype in ((Layout(micro_batch=1, zero=1, dp=2), "bf16"), (lay, "fp32")):
-        assert layer_activation_bytes(shape, 2048, 1, other_lay, dtype, impl=Implementation()) \
-            == layer_activation_bytes(shape, 2048, 1, other_lay, dtype)
+    for shape in (PRESETS["llama3-1b"], PRESETS["gpt2-large"]):
+        for layout in (lay, zero):
+            census = layer_activation_bytes(shape, 2048, 1, layout, "bf16",
+                                            impl=Implementation())
+            assert census == meshloom_block_bytes(shape, 2048, 1, layout, "none", fused=False)
+            assert layer_activation_bytes(shape, 2048, 1, layout, "bf16", impl=ideal) \
+                == layer_activation_bytes(shape, 2048, 1, layout, "bf16")  # Korthikanti's
+        # Under autocast the fp32 residual stream and per-projection casts keep more than
+        # bf16 working parameters do.
+        assert layer_activation_bytes(shape, 2048, 1, lay, "bf16", impl=Implementation()) \
+            > layer_activation_bytes(shape, 2048, 1, zero, "bf16", impl=Implementation())
+    # fp32 runs without autocast, and a GPT with dropout keeps masks: not the census.
+    dropout = from_dims("gpt", 1280, 36, 20, 50257, positions=1024, dropout=True)
+    for shape, dtype in ((PRESETS["llama3-1b"], "fp32"), (dropout, "bf16")):
+        assert layer_activation_bytes(shape, 2048, 1, lay, dtype, impl=Implementation()) \
+            == layer_activation_bytes(shape, 2048, 1, lay, dtype)
 
 
 def test_compiled_keeps_less_than_eager_and_recompute_less_again():

@@ -30,10 +30,11 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   and reruns the others (a Llama block keeps wq, wv, w1, w2 and reruns wk, wo, w3), keeps the
   attention kernel's outputs, and reruns every elementwise op. Off: meshloom's policy (every
   matmul output kept) or, with `selective_elementwise` off, Korthikanti's.
-- `meshloom_block`: a Llama block's activation memory is what meshloom's own block keeps under
-  bf16 autocast, counted tensor by tensor from its autograd graph (fp32 residual stream and
-  norm internals, one bf16 copy of a norm's output per projection that reads it, the bf16
-  weight copies the matmuls save, meshloom's eager or compiled cross entropy; plan/memory.py).
+- `meshloom_block`: a Llama or GPT-2 block's activation memory is what meshloom's own block
+  keeps in bf16, counted tensor by tensor from its autograd graph: unsharded, under autocast
+  with fp32 parameters (fp32 residual stream and norm internals, one bf16 copy of a norm's
+  output per projection that reads it, the bf16 weight copies the matmuls save); under ZeRO,
+  with bf16 working parameters; meshloom's eager or compiled cross entropy (plan/memory.py).
   Off: every saved tensor once in 16-bit (Korthikanti et al.'s accounting), what trainers that
   keep bf16 parameters and fused kernels (Megatron, FSDP with a bf16 param dtype) hold.
 """

@@ -10,15 +10,17 @@ lists (`pipeline_schedule.compute_lists`), the lists the pipeline executor runs.
 A mixture-of-experts block's routed experts are counted apart from the rest (plan/moe.py): split
 over ep, ZeRO-sharded over the expert shard degree, not split over tp.
 
-With `Implementation.meshloom_block` (the default) a dense Llama block in bf16 is counted as
-meshloom's own block keeps it (`meshloom_block_bytes`), term by term from its autograd graph;
-tests/test_plan_memory_census.py walks that graph on CPU and checks the count. On one H100 this
-predicts the 1B Llama's measured peaks, eager and compiled, with and without recompute.
+With `Implementation.meshloom_block` (the default) a dense Llama or GPT-2 block in bf16 is
+counted as meshloom's own block keeps it (`meshloom_block_bytes`), term by term from its
+autograd graph, both as unsharded layouts run it (fp32 parameters under autocast) and as ZeRO
+stages do (bf16 working parameters); tests/test_plan_memory_census.py walks that graph on CPU
+and checks the count. On one H100 this predicts the 1B Llama's measured peaks, eager and
+compiled, with and without recompute.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from meshloom.parallel.pipeline_schedule import compute_lists
@@ -95,41 +97,60 @@ def rank_model_states(shape: ModelShape, lay: Layout, rank: int, prec) -> dict[s
 
 def uses_meshloom_block(shape: ModelShape, dtype: str, impl: Implementation | None,
                         lay: Layout) -> bool:
-    """Whether the activations are meshloom's own Llama block's census: a dense block in bf16
-    without ZeRO, where meshloom keeps fp32 parameters and runs the forward under autocast
-    (docs/mixed-precision.md); sharded stages compute with bf16 working parameters instead."""
-    return (impl is not None and impl.meshloom_block and shape.arch == "llama"
-            and not shape.is_moe and dtype == "bf16" and lay.zero == 0)
+    """Whether the activations are meshloom's own block's census: a dense Llama block, or a
+    GPT-2 block without dropout, in bf16 (`meshloom_block_bytes`)."""
+    return (impl is not None and impl.meshloom_block and not shape.is_moe and dtype == "bf16"
+            and (shape.arch == "llama" or shape.arch == "gpt" and not shape.has_dropout))
 
 
 def meshloom_block_bytes(shape: ModelShape, s: int, b: int, lay: Layout, rec: str,
                          fused: bool) -> float:
-    """Bytes meshloom's Llama block (models/llama.py) keeps for backward per micro-batch under
-    bf16 autocast with fp32 parameters, read off its autograd graph (the saved tensors, each
-    storage once). Per token, with q = q_dim, F = ffn_hidden, a = heads:
-    - eager, no recompute: 8F (w1 and w3 outputs, silu, product) + 16h (each RMSNorm keeps its
-      fp32 input and its fp32 normalised value) + 10h (autocast's bf16 copy of a norm's fp32
-      output for each of wq, wk, wv, w1, w3) + 8q (SDPA's q, k and v repeated to every head,
-      and its output, which wo reads) + 4a (log-sum-exp) + 8 (two fp32 rsqrt); qk-norm adds
-      its fp32 pair per head for q and k;
-    - compiled (inductor's partition): 6F (silu rerun) + 4h (the fp32 block input) + 6h (one
-      bf16 copy per norm output, and wo's input) + 8q + 4a + 8;
-    - selective (meshloom's policy keeps matmul outputs): 4h (the fp32 input the checkpoint
-      holds) + 2(q + 2 kv + 2h + 2F);
-    - full: the fp32 input, 4h.
-    Split over tp as the projections are; h-wide terms whole on each rank (SP: a slice)."""
+    """Bytes meshloom's block (models/llama.py, models/gpt2.py) keeps for backward per
+    micro-batch in bf16, read off its autograd graph (the saved tensors, each storage once).
+    Unsharded layouts keep fp32 parameters and an fp32 residual stream and run the forward under
+    autocast ("amp"); ZeRO stages compute with bf16 working parameters, no autocast ("bf16",
+    docs/mixed-precision.md). Per token, with q = q_dim, F = ffn_hidden, a = heads; 8q is SDPA's
+    q, k and v (repeated to every head) and its output, which the output projection reads, 4a
+    its fp32 log-sum-exp.
+    Llama:
+    - amp eager: 8F (w1 and w3 outputs, silu, product) + 26h (each RMSNorm keeps its fp32 input
+      and its fp32 normalised value, 16h; autocast casts a norm's fp32 output to bf16 once for
+      each of wq, wk, wv, w1, w3, 10h) + 8q + 4a + 8 (two fp32 rsqrt);
+    - bf16 eager: 8F + 20h (each norm keeps the fp32 copy of its bf16 input and the normalised
+      value, 16h, and its bf16 output, shared by the matmuls that read it, 4h) + 8q + 4a + 8;
+    - qk-norm adds its fp32 pair per head for q and k, 8(q + kv) + 4(a + kv heads), either way;
+    - compiled (inductor's partition: silu rerun, one bf16 copy per norm output, wo's input):
+      amp 6F + 10h (the fp32 block input, 4h, and 6h) + 8q + 4a + 8, bf16 6F + 8h + 8q + 4a + 8.
+    GPT-2 (LayerNorm keeps its input and fp32 mean and rstd, 16 bytes for two):
+    - amp eager: 4F (fc output, GELU's output) + 16h (each norm's fp32 input, 8h; the bf16 casts
+      of ln_1's output for q, k, v and of ln_2's for fc, 8h) + 8q + 4a + 16;
+    - amp compiled: 4F + 10h (the fp32 block input, 4h, one bf16 copy per norm output and the
+      projection's input, 6h) + 8q + 4a + 16;
+    - bf16, eager or compiled: 4F + 8h (each norm's bf16 input and output) + 8q + 4a + 16.
+    Recompute, either family: selective (meshloom's policy keeps every matmul's output) the
+    block's input, which the checkpoint holds (amp 4h, bf16 2h), plus the matmul outputs in bf16;
+    full, the input alone.
+    Split over tp as the projections are; h-wide terms whole on each rank (SP: a slice); a
+    row-parallel matmul's output is h wide on every rank (a partial sum)."""
     t = lay.tp
     h, q, kv, f, a = shape.hidden, shape.q_dim / t, shape.kv_dim / t, shape.ffn_hidden / t, \
         shape.heads / t
     whole = t if lay.sp else 1
+    amp = lay.zero == 0
+    block_input = (4 if amp else 2) * h / whole
     if rec == "full":
-        per = 4 * h / whole
-    elif rec == "selective":
-        per = 4 * h / whole + 2 * (q + 2 * kv + 2 * h / t + 2 * f)
-    elif fused:
-        per = 6 * f + 10 * h / whole + 8 * q + 4 * a + 8
+        return s * b * block_input
+    if rec == "selective":
+        kept = sum(g.n for g in block_gemms(shape, 1, t))
+        return s * b * (block_input + 2 * kept)
+    attention = 8 * q + 4 * a
+    if shape.arch == "gpt":
+        wide = 8 if not amp else 10 if fused else 16
+        return s * b * (4 * f + wide * h / whole + attention + 16)
+    if fused:
+        per = 6 * f + (10 if amp else 8) * h / whole + attention + 8
     else:
-        per = 8 * f + 26 * h / whole + 8 * q + 4 * a + 8
+        per = 8 * f + (26 if amp else 20) * h / whole + attention + 8
         if shape.qk_norm:
             per += 8 * (q + kv) + 4 * (a + shape.kv_heads / t)
     return s * b * per
@@ -203,9 +224,13 @@ def logits_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype: str,
 
 def final_norm_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype: str,
                      impl: Implementation | None = None) -> float:
-    """The final norm's saved input: sbh·e; meshloom's (fp32 input and normalised value, and
-    autocast's bf16 copy the head reads) 10 bytes per h."""
-    per = 10 if uses_meshloom_block(shape, dtype, impl, lay) else act_elem_bytes(dtype)
+    """The final norm's saved input: sbh·e. meshloom's: the Llama RMSNorm's fp32 input (or the
+    fp32 copy of its bf16 one) and normalised value, and the bf16 tensor the head reads, 10 bytes
+    per h; GPT-2's LayerNorm its input and the head's bf16 input, 6 (amp) or 4 (bf16)."""
+    if uses_meshloom_block(shape, dtype, impl, lay):
+        per = 10 if shape.arch == "llama" else 6 if lay.zero == 0 else 4
+    else:
+        per = act_elem_bytes(dtype)
     return s * b * shape.hidden * per / (lay.tp if lay.sp else 1)
 
 
@@ -214,7 +239,8 @@ def weight_copy_bytes(shape: ModelShape, lay: Layout, rank: int, dtype: str,
     """autocast's bf16 copies of the fp32 weight matrices, which the matmuls save for backward
     (meshloom's block without recompute: with recompute the copies die with the forward). Not
     with ZeRO, whose working parameters are bf16 already."""
-    if not uses_meshloom_block(shape, dtype, impl, lay) or lay.recompute != "none":
+    if (not uses_meshloom_block(shape, dtype, impl, lay) or lay.recompute != "none"
+            or lay.zero):
         return 0.0
     n = layers_on_rank(shape, lay.pp) * shape.tp_split_params / lay.tp
     if rank == lay.pp - 1:
@@ -273,6 +299,10 @@ def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
     """Peak bytes on the fullest GPU of the layout, run as `impl` says. Gradients count unless
     the loop frees them between steps (`grad_clip` off) and one micro-batch on one stage makes
     the step's peak fall at the start of the backward, before any gradient is written."""
+    if impl.meshloom_block and not flash:
+        # meshloom's blocks always call SDPA: a plan with eager attention is another stack's,
+        # counted Korthikanti's way throughout (block, loss, final norm, no autocast copies).
+        impl = replace(impl, meshloom_block=False)
     prec = precision(dtype)
     if impl.meshloom_block and lay.zero == 0:
         prec = FP32  # unsharded, meshloom's parameters are the fp32 masters (autocast computes)

@@ -362,8 +362,10 @@ def _build_presets() -> dict[str, ModelShape]:
     presets: dict[str, ModelShape] = {}
     for name, hidden, layers, heads in (("gpt2", 768, 12, 12), ("gpt2-medium", 1024, 24, 16),
                                         ("gpt2-large", 1280, 36, 20), ("gpt2-xl", 1600, 48, 25)):
+        # meshloom's GPT-2 presets train without dropout (models/gpt2.py); an HF config.json
+        # with its *_pdrop at 0.1 plans GPT-2's own recipe.
         presets[name] = from_dims("gpt", hidden, layers, heads, _GPT2_VOCAB, name=name,
-                                  positions=1024)
+                                  positions=1024, dropout=False)
     for name, family in _families.presets().items():  # llama and the families on its decoder
         if issubclass(family.config, _llama.LlamaConfig):
             presets[name] = from_llama_config(_families.config_from_preset(name), name)
