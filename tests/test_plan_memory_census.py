@@ -38,13 +38,13 @@ CPU_LAYERNORM_STATS = 8  # see the module docstring
 LAYOUT = {"amp": Layout(), "bf16": Layout(zero=1, dp=2)}  # what decides meshloom's precision
 
 
-def _block(overrides: dict, precision: str = "amp"):
+def _block(overrides: dict, precision: str = "amp", layers: int = 1):
     torch.manual_seed(0)
     if "n_kv_heads" in overrides:
-        cfg = LlamaConfig(n_layers=1, vocab_size=300, max_seq_len=1024, **overrides)
+        cfg = LlamaConfig(n_layers=layers, vocab_size=300, max_seq_len=1024, **overrides)
         model = Llama(cfg)
     else:
-        cfg = GPT2Config(n_layers=1, vocab_size=300, max_seq_len=1024, **overrides)
+        cfg = GPT2Config(n_layers=layers, vocab_size=300, max_seq_len=1024, **overrides)
         model = GPT2(cfg)
     if precision == "bf16":  # a ZeRO stage's working parameters (buffers such as RoPE stay)
         for p in model.parameters():
@@ -212,3 +212,52 @@ def test_gradients_leave_the_peak_only_for_a_loop_that_frees_them():
     assert kept.grads == 4 * shape.params and freed.grads == 0  # fp32 gradients, unsharded
     accumulating = memory_per_gpu(shape, lay, 2048, 16, impl=Implementation(grad_clip=False))
     assert accumulating.grads == kept.grads  # the second micro-batch adds into them
+
+
+def _tp_census_job(world: int, sp: bool, precision: str) -> float:
+    """Per token and layer, the bytes a tensor-parallel rank's Llama saves for backward: the
+    whole model at 1 and 2 layers and two lengths (what does not scale with both drops out of
+    the double difference), bf16 working parameters standing in for a ZeRO stage's."""
+    import os
+
+    import torch.distributed as dist
+
+    from meshloom.comm import CommCounter
+    from meshloom.config import ParallelConfig
+    from meshloom.mesh import Mesh, ParallelDims
+    from meshloom.parallel import parallelize
+
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    saved = {}
+    for layers in (1, 2):
+        cfg, model = _block(CONFIGS["gqa"], precision, layers)
+        mesh = Mesh(ParallelDims(tp=world), rank, "cpu", CommCounter())
+        par = parallelize(model, mesh, ParallelConfig(tp=world, dp_shard=1,
+                                                      sequence_parallel=sp))
+        for s in (128, 256):
+            storages: dict[int, int] = {}
+
+            def pack(t: torch.Tensor, into: dict = storages) -> torch.Tensor:
+                st = t.untyped_storage()
+                into[st.data_ptr()] = st.nbytes()
+                return t
+
+            x = torch.randint(0, 300, (1, s))
+            with _autocast(precision), \
+                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                par.model(x)
+            saved[(layers, s)] = sum(storages.values())
+    dist.destroy_process_group()
+    return (saved[(2, 256)] - saved[(1, 256)] - saved[(2, 128)] + saved[(1, 128)]) / 128
+
+
+@pytest.mark.parametrize("precision", ["amp", "bf16"])
+@pytest.mark.parametrize("sp", [False, True])
+def test_tensor_parallel_block_saves_what_the_planner_counts(sp, precision):
+    from dist_harness import run_ranks
+
+    cfg, _ = _block(CONFIGS["gqa"])
+    lay = Layout(tp=2, sp=sp, zero=LAYOUT[precision].zero, dp=LAYOUT[precision].dp)
+    counted = meshloom_block_bytes(_shape(cfg), 1, 1, lay, "none", fused=False)
+    assert run_ranks(_tp_census_job, 2, 2, sp, precision) == [counted, counted]

@@ -130,8 +130,11 @@ def meshloom_block_bytes(shape: ModelShape, s: int, b: int, lay: Layout, rec: st
     Recompute, either family: selective (meshloom's policy keeps every matmul's output) the
     block's input, which the checkpoint holds (amp 4h, bf16 2h), plus the matmul outputs in bf16;
     full, the input alone.
-    Split over tp as the projections are; h-wide terms whole on each rank (SP: a slice); a
-    row-parallel matmul's output is h wide on every rank (a partial sum)."""
+    Split over tp as the projections are; h-wide terms whole on each rank. Under SP the block
+    input and the norms' own tensors are a 1/t slice, but what the projections read (a norm's
+    output, all-gathered, and under amp its casts) is whole. A row-parallel matmul's output is h
+    wide on every rank (a partial sum). tests/test_plan_memory_census.py checks eager amp and
+    bf16 on 2 ranks with and without SP."""
     t = lay.tp
     h, q, kv, f, a = shape.hidden, shape.q_dim / t, shape.kv_dim / t, shape.ffn_hidden / t, \
         shape.heads / t
@@ -143,16 +146,20 @@ def meshloom_block_bytes(shape: ModelShape, s: int, b: int, lay: Layout, rec: st
     if rec == "selective":
         kept = sum(g.n for g in block_gemms(shape, 1, t))
         return s * b * (block_input + 2 * kept)
-    attention = 8 * q + 4 * a
+    # Under SP a norm runs on this rank's slice of the sequence (its internals and the block
+    # input are 1/t), and its output is all-gathered before the projections, which keep the
+    # whole-sequence tensor they read (amp: autocast's bf16 cast of it, once per projection).
     if shape.arch == "gpt":
-        wide = 8 if not amp else 10 if fused else 16
-        return s * b * (4 * f + wide * h / whole + attention + 16)
-    if fused:
-        per = 6 * f + (10 if amp else 8) * h / whole + attention + 8
+        norms, gathered, stats = (8 if amp else 4), (8 if amp else 4), 16
     else:
-        per = 8 * f + (26 if amp else 20) * h / whole + attention + 8
-        if shape.qk_norm:
-            per += 8 * (q + kv) + 4 * (a + shape.kv_heads / t)
+        norms, gathered, stats = 16, (10 if amp else 4), 8
+    if fused:  # inductor keeps the block input, one cast per gathered norm output, wo's input
+        per = block_input + 4 * h + 10 * q + 4 * a + stats / whole
+        return s * b * (per + (6 if shape.arch == "llama" else 4) * f)
+    per = norms * h / whole + gathered * h + 8 * q + 4 * a + stats / whole
+    per += (8 if shape.arch == "llama" else 4) * f
+    if shape.qk_norm:
+        per += 8 * (q + kv) + 4 * (a + shape.kv_heads / t)
     return s * b * per
 
 
