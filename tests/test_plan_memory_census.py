@@ -214,7 +214,7 @@ def test_gradients_leave_the_peak_only_for_a_loop_that_frees_them():
     assert accumulating.grads == kept.grads  # the second micro-batch adds into them
 
 
-def _tp_census_job(world: int, sp: bool, precision: str) -> float:
+def _tp_census_job(world: int, sp: bool, precision: str, compiled: bool = False) -> float:
     """Per token and layer, the bytes a tensor-parallel rank's Llama saves for backward: the
     whole model at 1 and 2 layers and two lengths (what does not scale with both drops out of
     the double difference), bf16 working parameters standing in for a ZeRO stage's."""
@@ -234,7 +234,8 @@ def _tp_census_job(world: int, sp: bool, precision: str) -> float:
         cfg, model = _block(CONFIGS["gqa"], precision, layers)
         mesh = Mesh(ParallelDims(tp=world), rank, "cpu", CommCounter())
         par = parallelize(model, mesh, ParallelConfig(tp=world, dp_shard=1,
-                                                      sequence_parallel=sp))
+                                                      sequence_parallel=sp),
+                          compile_blocks=compiled)
         for s in (128, 256):
             storages: dict[int, int] = {}
 
@@ -244,6 +245,9 @@ def _tp_census_job(world: int, sp: bool, precision: str) -> float:
                 return t
 
             x = torch.randint(0, 300, (1, s))
+            if compiled:  # compile first, then count
+                with _autocast(precision):
+                    par.model(x)
             with _autocast(precision), \
                     torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 par.model(x)
@@ -261,3 +265,12 @@ def test_tensor_parallel_block_saves_what_the_planner_counts(sp, precision):
     lay = Layout(tp=2, sp=sp, zero=LAYOUT[precision].zero, dp=LAYOUT[precision].dp)
     counted = meshloom_block_bytes(_shape(cfg), 1, 1, lay, "none", fused=False)
     assert run_ranks(_tp_census_job, 2, 2, sp, precision) == [counted, counted]
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_compiled_tensor_parallel_block_saves_what_the_planner_counts(sp):
+    from dist_harness import run_ranks
+
+    cfg, _ = _block(CONFIGS["gqa"])
+    counted = meshloom_block_bytes(_shape(cfg), 1, 1, Layout(tp=2, sp=sp), "none", fused=True)
+    assert run_ranks(_tp_census_job, 2, 2, sp, "amp", True, timeout=600) == [counted, counted]

@@ -120,7 +120,8 @@ def meshloom_block_bytes(shape: ModelShape, s: int, b: int, lay: Layout, rec: st
       value, 16h, and its bf16 output, shared by the matmuls that read it, 4h) + 8q + 4a + 8;
     - qk-norm adds its fp32 pair per head for q and k, 8(q + kv) + 4(a + kv heads), either way;
     - compiled (inductor's partition: silu rerun, one bf16 copy per norm output, wo's input):
-      amp 6F + 10h (the fp32 block input, 4h, and 6h) + 8q + 4a + 8, bf16 6F + 8h + 8q + 4a + 8.
+      amp 6F + 10h (the fp32 block input, 4h, and 6h) + 8q + 4a + 8, bf16 6F + 8h + 8q + 4a + 8;
+      under tp the residual between attention and MLP is kept too, and wo's input is not.
     GPT-2 (LayerNorm keeps its input and fp32 mean and rstd, 16 bytes for two):
     - amp eager: 4F (fc output, GELU's output) + 16h (each norm's fp32 input, 8h; the bf16 casts
       of ln_1's output for q, k, v and of ln_2's for fc, 8h) + 8q + 4a + 16;
@@ -153,8 +154,13 @@ def meshloom_block_bytes(shape: ModelShape, s: int, b: int, lay: Layout, rec: st
         norms, gathered, stats = (8 if amp else 4), (8 if amp else 4), 16
     else:
         norms, gathered, stats = 16, (10 if amp else 4), 8
-    if fused:  # inductor keeps the block input, one cast per gathered norm output, wo's input
-        per = block_input + 4 * h + 10 * q + 4 * a + stats / whole
+    if fused:
+        # One compiled graph (tp = 1) keeps the block input, one cast per norm output and wo's
+        # input; under tp the collectives split the block into graphs compiled apart, which keep
+        # the residual between them (the second norm's input, like the block input a slice under
+        # SP) and let wo read the attention output itself.
+        per = (block_input + 10 * q if t == 1 else 2 * block_input + 8 * q) + 4 * h
+        per += 4 * a + stats / whole
         return s * b * (per + (6 if shape.arch == "llama" else 4) * f)
     per = norms * h / whole + gathered * h + 8 * q + 4 * a + stats / whole
     per += (8 if shape.arch == "llama" else 4) * f
