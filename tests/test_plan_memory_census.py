@@ -6,10 +6,11 @@ families (Llama, GPT-2) and both ways meshloom runs bf16: unsharded layouts keep
 under autocast ("amp"), ZeRO stages compute with bf16 working parameters ("bf16"). On one H100
 the amp accounting predicts the 1B Llama's measured peaks within 2.3% (test_plan_validation.py).
 
-One CPU/CUDA difference is corrected here, not in the planner: with bf16 input and bf16
+Two CPU/CUDA differences are corrected here, not in the planner: with bf16 input and bf16
 weights, PyTorch's CPU LayerNorm keeps its mean and rstd in bf16 (layer_norm_cpu's
 `param_scalar_type`), its CUDA one in fp32 (the accumulation type), 8 bytes more per token for
-GPT-2's two norms."""
+GPT-2's two norms; and eager dropout on CPU keeps its scaled mask in the input's dtype (2 bytes,
+at::dropout's unfused path), on CUDA a 1-byte bool (native_dropout), 1 byte less per element."""
 
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ def _block(overrides: dict, precision: str = "amp", layers: int = 1):
 def _shape(cfg):
     if isinstance(cfg, GPT2Config):
         return from_dims("gpt", cfg.dim, cfg.n_layers, cfg.n_heads, cfg.vocab_size,
-                         ffn_hidden=cfg.hidden, positions=cfg.max_seq_len, dropout=False)
+                         ffn_hidden=cfg.hidden, positions=cfg.max_seq_len,
+                         dropout=cfg.dropout > 0)
     return from_llama_config(cfg)
 
 
@@ -185,11 +187,10 @@ def test_census_for_meshloom_dense_bf16_blocks_only():
         # bf16 working parameters do.
         assert layer_activation_bytes(shape, 2048, 1, lay, "bf16", impl=Implementation()) \
             > layer_activation_bytes(shape, 2048, 1, zero, "bf16", impl=Implementation())
-    # fp32 runs without autocast, and a GPT with dropout keeps masks: not the census.
-    dropout = from_dims("gpt", 1280, 36, 20, 50257, positions=1024, dropout=True)
-    for shape, dtype in ((PRESETS["llama3-1b"], "fp32"), (dropout, "bf16")):
-        assert layer_activation_bytes(shape, 2048, 1, lay, dtype, impl=Implementation()) \
-            == layer_activation_bytes(shape, 2048, 1, lay, dtype)
+    # fp32 runs without autocast: not the census.
+    assert layer_activation_bytes(PRESETS["llama3-1b"], 2048, 1, lay, "fp32",
+                                  impl=Implementation()) \
+        == layer_activation_bytes(PRESETS["llama3-1b"], 2048, 1, lay, "fp32")
 
 
 def test_compiled_keeps_less_than_eager_and_recompute_less_again():
@@ -274,3 +275,26 @@ def test_compiled_tensor_parallel_block_saves_what_the_planner_counts(sp):
     cfg, _ = _block(CONFIGS["gqa"])
     counted = meshloom_block_bytes(_shape(cfg), 1, 1, Layout(tp=2, sp=sp), "none", fused=True)
     assert run_ranks(_tp_census_job, 2, 2, sp, "amp", True, timeout=600) == [counted, counted]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("precision", ["amp", "bf16"])
+def test_gpt2_dropout_keeps_its_residual_masks(precision, compiled):
+    cfg, model = _block(CONFIGS["gpt2"] | {"dropout": 0.1}, precision)
+    model.train()
+    block = model.layers[0]
+    # CPU's SDPA runs attention dropout on its math path, which keeps the probabilities; CUDA's
+    # flash kernel keeps only its RNG state, so the attention's own dropout is left out here.
+    block.attn.attn_dropout = 0.0
+    if compiled:
+        block = torch.compile(block, backend="inductor", dynamic=False)
+    per_token = (_packed_bytes(model, block, 512, precision)
+                 - _packed_bytes(model, block, 256, precision)) / 256
+    counted = meshloom_block_bytes(_shape(cfg), 1, 1, LAYOUT[precision], "none",
+                                   fused=compiled)
+    cpu_masks = 0 if compiled else 2 * cfg.dim  # see the module docstring
+    assert counted - _cpu_offset(cfg, precision) + cpu_masks == per_token
+    plain = from_dims("gpt", cfg.dim, 1, cfg.n_heads, cfg.vocab_size, ffn_hidden=cfg.hidden,
+                      positions=cfg.max_seq_len, dropout=False)
+    assert counted - meshloom_block_bytes(plain, 1, 1, LAYOUT[precision], "none",
+                                          fused=compiled) == 2 * cfg.dim  # two 1-byte masks

@@ -97,10 +97,10 @@ def rank_model_states(shape: ModelShape, lay: Layout, rank: int, prec) -> dict[s
 
 def uses_meshloom_block(shape: ModelShape, dtype: str, impl: Implementation | None,
                         lay: Layout) -> bool:
-    """Whether the activations are meshloom's own block's census: a dense Llama block, or a
-    GPT-2 block without dropout, in bf16 (`meshloom_block_bytes`)."""
+    """Whether the activations are meshloom's own block's census: a dense Llama or GPT-2 block
+    in bf16 (`meshloom_block_bytes`)."""
     return (impl is not None and impl.meshloom_block and not shape.is_moe and dtype == "bf16"
-            and (shape.arch == "llama" or shape.arch == "gpt" and not shape.has_dropout))
+            and shape.arch in ("llama", "gpt"))
 
 
 def meshloom_block_bytes(shape: ModelShape, s: int, b: int, lay: Layout, rec: str,
@@ -127,7 +127,9 @@ def meshloom_block_bytes(shape: ModelShape, s: int, b: int, lay: Layout, rec: st
       of ln_1's output for q, k, v and of ln_2's for fc, 8h) + 8q + 4a + 16;
     - amp compiled: 4F + 10h (the fp32 block input, 4h, one bf16 copy per norm output and the
       projection's input, 6h) + 8q + 4a + 16;
-    - bf16, eager or compiled: 4F + 8h (each norm's bf16 input and output) + 8q + 4a + 16.
+    - bf16, eager or compiled: 4F + 8h (each norm's bf16 input and output) + 8q + 4a + 16;
+    - with dropout, eager or compiled: + 2h, the residual dropouts' 1-byte masks (selective and
+      full recompute rerun dropout from the saved RNG state instead).
     Recompute, either family: selective (meshloom's policy keeps every matmul's output) the
     block's input, which the checkpoint holds (amp 4h, bf16 2h), plus the matmul outputs in bf16;
     full, the input alone.
@@ -154,16 +156,19 @@ def meshloom_block_bytes(shape: ModelShape, s: int, b: int, lay: Layout, rec: st
         norms, gathered, stats = (8 if amp else 4), (8 if amp else 4), 16
     else:
         norms, gathered, stats = 16, (10 if amp else 4), 8
+    # GPT-2's residual dropouts keep a 1-byte mask each (after the reduce-scatter under SP);
+    # its attention dropout runs inside the flash kernel, which keeps only its RNG state.
+    masks = 2 * h / whole if shape.arch == "gpt" and shape.has_dropout else 0.0
     if fused:
         # One compiled graph (tp = 1) keeps the block input, one cast per norm output and wo's
         # input; under tp the collectives split the block into graphs compiled apart, which keep
         # the residual between them (the second norm's input, like the block input a slice under
         # SP) and let wo read the attention output itself.
         per = (block_input + 10 * q if t == 1 else 2 * block_input + 8 * q) + 4 * h
-        per += 4 * a + stats / whole
+        per += 4 * a + stats / whole + masks
         return s * b * (per + (6 if shape.arch == "llama" else 4) * f)
     per = norms * h / whole + gathered * h + 8 * q + 4 * a + stats / whole
-    per += (8 if shape.arch == "llama" else 4) * f
+    per += (8 if shape.arch == "llama" else 4) * f + masks
     if shape.qk_norm:
         per += 8 * (q + kv) + 4 * (a + shape.kv_heads / t)
     return s * b * per
