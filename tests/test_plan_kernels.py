@@ -210,6 +210,20 @@ def test_every_micro_batch_that_finds_a_gradient_adds_into_it():
     assert acc(8, fused_grad_accumulation=True) == 0.0
 
 
+def test_meshloom_zero1_adds_into_bf16_gradients():
+    """meshloom's ZeRO-1 keeps whole bf16 gradients in its flat buffers (parallel/zero.py):
+    half the accumulation traffic of fp32 ones; another trainer's ZeRO-1 keeps fp32."""
+    shape, cl = PRESETS["llama3-1b"], make_cluster("h100", 2)
+    lay = Layout(dp=2, zero=1, micro_batch=2)
+
+    def acc(**impl):
+        return evaluate(shape, lay, cl, 2048, 16, impl=Implementation(**impl)) \
+            .timing.detail["accumulate_s"]
+    one = compute_mod.accumulate_seconds(shape.params, 1, rates_for(cl))
+    assert acc() == pytest.approx(4 * one / 2)  # 4 micro-batches, 6 bytes each
+    assert acc(meshloom_block=False) == pytest.approx(4 * one)
+
+
 def test_fix_keys_select_the_implementation():
     fixed = parse_fix("tp=2,compile=true,tp_overlap=on,fsdp_prefetch=false")
     layout_keys, impl = split_fix(fixed)

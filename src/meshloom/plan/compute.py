@@ -55,6 +55,8 @@ CLIP_BYTES_PER_PARAM = 16.0
 # AccumulateGrad: `variable_grad += new_grad`): read the new fp32 gradient, read the kept one,
 # write it, 12 bytes. A gradient found empty is taken over as it is (no pass). So a loop that
 # keeps its gradients pays this on every micro-batch, one that frees them on all but the first.
+# meshloom's ZeRO-1 in bf16 keeps whole bf16 gradients in its flat buffers (parallel/zero.py):
+# 6 bytes there (`accumulate_seconds(..., grad_bytes=2)`).
 ACCUMULATE_BYTES_PER_PARAM = 12.0
 
 
@@ -210,6 +212,9 @@ def optimizer_seconds(params: float, grads: float, rates: Rates) -> float:
     return rates.stream(params * OPTIMIZER_BYTES_PER_PARAM + grads * CLIP_BYTES_PER_PARAM)
 
 
-def accumulate_seconds(grads: float, additions: int, rates: Rates) -> float:
-    """`additions` micro-batches' backwards adding into `grads` kept gradients."""
-    return rates.stream(grads * ACCUMULATE_BYTES_PER_PARAM * additions) if additions else 0.0
+def accumulate_seconds(grads: float, additions: int, rates: Rates,
+                       grad_bytes: int = 4) -> float:
+    """`additions` micro-batches' backwards adding into `grads` kept gradients of `grad_bytes`
+    bytes each (read new, read kept, write)."""
+    per = ACCUMULATE_BYTES_PER_PARAM * grad_bytes / 4
+    return rates.stream(grads * per * additions) if additions else 0.0

@@ -35,6 +35,8 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   with fp32 parameters (fp32 residual stream and norm internals, one bf16 copy of a norm's
   output per projection that reads it, the bf16 weight copies the matmuls save); under ZeRO,
   with bf16 working parameters; meshloom's eager or compiled cross entropy (plan/memory.py).
+  Also meshloom's ZeRO-1 in bf16 accumulating micro-batches into whole bf16 gradients (6 bytes
+  per parameter and micro-batch, plan/compute.py), where other trainers keep fp32 ones (12).
   Off: every saved tensor once in 16-bit (Korthikanti et al.'s accounting), what trainers that
   keep bf16 parameters and fused kernels (Megatron, FSDP with a bf16 param dtype) hold.
 """

@@ -221,7 +221,9 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     clip_params = opt_params if lay.zero >= 2 else dense + experts  # ZeRO-2/3 keep a shard
     optimizer = optimizer_seconds(opt_params, clip_params if impl.grad_clip else 0.0, rates)
     additions = 0 if impl.fused_grad_accumulation else m if impl.grad_clip else m - 1
-    accumulate = accumulate_seconds(clip_params, additions, rates)
+    # meshloom's own ZeRO-1 keeps whole bf16 gradients; other trainers accumulate in fp32.
+    bf16_grads = impl.meshloom_block and lay.zero == 1 and dtype == "bf16"
+    accumulate = accumulate_seconds(clip_params, additions, rates, 2 if bf16_grads else 4)
     optimizer += accumulate
 
     total = span + dp["exposed"] + optimizer
