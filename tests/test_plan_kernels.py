@@ -292,7 +292,9 @@ def test_explain_prints_every_term_and_json_has_the_detail():
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     for needle in ("rates:", "implementation: compile=false", "gemm", "attention",
                    "elementwise", "head_and_loss", "tp exposed", "dp exposed", "hidden",
-                   "all_gather", "optimizer, clip, accumulate", "= step", "activations", "= total"):
+                   "all_gather", "optimizer, clip, accumulate", "= step", "activations", "= total",
+                   "counted as: meshloom's Llama block census: bf16 working parameters (ZeRO), "
+                   "eager, selective recompute"):
         assert needle in out, needle
     js = subprocess.run(cmd[:-1] + ["--json"], capture_output=True, text=True, check=True)
     cand = json.loads(js.stdout)["candidates"][0]

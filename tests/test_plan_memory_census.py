@@ -298,3 +298,18 @@ def test_gpt2_dropout_keeps_its_residual_masks(precision, compiled):
                       positions=cfg.max_seq_len, dropout=False)
     assert counted - meshloom_block_bytes(plain, 1, 1, LAYOUT[precision], "none",
                                           fused=compiled) == 2 * cfg.dim  # two 1-byte masks
+
+
+def test_explain_says_how_activations_were_counted():
+    from meshloom.plan.memory import activation_accounting
+
+    shape, lay = PRESETS["llama3-8b"], Layout(micro_batch=1)
+    assert activation_accounting(shape, lay, "bf16", True, Implementation()) \
+        == "meshloom's Llama block census: fp32 parameters under autocast, eager, no recompute"
+    assert "bf16 working parameters (ZeRO), compiled" in activation_accounting(
+        shape, Layout(zero=3, dp=2), "bf16", True, Implementation(compile=True))
+    assert activation_accounting(shape, lay, "bf16", True, Implementation(meshloom_block=False)) \
+        .startswith("Korthikanti")
+    assert activation_accounting(shape, lay, "bf16", False, Implementation()) \
+        .startswith("Korthikanti")  # eager attention: not meshloom's block
+    assert memory_per_gpu(shape, lay, 2048, 1).counted_as.startswith("meshloom's Llama")

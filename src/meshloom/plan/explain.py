@@ -42,5 +42,7 @@ def explain(c: Candidate) -> str:
     lines += ["", f"memory per GPU (pipeline rank {mem.rank}):"]
     for name in ("params", "grads", "optimizer", "activations", "buffers", "context"):
         lines.append(f"  {name:<28}{getattr(mem, name) / GB:10.2f} GB")
+        if name == "activations" and mem.counted_as:
+            lines.append(f"    counted as: {mem.counted_as}")
     lines.append(f"  {'= total':<28}{mem.total / GB:10.2f} GB of {c.gpu_memory / GB:.0f} GB")
     return "\n".join(lines)

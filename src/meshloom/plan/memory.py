@@ -290,6 +290,21 @@ def in_flight(schedule: str, pp: int, m: int, v: int) -> tuple[float, float]:
     return tuple(peaks)
 
 
+def activation_accounting(shape: ModelShape, lay: Layout, dtype: str, flash: bool,
+                          impl: Implementation) -> str:
+    """One line saying how a layout's activations are counted (`meshloom plan --explain`)."""
+    rec = f"{lay.recompute} recompute" if lay.recompute != "none" else "no recompute"
+    if lay.recompute == "selective" and impl.op_sac and not shape.is_moe and flash:
+        return f"torchtitan's per-op selective checkpointing, {act_elem_bytes(dtype)}-byte tensors"
+    if impl.meshloom_block and flash and uses_meshloom_block(shape, dtype, impl, lay):
+        family = "Llama" if shape.arch == "llama" else "GPT-2"
+        how = ("fp32 parameters under autocast" if lay.zero == 0
+               else "bf16 working parameters (ZeRO)")
+        kernels = "compiled" if impl.compile else "eager"
+        return f"meshloom's {family} block census: {how}, {kernels}, {rec}"
+    return f"Korthikanti et al.'s per-tensor count, {act_elem_bytes(dtype)}-byte tensors, {rec}"
+
+
 @dataclass
 class Memory:
     params: float
@@ -299,6 +314,7 @@ class Memory:
     buffers: float
     context: float  # CUDA context and library workspaces, outside the allocator's count
     rank: int  # the pipeline rank this breakdown is for (the fullest)
+    counted_as: str = ""  # how the activations were counted (`activation_accounting`)
 
     @property
     def total(self) -> float:
@@ -308,7 +324,8 @@ class Memory:
     def to_dict(self) -> dict:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
                 "activations": self.activations, "buffers": self.buffers,
-                "context": self.context, "total": self.total, "pipeline_rank": self.rank}
+                "context": self.context, "total": self.total, "pipeline_rank": self.rank,
+                "activations_counted_as": self.counted_as}
 
 
 def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
@@ -350,7 +367,8 @@ def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
         acts += weight_copy_bytes(shape, lay, rank, dtype, impl)
         buffers = _buffers(shape, lay, s, b, dtype)
         mem = Memory(states["params"], states["grads"] if grads_at_peak else 0.0,
-                     states["optimizer"], acts, buffers, CONTEXT_BYTES, rank)
+                     states["optimizer"], acts, buffers, CONTEXT_BYTES, rank,
+                     activation_accounting(shape, lay, dtype, flash, impl))
         if best is None or mem.total > best.total:
             best = mem
     return best
