@@ -199,9 +199,10 @@ def layer_activation_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype
     With 2-byte elements and GPT's shape this is Korthikanti's sbh(34 + 5as/h) at t = 1.
     With `impl.meshloom_block`, a dense bf16 Llama block is meshloom's (`meshloom_block_bytes`)."""
     rec = lay.recompute if recompute is None else recompute
-    if rec == "selective" and impl is not None and impl.op_sac and not shape.is_moe and flash:
+    method = _accounting(shape, lay, dtype, flash, impl, rec)
+    if method == "op_sac":
         return op_sac_bytes(shape, s, b, lay, dtype)
-    if uses_meshloom_block(shape, dtype, impl, lay) and flash:
+    if method == "census":
         return meshloom_block_bytes(shape, s, b, lay, rec, impl.compile)
     t, e = lay.tp, act_elem_bytes(dtype)
     h, a, f = shape.hidden, shape.heads, shape.ffn_hidden
@@ -290,13 +291,25 @@ def in_flight(schedule: str, pp: int, m: int, v: int) -> tuple[float, float]:
     return tuple(peaks)
 
 
+def _accounting(shape: ModelShape, lay: Layout, dtype: str, flash: bool,
+                impl: Implementation | None, rec: str) -> str:
+    """Which count a layer's activations get: "op_sac" (torchtitan's policy), "census"
+    (meshloom's own block) or "korthikanti"."""
+    if rec == "selective" and impl is not None and impl.op_sac and not shape.is_moe and flash:
+        return "op_sac"
+    if uses_meshloom_block(shape, dtype, impl, lay) and flash:
+        return "census"
+    return "korthikanti"
+
+
 def activation_accounting(shape: ModelShape, lay: Layout, dtype: str, flash: bool,
                           impl: Implementation) -> str:
     """One line saying how a layout's activations are counted (`meshloom plan --explain`)."""
     rec = f"{lay.recompute} recompute" if lay.recompute != "none" else "no recompute"
-    if lay.recompute == "selective" and impl.op_sac and not shape.is_moe and flash:
+    method = _accounting(shape, lay, dtype, flash, impl, lay.recompute)
+    if method == "op_sac":
         return f"torchtitan's per-op selective checkpointing, {act_elem_bytes(dtype)}-byte tensors"
-    if impl.meshloom_block and flash and uses_meshloom_block(shape, dtype, impl, lay):
+    if method == "census":
         family = "Llama" if shape.arch == "llama" else "GPT-2"
         how = ("fp32 parameters under autocast" if lay.zero == 0
                else "bf16 working parameters (ZeRO)")
