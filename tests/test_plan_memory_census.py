@@ -215,8 +215,9 @@ def test_gradients_leave_the_peak_only_for_a_loop_that_frees_them():
     assert accumulating.grads == kept.grads  # the second micro-batch adds into them
 
 
-def _tp_census_job(world: int, sp: bool, precision: str, compiled: bool = False) -> float:
-    """Per token and layer, the bytes a tensor-parallel rank's Llama saves for backward: the
+def _tp_census_job(world: int, sp: bool, precision: str, compiled: bool = False,
+                   name: str = "gqa") -> float:
+    """Per token and layer, the bytes a tensor-parallel rank's model saves for backward: the
     whole model at 1 and 2 layers and two lengths (what does not scale with both drops out of
     the double difference), bf16 working parameters standing in for a ZeRO stage's."""
     import os
@@ -232,7 +233,7 @@ def _tp_census_job(world: int, sp: bool, precision: str, compiled: bool = False)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     saved = {}
     for layers in (1, 2):
-        cfg, model = _block(CONFIGS["gqa"], precision, layers)
+        cfg, model = _block(CONFIGS[name], precision, layers)
         mesh = Mesh(ParallelDims(tp=world), rank, "cpu", CommCounter())
         par = parallelize(model, mesh, ParallelConfig(tp=world, dp_shard=1,
                                                       sequence_parallel=sp),
@@ -257,24 +258,35 @@ def _tp_census_job(world: int, sp: bool, precision: str, compiled: bool = False)
     return (saved[(2, 256)] - saved[(1, 256)] - saved[(2, 128)] + saved[(1, 128)]) / 128
 
 
+def _tp_counted(name: str, precision: str, sp: bool, compiled: bool) -> float:
+    """The planner's count for one of two tensor-parallel ranks, with the CPU LayerNorm
+    correction (its norms' statistics are a 1/t slice under SP, as the norms are)."""
+    cfg, _ = _block(CONFIGS[name])
+    lay = Layout(tp=2, sp=sp, zero=LAYOUT[precision].zero, dp=LAYOUT[precision].dp)
+    counted = meshloom_block_bytes(_shape(cfg), 1, 1, lay, "none", fused=compiled)
+    return counted - _cpu_offset(cfg, precision) / (2 if sp else 1)
+
+
 @pytest.mark.parametrize("precision", ["amp", "bf16"])
 @pytest.mark.parametrize("sp", [False, True])
-def test_tensor_parallel_block_saves_what_the_planner_counts(sp, precision):
+@pytest.mark.parametrize("name", ["gqa", "gpt2"])
+def test_tensor_parallel_block_saves_what_the_planner_counts(name, sp, precision):
     from dist_harness import run_ranks
 
-    cfg, _ = _block(CONFIGS["gqa"])
-    lay = Layout(tp=2, sp=sp, zero=LAYOUT[precision].zero, dp=LAYOUT[precision].dp)
-    counted = meshloom_block_bytes(_shape(cfg), 1, 1, lay, "none", fused=False)
-    assert run_ranks(_tp_census_job, 2, 2, sp, precision) == [counted, counted]
+    counted = _tp_counted(name, precision, sp, compiled=False)
+    assert run_ranks(_tp_census_job, 2, 2, sp, precision, False, name) == [counted, counted]
 
 
-@pytest.mark.parametrize("sp", [False, True])
-def test_compiled_tensor_parallel_block_saves_what_the_planner_counts(sp):
+# Compiled under tp: Llama amp with and without SP, and one SP case each of Llama in bf16 and
+# GPT-2 (compiling costs ~40 s a case here; the other combinations matched when checked).
+@pytest.mark.parametrize("name, precision, sp", [("gqa", "amp", False), ("gqa", "amp", True),
+                                                 ("gqa", "bf16", True), ("gpt2", "amp", True)])
+def test_compiled_tensor_parallel_block_saves_what_the_planner_counts(name, precision, sp):
     from dist_harness import run_ranks
 
-    cfg, _ = _block(CONFIGS["gqa"])
-    counted = meshloom_block_bytes(_shape(cfg), 1, 1, Layout(tp=2, sp=sp), "none", fused=True)
-    assert run_ranks(_tp_census_job, 2, 2, sp, "amp", True, timeout=600) == [counted, counted]
+    counted = _tp_counted(name, precision, sp, compiled=True)
+    assert run_ranks(_tp_census_job, 2, 2, sp, precision, True, name, timeout=600) \
+        == [counted, counted]
 
 
 @pytest.mark.parametrize("compiled", [False, True])

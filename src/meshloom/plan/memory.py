@@ -136,8 +136,8 @@ def meshloom_block_bytes(shape: ModelShape, s: int, b: int, lay: Layout, rec: st
     Split over tp as the projections are; h-wide terms whole on each rank. Under SP the block
     input and the norms' own tensors are a 1/t slice, but what the projections read (a norm's
     output, all-gathered, and under amp its casts) is whole. A row-parallel matmul's output is h
-    wide on every rank (a partial sum). tests/test_plan_memory_census.py checks eager amp and
-    bf16 on 2 ranks with and without SP."""
+    wide on every rank (a partial sum). tests/test_plan_memory_census.py checks both families on
+    2 ranks with and without SP, eager in amp and bf16 and compiled."""
     t = lay.tp
     h, q, kv, f, a = shape.hidden, shape.q_dim / t, shape.kv_dim / t, shape.ffn_hidden / t, \
         shape.heads / t
