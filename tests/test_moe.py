@@ -151,6 +151,31 @@ def test_grouped_kernel_equals_the_loop():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_grouped_kernel_runs_in_autocast_dtype_like_the_loop():
+    """Under autocast with fp32 parameters (meshloom's unsharded bf16) the grouped kernel casts
+    its operands as autocast casts the loop's matmuls (torch._grouped_mm has no autocast rule
+    of its own): bf16 output, fp32 gradients for the fp32 weights, both paths alike."""
+    m = _moe()
+    x = torch.randn(10, DIM, requires_grad=True)
+    counts = torch.tensor([3, 0, 5, 2])
+    outs, grads = [], []
+    for kernel in ("loop", "grouped"):
+        m.experts.kernel = kernel
+        m.zero_grad()
+        x.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = m.experts(x, counts)
+        assert y.dtype == torch.bfloat16
+        (y.float() * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        assert all(p.grad.dtype == torch.float32 for p in m.experts.parameters())
+        outs.append(y.detach().float())
+        grads.append([x.grad.clone(), *(p.grad.clone() for p in m.experts.parameters())])
+    # Both paths round the same bf16 operands; only their fp32 accumulation order may differ.
+    torch.testing.assert_close(outs[0], outs[1], rtol=2e-2, atol=2e-2)
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
 def test_auxiliary_gradient_is_the_coefficient_times_the_loss_gradient():
     """The router's gradient equals that of (output . G + coef * scale * aux), aux written as
     an explicit loss term; the block's output is unchanged by it."""

@@ -226,9 +226,24 @@ def _swiglu(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:
 
 
 def grouped_mm_usable(x: Tensor, w: Tensor) -> bool:
-    """torch._grouped_mm needs 16-byte-aligned rows; on CUDA it runs every group as one kernel."""
+    """torch._grouped_mm needs 16-byte-aligned rows (of the dtype it runs in: autocast's, where
+    on); on CUDA it runs every group as one kernel."""
+    device = x.device.type
+    size = (torch.finfo(torch.get_autocast_dtype(device)).bits // 8
+            if torch.is_autocast_enabled(device) else x.element_size())
     return hasattr(torch, "_grouped_mm") and all(
-        d * x.element_size() % 16 == 0 for d in (w.shape[-1], w.shape[-2]))
+        d * size % 16 == 0 for d in (w.shape[-1], w.shape[-2]))
+
+
+def _autocast_operands(*ts: Tensor) -> list[Tensor]:
+    """The operands as autocast would cast a matmul's: torch._grouped_mm has no autocast rule
+    (pytorch/pytorch#174763), so under autocast with fp32 parameters it would otherwise run in
+    fp32 (or refuse fp32 where the kernel is bf16-only), unlike the loop's matmuls."""
+    device = ts[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return list(ts)
+    dtype = torch.get_autocast_dtype(device)
+    return [t.to(dtype) for t in ts]
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -266,9 +281,10 @@ class GroupedExperts(nn.Module):
             kernel = "grouped" if x.is_cuda and grouped_mm_usable(x, self.w1) else "loop"
         if kernel == "grouped" and x.shape[0] > 0:
             offs = counts.to(x.device).cumsum(0).to(torch.int32)
-            h = F.silu(torch._grouped_mm(x, self.w1.transpose(1, 2), offs=offs)) * \
-                torch._grouped_mm(x, self.w3.transpose(1, 2), offs=offs)
-            return _ContiguousGrad.apply(torch._grouped_mm(h, self.w2.transpose(1, 2), offs=offs))
+            x, w1, w3, w2 = _autocast_operands(x, self.w1, self.w3, self.w2)
+            h = F.silu(torch._grouped_mm(x, w1.transpose(1, 2), offs=offs)) * \
+                torch._grouped_mm(x, w3.transpose(1, 2), offs=offs)
+            return _ContiguousGrad.apply(torch._grouped_mm(h, w2.transpose(1, 2), offs=offs))
         outs, start = [], 0
         for e, n in enumerate(counts.tolist()):
             if n:
