@@ -131,9 +131,9 @@ def test_routing_groups_are_sequences():
     assert int(r_all.dropped) == int(r_a.dropped) + int(r_b.dropped)
 
 
-def test_grouped_kernel_equals_the_loop():
-    """torch._grouped_mm (what CUDA runs) and the per-expert loop: same outputs and gradients,
-    an expert with no rows included."""
+def _both_kernels(autocast: bool) -> tuple[list, list]:
+    """Outputs and gradients (input, then each expert weight) of the loop and the grouped
+    kernel on the same rows, an expert with no rows included."""
     m = _moe()
     x = torch.randn(10, DIM, requires_grad=True)
     counts = torch.tensor([3, 0, 5, 2])
@@ -142,10 +142,18 @@ def test_grouped_kernel_equals_the_loop():
         m.experts.kernel = kernel
         m.zero_grad()
         x.grad = None
-        y = m.experts(x, counts)
-        (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
-        outs.append(y.detach())
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = m.experts(x, counts)
+        assert y.dtype == (torch.bfloat16 if autocast else torch.float32)
+        (y.float() * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        outs.append(y.detach().float())
         grads.append([x.grad.clone(), *(p.grad.clone() for p in m.experts.parameters())])
+    return outs, grads
+
+
+def test_grouped_kernel_equals_the_loop():
+    """torch._grouped_mm (what CUDA runs) and the per-expert loop: same outputs and gradients."""
+    outs, grads = _both_kernels(autocast=False)
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -154,22 +162,9 @@ def test_grouped_kernel_equals_the_loop():
 def test_grouped_kernel_runs_in_autocast_dtype_like_the_loop():
     """Under autocast with fp32 parameters (meshloom's unsharded bf16) the grouped kernel casts
     its operands as autocast casts the loop's matmuls (torch._grouped_mm has no autocast rule
-    of its own): bf16 output, fp32 gradients for the fp32 weights, both paths alike."""
-    m = _moe()
-    x = torch.randn(10, DIM, requires_grad=True)
-    counts = torch.tensor([3, 0, 5, 2])
-    outs, grads = [], []
-    for kernel in ("loop", "grouped"):
-        m.experts.kernel = kernel
-        m.zero_grad()
-        x.grad = None
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = m.experts(x, counts)
-        assert y.dtype == torch.bfloat16
-        (y.float() * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
-        assert all(p.grad.dtype == torch.float32 for p in m.experts.parameters())
-        outs.append(y.detach().float())
-        grads.append([x.grad.clone(), *(p.grad.clone() for p in m.experts.parameters())])
+    of its own): bf16 output (checked in _both_kernels), fp32 gradients for the fp32 weights."""
+    outs, grads = _both_kernels(autocast=True)
+    assert all(g.dtype == torch.float32 for pair in grads for g in pair)
     # Both paths round the same bf16 operands; only their fp32 accumulation order may differ.
     torch.testing.assert_close(outs[0], outs[1], rtol=2e-2, atol=2e-2)
     for a, b in zip(*grads, strict=True):
