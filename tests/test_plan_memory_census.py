@@ -325,3 +325,21 @@ def test_explain_says_how_activations_were_counted():
     assert activation_accounting(shape, lay, "bf16", False, Implementation()) \
         .startswith("Korthikanti")  # eager attention: not meshloom's block
     assert memory_per_gpu(shape, lay, 2048, 1).counted_as.startswith("meshloom's Llama")
+
+
+def test_a_run_spread_over_rank_devices_gets_no_per_device_prediction():
+    """`parallel.rank_devices` puts one rank's blocks on several devices; the planner's figure
+    is for one device per rank, so the run's summary gets the reason instead of a wrong total."""
+    from dataclasses import replace
+
+    from meshloom.config import Config
+    from meshloom.mesh import ParallelDims
+    from meshloom.plan import PlanError
+    from meshloom.plan.memory import predict_run_memory
+
+    cfg, _ = _block(CONFIGS["gqa"])
+    run = Config()
+    assert predict_run_memory(cfg, run, ParallelDims(), 1).total > 0
+    spread = replace(run, parallel=replace(run.parallel, rank_devices=2))
+    with pytest.raises(PlanError, match="parallel.rank_devices"):
+        predict_run_memory(cfg, spread, ParallelDims(), 1)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from meshloom.parallel.pipeline_schedule import compute_lists
+from meshloom.plan import PlanError
 from meshloom.plan.formulas import FP32, MIXED, model_state_bytes
 from meshloom.plan.implementation import MESHLOOM, Implementation
 from meshloom.plan.layout import Layout
@@ -417,6 +418,9 @@ def predict_run_memory(llama_cfg, cfg, dims, micro_batch: int) -> Memory:
     run's summary; on a GPU, next to the CUDA allocator's peaks)."""
     from meshloom.plan.models import from_dims, from_llama_config
     p = cfg.parallel
+    if p.rank_devices != 1:  # the summary says so instead of a per-rank figure per device
+        raise PlanError("parallel.rank_devices spreads a rank over several devices; the "
+                        "planner predicts memory for one device per rank")
     lay = Layout(tp=dims.tp, pp=dims.pp, dp=dims.dp_replicate * dims.dp_shard, cp=dims.cp,
                  dp_replicate=dims.dp_replicate, micro_batch=micro_batch, zero=p.zero_stage,
                  recompute=cfg.train.activation_checkpointing,
