@@ -27,12 +27,14 @@ class _Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _backward_ops(mode: str) -> Counter:
-    """ATen ops that run during backward after one forward of a tiny Llama."""
+def _backward_ops(mode: str, model: torch.nn.Module | None = None,
+                  tokens: torch.Tensor | None = None) -> Counter:
+    """ATen ops that run during backward after one forward (default: a tiny Llama)."""
     torch.manual_seed(0)
-    model = Llama(config_from_preset("tiny"))
+    if model is None:
+        model, tokens = Llama(config_from_preset("tiny")), torch.randint(0, 257, (2, 64))
     apply_block_options(model, mode)
-    loss = model(torch.randint(0, 257, (2, 64))).float().logsumexp(-1).mean()
+    loss = model(tokens).float().logsumexp(-1).mean()
     with _Count() as count:
         loss.backward()
     return count.ops
@@ -40,6 +42,36 @@ def _backward_ops(mode: str) -> Counter:
 
 def _all_modes() -> list[Counter]:
     return [_backward_ops(m) for m in ("none", "selective", "full")]
+
+
+def _moe_backward_ops(mode: str) -> Counter:
+    """`_backward_ops` of a tiny mixture-of-experts Llama whose experts run the grouped GEMM
+    (what CUDA runs; the CPU would loop over plain matmuls)."""
+    from meshloom.models.llama import LlamaConfig
+    from meshloom.models.moe import moe_blocks
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64,
+                              max_seq_len=32, n_experts=4, top_k=2, moe_hidden=32))
+    for _, moe in moe_blocks(model):
+        moe.experts.kernel = "grouped"
+    return _backward_ops(mode, model, torch.randint(0, 64, (2, 16)))
+
+
+def _moe_modes() -> list[Counter]:
+    return [_moe_backward_ops(m) for m in ("none", "selective", "full")]
+
+
+@pytest.mark.skipif(not hasattr(torch.ops.aten, "_grouped_mm"), reason="torch < 2.8")
+def test_selective_keeps_the_experts_grouped_gemm_outputs():
+    """Selective recompute saves the experts' grouped GEMM outputs as it saves every matmul's:
+    backward runs no more of them than without checkpointing, while full reruns all three per
+    block (w2's output too: the combine weights' gradient reads it)."""
+    none, sel, full = run_ranks(_moe_modes, 1)[0]
+    gmm = none["_grouped_mm"]
+    assert gmm > 0 and sel["_grouped_mm"] == gmm
+    assert full["_grouped_mm"] == gmm + 3 * 2
+    assert sel["mm"] == none["mm"]
 
 
 def test_what_each_mode_recomputes():

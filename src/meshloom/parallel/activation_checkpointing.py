@@ -32,10 +32,12 @@ from meshloom.models.contract import blocks_of
 MODES = ("none", "full", "selective")
 
 # Outputs kept by selective recompute: the matmuls (linear layers lower to these on every
-# device). Everything else in a block is recomputed.
+# device; the MoE experts' grouped GEMM is one too). Everything else in a block is recomputed.
 _SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
               torch.ops.aten.bmm.default, torch.ops.aten.linear.default,
               torch.ops.aten.matmul.default}
+if hasattr(torch.ops.aten, "_grouped_mm"):  # torch >= 2.8
+    _SAVED_OPS.add(torch.ops.aten._grouped_mm.default)
 
 
 def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
