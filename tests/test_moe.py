@@ -238,3 +238,44 @@ def test_sequence_and_context_parallel_need_an_even_tp_with_experts(tmp_path, to
     assert odd is not None and "parallel.tp=3 must be even" in odd
     assert check_ep_config(cfg, ParallelDims(tp=2, cp=2, dp_shard=1), model) is None
     assert check_ep_config(cfg, ParallelDims(tp=3, cp=1, dp_shard=1), model) is None
+
+
+def test_combine_is_index_add_keeping_only_the_index():
+    """The combine (`_Combine`) gives index_add's output and gradient exactly, and keeps only
+    the token index for backward (autograd's index_add also keeps the rows)."""
+    from meshloom.models.moe import _Combine
+
+    rows = torch.randn(7, DIM, requires_grad=True)
+    token = torch.tensor([0, 2, 2, 3, 5, 5, 1])
+    g = torch.randn(6, DIM)
+    got = _Combine.apply(rows, token, 6)
+    (got_grad,) = torch.autograd.grad(got, rows, g)
+    ref = torch.zeros(6, DIM).index_add(0, token, rows)
+    (ref_grad,) = torch.autograd.grad(ref, rows, g)
+    assert torch.equal(got, ref) and torch.equal(got_grad, ref_grad)
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        _Combine.apply(rows, token, 6)
+    assert [t.dtype for t in kept] == [torch.int64]
+
+
+def test_rows_travel_in_the_autocast_dtype():
+    """Under autocast the dispatched rows are cast before the dispatcher (expert parallel's
+    all-to-all then moves bf16, not fp32), with the same outputs as casting inside."""
+    m = _moe()
+    seen = []
+    local = m.dispatcher
+
+    def record(x, counts, experts):
+        seen.append(x.dtype)
+        return local(x, counts, experts)
+
+    x = torch.randn(2, 5, DIM)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        m.dispatcher = record
+        out = m(x)
+        # fp32 rows, as before the cast moved out of the experts: the same result.
+        m.dispatcher = lambda x, counts, experts: local(x.float(), counts, experts)
+        ref = m(x)
+    m.dispatcher = local
+    assert seen == [torch.bfloat16] and torch.equal(out, ref)

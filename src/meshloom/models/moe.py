@@ -319,6 +319,22 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class _Combine(torch.autograd.Function):
+    """Each token's sum of its weighted expert rows: `index_add` into zeros, saving only the
+    token index. (Autograd's own index_add also saves the rows, only for their shape: under
+    autocast an fp32 copy of every expert output, 4 bytes x hidden per assignment.)"""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, token: Tensor, n_tokens: int) -> Tensor:
+        ctx.save_for_backward(token)
+        return rows.new_zeros(n_tokens, rows.shape[1]).index_add(0, token, rows)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        (token,) = ctx.saved_tensors
+        return g.index_select(0, token), None, None
+
+
 @dataclass
 class MoEStats:
     """What a block's routing did since the last `reset_stats` (logged per step). Tensors, so
@@ -351,9 +367,14 @@ class MoE(nn.Module):
         r = route(self.router(flat), s, self.settings, self.split)
         if self.training and torch.is_grad_enabled():
             self._record(r, b * s)
-        y = self.dispatcher(flat[r.token], r.counts, self.experts)
+        rows = flat[r.token]
+        if torch.is_autocast_enabled(rows.device.type):
+            # The experts compute in autocast's dtype: cast the rows before they travel, so that
+            # expert parallel's dispatch moves 2-byte rows, not fp32 ones (same values).
+            rows = rows.to(torch.get_autocast_dtype(rows.device.type))
+        y = self.dispatcher(rows, r.counts, self.experts)
         y = y * r.weight.unsqueeze(-1).to(y.dtype)
-        out = torch.zeros_like(flat).index_add(0, r.token, y.to(flat.dtype))
+        out = _Combine.apply(y.to(flat.dtype), r.token, flat.shape[0])
         if self.shared is not None:
             shared = self.shared(flat)
             if self.shared_gate is not None:
