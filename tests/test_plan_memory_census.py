@@ -15,6 +15,7 @@ at::dropout's unfused path), on CUDA a 1-byte bool (native_dropout), 1 byte less
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import pytest
 import torch
@@ -35,6 +36,14 @@ CONFIGS = {
                          attention_bias=True),
     "gpt2": dict(dim=256, n_heads=8, ffn_hidden=768),
 }
+# meshloom's Llama block with an MoE feed-forward (models/moe.py): Mixtral-like, top-1, and
+# with a gated shared expert (Qwen2-MoE-like).
+MOE_CONFIGS = {
+    "mixtral": dict(dim=256, n_heads=8, n_kv_heads=2, n_experts=8, top_k=2, moe_hidden=384),
+    "top1": dict(dim=192, n_heads=6, n_kv_heads=6, n_experts=4, top_k=1, moe_hidden=256),
+    "shared+gate": dict(dim=256, n_heads=8, n_kv_heads=4, n_experts=8, top_k=4, moe_hidden=128,
+                        shared_hidden=512, shared_gate=True),
+}
 CPU_LAYERNORM_STATS = 8  # see the module docstring
 LAYOUT = {"amp": Layout(), "bf16": Layout(zero=1, dp=2)}  # what decides meshloom's precision
 
@@ -50,6 +59,9 @@ def _block(overrides: dict, precision: str = "amp", layers: int = 1):
     if precision == "bf16":  # a ZeRO stage's working parameters (buffers such as RoPE stay)
         for p in model.parameters():
             p.data = p.data.to(torch.bfloat16)
+    for module in model.modules():  # MoE experts: the grouped GEMM CUDA runs, not the loop
+        if hasattr(module, "experts"):
+            module.experts.kernel = "grouped"
     return cfg, model
 
 
@@ -130,9 +142,15 @@ def _alive_bytes(model, block, s: int, precision: str) -> int:
     reach of saved-tensor hooks), from the CPU profiler's allocation records. The input was
     allocated before, so it is not among them."""
     h, extra = _inputs(model, s)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, \
-            _autocast(precision):
-        out = block(h, *extra)
+    # Garbage collected inside the profile would free blocks allocated before it: not counted.
+    gc.collect()
+    gc.disable()
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, \
+                _autocast(precision):
+            out = block(h, *extra)
+    finally:
+        gc.enable()
     return sum(e.self_cpu_memory_usage for e in prof.events()) - out.untyped_storage().nbytes()
 
 
@@ -173,6 +191,58 @@ def test_checkpointed_block_keeps_what_the_planner_counts(name, recompute, preci
     assert counted == per_token + held_input
 
 
+@pytest.mark.parametrize("precision", ["amp", "bf16"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("name", list(MOE_CONFIGS))
+def test_moe_block_keeps_what_the_planner_counts(name, recompute, precision):
+    """meshloom's MoE block (dropless, every expert here: load factor 1), eager, on the grouped
+    GEMM path CUDA runs: what its graph saves, or with recompute what stays alive."""
+    cfg, model = _block(MOE_CONFIGS[name], precision)
+    model.eval()  # routing statistics are bookkeeping, allocated on the first call only
+    counted = meshloom_block_bytes(_shape(cfg), 1, 1, LAYOUT[precision], recompute,
+                                   fused=False)
+    if recompute == "none":
+        block = model.layers[0]
+        per_token = (_packed_bytes(model, block, 512, precision)
+                     - _packed_bytes(model, block, 256, precision)) / 256
+        assert counted == per_token
+        return
+    apply_block_options(model, recompute)
+    block = model.layers[0]
+    per_token = (_alive_bytes(model, block, 512, precision)
+                 - _alive_bytes(model, block, 256, precision)) / 256
+    assert counted == per_token + (4 if precision == "amp" else 2) * cfg.dim  # held input
+
+
+@pytest.mark.parametrize("name", list(MOE_CONFIGS))
+def test_moe_block_saves_bf16_copies_of_every_weight_under_autocast(name):
+    """The bf16 tensors an amp MoE block saves that do not grow with the tokens: the weight
+    copies `weight_copy_bytes` counts (attention, router, shared expert, the stacked experts)."""
+    from meshloom.plan.memory import weight_copy_bytes
+
+    cfg, model = _block(MOE_CONFIGS[name], "amp")
+    model.eval()
+
+    def bf16_saved(s: int) -> int:
+        storages = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.dtype == torch.bfloat16:
+                st = t.untyped_storage()
+                storages[st.data_ptr()] = st.nbytes()
+            return t
+
+        h, extra = _inputs(model, s)
+        with _autocast("amp"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model.layers[0](h, *extra)
+        return sum(storages.values())
+
+    constant = 2 * bf16_saved(256) - bf16_saved(512)
+    shape = _shape(cfg)
+    head = 2 * shape.vocab * shape.hidden  # the last rank's head copy, not in the block
+    assert weight_copy_bytes(shape, Layout(), 0, "bf16", Implementation()) - head == constant
+
+
 def test_census_for_meshloom_dense_bf16_blocks_only():
     lay, zero = Layout(micro_batch=1), Layout(micro_batch=1, zero=1, dp=2)
     ideal = Implementation(meshloom_block=False)
@@ -187,6 +257,13 @@ def test_census_for_meshloom_dense_bf16_blocks_only():
         # bf16 working parameters do.
         assert layer_activation_bytes(shape, 2048, 1, lay, "bf16", impl=Implementation()) \
             > layer_activation_bytes(shape, 2048, 1, zero, "bf16", impl=Implementation())
+    # MoE blocks: census eager without tensor parallel, Korthikanti's count otherwise.
+    moe = PRESETS["mixtral-8x7b"]
+    for layout, impl, census in ((lay, Implementation(), True),
+                                 (Layout(micro_batch=1, tp=2), Implementation(), False),
+                                 (lay, Implementation(compile=True), False)):
+        got = layer_activation_bytes(moe, 2048, 1, layout, "bf16", impl=impl)
+        assert (got == meshloom_block_bytes(moe, 2048, 1, layout, "none", False)) == census
     # fp32 runs without autocast: not the census.
     assert layer_activation_bytes(PRESETS["llama3-1b"], 2048, 1, lay, "fp32",
                                   impl=Implementation()) \

@@ -10,11 +10,12 @@ lists (`pipeline_schedule.compute_lists`), the lists the pipeline executor runs.
 A mixture-of-experts block's routed experts are counted apart from the rest (plan/moe.py): split
 over ep, ZeRO-sharded over the expert shard degree, not split over tp.
 
-With `Implementation.meshloom_block` (the default) a dense Llama or GPT-2 block in bf16 is
-counted as meshloom's own block keeps it (`meshloom_block_bytes`), term by term from its
-autograd graph, both as unsharded layouts run it (fp32 parameters under autocast) and as ZeRO
-stages do (bf16 working parameters); tests/test_plan_memory_census.py walks that graph on CPU
-and checks the count. On one H100 this predicts the 1B Llama's measured peaks, eager and
+With `Implementation.meshloom_block` (the default) a dense Llama or GPT-2 block in bf16, and
+an eager MoE Llama block without tensor parallel (`moe_block_bytes_per_token`), is counted as
+meshloom's own block keeps it (`meshloom_block_bytes`), term by term from its autograd graph,
+both as unsharded layouts run it (fp32 parameters under autocast) and as ZeRO stages do (bf16
+working parameters); tests/test_plan_memory_census.py walks that graph on CPU and checks the
+count. On one H100 this predicts the 1B Llama's measured peaks, eager and
 compiled, with and without recompute.
 """
 
@@ -100,8 +101,11 @@ def uses_meshloom_block(shape: ModelShape, dtype: str, impl: Implementation | No
                         lay: Layout) -> bool:
     """Whether the activations are meshloom's own block's census: a dense Llama or GPT-2 block
     in bf16 (`meshloom_block_bytes`)."""
-    return (impl is not None and impl.meshloom_block and not shape.is_moe and dtype == "bf16"
-            and shape.arch in ("llama", "gpt"))
+    if impl is None or not impl.meshloom_block or dtype != "bf16" or shape.arch not in ("llama",
+                                                                                       "gpt"):
+        return False
+    # meshloom's MoE block is counted eager without tensor parallel (`moe_ffn_bytes`).
+    return not shape.is_moe or (lay.tp == 1 and not impl.compile)
 
 
 def meshloom_block_bytes(shape: ModelShape, s: int, b: int, lay: Layout, rec: str,
@@ -147,6 +151,9 @@ def meshloom_block_bytes(shape: ModelShape, s: int, b: int, lay: Layout, rec: st
     block_input = (4 if amp else 2) * h / whole
     if rec == "full":
         return s * b * block_input
+    if shape.is_moe:  # eager, tp = 1 (uses_meshloom_block)
+        return s * b * (moe_block_bytes_per_token(shape, lay, amp) if rec == "none" else
+                        block_input + 2 * moe_matmul_outputs(shape, lay))
     if rec == "selective":
         kept = sum(g.n for g in block_gemms(shape, 1, t))
         return s * b * (block_input + 2 * kept)
@@ -173,6 +180,45 @@ def meshloom_block_bytes(shape: ModelShape, s: int, b: int, lay: Layout, rec: st
     if shape.qk_norm:
         per += 8 * (q + kv) + 4 * (a + shape.kv_heads / t)
     return s * b * per
+
+
+def moe_block_bytes_per_token(shape: ModelShape, lay: Layout, amp: bool) -> float:
+    """meshloom's Llama block with an MoE feed-forward (models/moe.py), eager, tp = 1, per
+    token, read off its autograd graph like the dense block's (tests/test_plan_memory_census.py):
+    - attention and the two norms as in the dense block: 16h (each norm's fp32 pair) + 8q + 4a +
+      8, plus what the projections read: amp autocast's bf16 casts of the first norm's output for
+      wq, wk, wv (6h) and of the second's for the router, each shared-expert matrix reading it
+      and the shared gate (2h each); bf16 the two norm outputs (4h), read by all of them;
+    - the router: fp32 softmax scores (4E), top-k indices (int64) and weights (fp32) with their
+      sum, 12k + 4;
+    - per assignment on the token's rank: its token and sort indices (int64), its bf16 combine
+      weight and the expert output it multiplies, 2h + 18 (the combine itself keeps only the
+      index, models/moe.py `_Combine`);
+    - per routed row on the expert's rank (load x top_k per token): the bf16 rows the grouped
+      GEMMs read (2h) and SwiGLU's gate, up, silu(gate) and product (8H);
+    - the shared expert's SwiGLU (8 x shared_hidden) and, gated, the sigmoid's output and the
+      shared output it scales (2h + 2).
+    The routing defaults are counted (softmax scores, renormalised top-k weights); sigmoid
+    scores keep 4 bytes more per token, unnormalised weights 4k + 4 fewer. Expert parallel's
+    regrouping indices (16 bytes per routed row) are left out."""
+    h, q, a, k = shape.hidden, shape.q_dim, shape.heads, shape.top_k
+    shared, gate = bool(shape.shared_hidden), bool(shape.shared_gate)
+    readers = 1 + 2 * shared + gate  # projections reading the second norm's output
+    casts = (6 + 2 * readers) * h if amp else 4 * h
+    attention = 16 * h + casts + 8 * q + 4 * a + 8
+    router = 4 * shape.n_experts + 12 * k + 4
+    local = k * (2 * h + 18)
+    routed = load_factor(shape, lay) * k * (2 * h + 8 * shape.moe_hidden)
+    extra = 8 * shape.shared_hidden + (2 * h + 2 if gate else 0)
+    return attention + router + local + routed + extra
+
+
+def moe_matmul_outputs(shape: ModelShape, lay: Layout) -> float:
+    """Elements of the matmul outputs meshloom's selective policy keeps per token of an MoE
+    block (tp = 1): attention's four projections, the router, the shared expert and its gate,
+    and the grouped GEMMs' three outputs per routed row."""
+    dense = sum(g.n for g in block_gemms(shape, 1, 1)) + (1 if shape.shared_gate else 0)
+    return dense + load_factor(shape, lay) * shape.top_k * (2 * shape.moe_hidden + shape.hidden)
 
 
 def op_sac_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype: str) -> float:
@@ -258,11 +304,15 @@ def weight_copy_bytes(shape: ModelShape, lay: Layout, rank: int, dtype: str,
                       impl: Implementation | None) -> float:
     """autocast's bf16 copies of the fp32 weight matrices, which the matmuls save for backward
     (meshloom's block without recompute: with recompute the copies die with the forward). Not
-    with ZeRO, whose working parameters are bf16 already."""
+    with ZeRO, whose working parameters are bf16 already. An MoE block's grouped GEMMs save
+    the bf16 casts of its local experts' stacked weights the same way."""
     if (not uses_meshloom_block(shape, dtype, impl, lay) or lay.recompute != "none"
             or lay.zero):
         return 0.0
     n = layers_on_rank(shape, lay.pp) * shape.tp_split_params / lay.tp
+    if shape.is_moe:  # the router, shared expert and this rank's experts (cast whole, tp = 1)
+        n += layers_on_rank(shape, lay.pp) * (shape.moe_dense_ffn_params
+                                              + shape.expert_layer_params / lay.ep)
     if rank == lay.pp - 1:
         n += shape.vocab * shape.hidden / lay.tp
     return 2 * n
@@ -311,7 +361,8 @@ def activation_accounting(shape: ModelShape, lay: Layout, dtype: str, flash: boo
     if method == "op_sac":
         return f"torchtitan's per-op selective checkpointing, {act_elem_bytes(dtype)}-byte tensors"
     if method == "census":
-        family = "Llama" if shape.arch == "llama" else "GPT-2"
+        family = ("Llama MoE" if shape.is_moe else "Llama") if shape.arch == "llama" \
+            else "GPT-2"
         how = ("fp32 parameters under autocast" if lay.zero == 0
                else "bf16 working parameters (ZeRO)")
         kernels = "compiled" if impl.compile else "eager"
