@@ -257,10 +257,10 @@ def test_census_for_meshloom_dense_bf16_blocks_only():
         # bf16 working parameters do.
         assert layer_activation_bytes(shape, 2048, 1, lay, "bf16", impl=Implementation()) \
             > layer_activation_bytes(shape, 2048, 1, zero, "bf16", impl=Implementation())
-    # MoE blocks: census eager without tensor parallel, Korthikanti's count otherwise.
+    # MoE blocks: census eager (tensor parallel too), Korthikanti's count compiled.
     moe = PRESETS["mixtral-8x7b"]
     for layout, impl, census in ((lay, Implementation(), True),
-                                 (Layout(micro_batch=1, tp=2), Implementation(), False),
+                                 (Layout(micro_batch=1, tp=2, sp=True), Implementation(), True),
                                  (lay, Implementation(compile=True), False)):
         got = layer_activation_bytes(moe, 2048, 1, layout, "bf16", impl=impl)
         assert (got == meshloom_block_bytes(moe, 2048, 1, layout, "none", False)) == census
@@ -310,7 +310,7 @@ def _tp_census_job(world: int, sp: bool, precision: str, compiled: bool = False,
     dist.init_process_group("gloo", rank=rank, world_size=world)
     saved = {}
     for layers in (1, 2):
-        cfg, model = _block(CONFIGS[name], precision, layers)
+        cfg, model = _block({**CONFIGS, **MOE_CONFIGS}[name], precision, layers)
         mesh = Mesh(ParallelDims(tp=world), rank, "cpu", CommCounter())
         par = parallelize(model, mesh, ParallelConfig(tp=world, dp_shard=1,
                                                       sequence_parallel=sp),
@@ -338,7 +338,7 @@ def _tp_census_job(world: int, sp: bool, precision: str, compiled: bool = False,
 def _tp_counted(name: str, precision: str, sp: bool, compiled: bool) -> float:
     """The planner's count for one of two tensor-parallel ranks, with the CPU LayerNorm
     correction (its norms' statistics are a 1/t slice under SP, as the norms are)."""
-    cfg, _ = _block(CONFIGS[name])
+    cfg, _ = _block({**CONFIGS, **MOE_CONFIGS}[name])
     lay = Layout(tp=2, sp=sp, zero=LAYOUT[precision].zero, dp=LAYOUT[precision].dp)
     counted = meshloom_block_bytes(_shape(cfg), 1, 1, lay, "none", fused=compiled)
     return counted - _cpu_offset(cfg, precision) / (2 if sp else 1)
@@ -346,7 +346,7 @@ def _tp_counted(name: str, precision: str, sp: bool, compiled: bool) -> float:
 
 @pytest.mark.parametrize("precision", ["amp", "bf16"])
 @pytest.mark.parametrize("sp", [False, True])
-@pytest.mark.parametrize("name", ["gqa", "gpt2"])
+@pytest.mark.parametrize("name", ["gqa", "gpt2", "mixtral", "shared+gate"])
 def test_tensor_parallel_block_saves_what_the_planner_counts(name, sp, precision):
     from dist_harness import run_ranks
 

@@ -155,6 +155,30 @@ def test_all_to_all_bytes_and_time_by_hand():
     assert full.moe["all_to_alls_per_step"] == 6 * 32
 
 
+def test_sequence_parallel_runs_the_feed_forward_on_the_rank_slice():
+    """Under SP each tp rank routes its 1/tp slice of the sequence (models/moe.py): the MoE
+    part's all-to-all, buffers, activations and expert GEMMs are those of s/tp tokens."""
+    from meshloom.plan.compute import block_cost, rates_for
+    from meshloom.plan.memory import layer_activation_bytes
+
+    cluster = make_cluster("h100", 16)
+    whole = Layout(tp=2, dp=8, ep=8, zero=1)
+    sliced = replace(whole, sp=True)
+    a, b = evaluate(BIG, whole, cluster, 4096, 8), evaluate(BIG, sliced, cluster, 4096, 8)
+    assert a.moe["all_to_all_bytes"] == 2 * b.moe["all_to_all_bytes"] == 67_108_864
+    assert step_time(BIG, whole, cluster, 4096, 8).ep == pytest.approx(
+        2 * step_time(BIG, sliced, cluster, 4096, 8).ep, rel=1e-12)
+    moe = activation_bytes_per_token(BIG, whole, 2, "none")  # Korthikanti-style, per token
+    assert layer_activation_bytes(BIG, 4096, 1, whole, "bf16") \
+        - layer_activation_bytes(BIG, 4096, 1, sliced, "bf16") \
+        == 4096 * moe / 2 + 4096 * 4 * BIG.hidden * 2 / 2  # the MoE part, and SP's own /t
+    rates = rates_for(cluster)
+    cost = {lay.sp: block_cost(BIG, lay, rates, 4096, 2, True, Implementation())
+            for lay in (whole, sliced)}
+    # Attention's GEMMs see the whole sequence either way; the feed-forward's half of it.
+    assert cost[False].fwd.gemm / 2 < cost[True].fwd.gemm < cost[False].fwd.gemm
+
+
 def test_all_to_all_priced_inside_a_node_or_across_nodes():
     lay = Layout(dp=8, ep=8, zero=1)
     inside = step_time(BIG, lay, make_cluster("h100", 8, 8), 4096, 8).ep

@@ -26,7 +26,7 @@ from meshloom.plan.implementation import Implementation
 from meshloom.plan.kernel_table import KernelTable, attention_flops, for_gpu, load
 from meshloom.plan.layout import Layout
 from meshloom.plan.models import ModelShape
-from meshloom.plan.moe import ffn_elementwise_elems_per_token, load_factor
+from meshloom.plan.moe import ffn_elementwise_elems_per_token, ffn_tokens, load_factor
 from meshloom.plan.step_kernels import (
     Gemm,
     block_gemms,
@@ -147,11 +147,12 @@ def block_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, e: int, f
     """One block, one micro-batch (lay.micro_batch sequences of seq / cp local tokens)."""
     t, s = lay.tp, seq // lay.cp
     tokens = lay.micro_batch * s
-    rows, local = 0.0, 0
-    if shape.is_moe:
+    gemms = block_gemms(shape, tokens, t)
+    if shape.is_moe:  # the feed-forward on its own tokens (a 1/t slice under SP)
+        moe_tokens = ffn_tokens(lay, tokens)
         local = shape.n_experts // lay.ep
-        rows = tokens * shape.top_k * load_factor(shape, lay) * lay.ep / shape.n_experts
-    gemms = block_gemms(shape, tokens, t, rows, local)
+        rows = moe_tokens * shape.top_k * load_factor(shape, lay) * lay.ep / shape.n_experts
+        gemms = gemms[:4] + block_gemms(shape, moe_tokens, t, rows, local)[4:]
     fwd = PassCost(gemm=sum(rates.gemm(g) for g in gemms))
     bwd = PassCost(gemm=sum(rates.gemm(b) for g in gemms for b in g.backward()))
 
@@ -171,7 +172,8 @@ def block_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, e: int, f
         bwd.attention += sum(rates.gemm(b) for g in (qk, pv) for b in g.backward())
     fwd.attention = att.attention
 
-    ffn = ffn_elementwise_elems_per_token(shape, lay) if shape.is_moe else None
+    ffn = (ffn_elementwise_elems_per_token(shape, lay) * ffn_tokens(lay, tokens) / tokens
+           if shape.is_moe else None)
     impl_ew = impl.elementwise
     ew_bytes = tokens * elementwise_bytes_per_token(shape, t, lay.sp, e, impl_ew, ffn)
     score_bytes = tokens * bh / lay.micro_batch * kv_len * score_bytes_per_entry(shape, e, flash)

@@ -34,6 +34,7 @@ from meshloom.plan.moe import (
     activation_bytes_per_token,
     dispatch_bytes,
     expert_shard,
+    ffn_tokens,
     load_factor,
 )
 from meshloom.plan.step_kernels import block_gemms
@@ -104,8 +105,8 @@ def uses_meshloom_block(shape: ModelShape, dtype: str, impl: Implementation | No
     if impl is None or not impl.meshloom_block or dtype != "bf16" or shape.arch not in ("llama",
                                                                                        "gpt"):
         return False
-    # meshloom's MoE block is counted eager without tensor parallel (`moe_ffn_bytes`).
-    return not shape.is_moe or (lay.tp == 1 and not impl.compile)
+    # meshloom's MoE block is counted eager (`moe_block_bytes_per_token`).
+    return not shape.is_moe or not impl.compile
 
 
 def meshloom_block_bytes(shape: ModelShape, s: int, b: int, lay: Layout, rec: str,
@@ -151,7 +152,7 @@ def meshloom_block_bytes(shape: ModelShape, s: int, b: int, lay: Layout, rec: st
     block_input = (4 if amp else 2) * h / whole
     if rec == "full":
         return s * b * block_input
-    if shape.is_moe:  # eager, tp = 1 (uses_meshloom_block)
+    if shape.is_moe:  # eager (uses_meshloom_block)
         return s * b * (moe_block_bytes_per_token(shape, lay, amp) if rec == "none" else
                         block_input + 2 * moe_matmul_outputs(shape, lay))
     if rec == "selective":
@@ -183,8 +184,9 @@ def meshloom_block_bytes(shape: ModelShape, s: int, b: int, lay: Layout, rec: st
 
 
 def moe_block_bytes_per_token(shape: ModelShape, lay: Layout, amp: bool) -> float:
-    """meshloom's Llama block with an MoE feed-forward (models/moe.py), eager, tp = 1, per
-    token, read off its autograd graph like the dense block's (tests/test_plan_memory_census.py):
+    """meshloom's Llama block with an MoE feed-forward (models/moe.py), eager, per token on one
+    tp rank, read off its autograd graph like the dense block's
+    (tests/test_plan_memory_census.py, one process and 2 tensor-parallel ranks):
     - attention and the two norms as in the dense block: 16h (each norm's fp32 pair) + 8q + 4a +
       8, plus what the projections read: amp autocast's bf16 casts of the first norm's output for
       wq, wk, wv (6h) and of the second's for the router, each shared-expert matrix reading it
@@ -198,27 +200,34 @@ def moe_block_bytes_per_token(shape: ModelShape, lay: Layout, amp: bool) -> floa
       GEMMs read (2h) and SwiGLU's gate, up, silu(gate) and product (8H);
     - the shared expert's SwiGLU (8 x shared_hidden) and, gated, the sigmoid's output and the
       shared output it scales (2h + 2).
-    The routing defaults are counted (softmax scores, renormalised top-k weights); sigmoid
-    scores keep 4 bytes more per token, unnormalised weights 4k + 4 fewer. Expert parallel's
-    regrouping indices (16 bytes per routed row) are left out."""
-    h, q, a, k = shape.hidden, shape.q_dim, shape.heads, shape.top_k
+    Under tp, q and a are split as in the dense block and the feed-forward is whole on every
+    rank; under SP the norms and the whole feed-forward run on the rank's slice of the sequence
+    (the MoE routes its slice, models/moe.py), only the first norm's output is all-gathered for
+    wq, wk, wv. The routing defaults are counted (softmax scores, renormalised top-k weights);
+    sigmoid scores keep 4 bytes more per token, unnormalised weights 4k + 4 fewer. Expert
+    parallel's regrouping indices (16 bytes per routed row) are left out."""
+    h, q, a, k, t = shape.hidden, shape.q_dim, shape.heads, shape.top_k, lay.tp
+    w = t if lay.sp else 1
     shared, gate = bool(shape.shared_hidden), bool(shape.shared_gate)
     readers = 1 + 2 * shared + gate  # projections reading the second norm's output
-    casts = (6 + 2 * readers) * h if amp else 4 * h
-    attention = 16 * h + casts + 8 * q + 4 * a + 8
+    first, second = (6 * h, 2 * readers * h) if amp else (2 * h, 2 * h)
+    attention = (16 * h + second + 8) / w + first + (8 * q + 4 * a) / t
     router = 4 * shape.n_experts + 12 * k + 4
     local = k * (2 * h + 18)
     routed = load_factor(shape, lay) * k * (2 * h + 8 * shape.moe_hidden)
     extra = 8 * shape.shared_hidden + (2 * h + 2 if gate else 0)
-    return attention + router + local + routed + extra
+    return attention + (router + local + routed + extra) / w
 
 
 def moe_matmul_outputs(shape: ModelShape, lay: Layout) -> float:
     """Elements of the matmul outputs meshloom's selective policy keeps per token of an MoE
-    block (tp = 1): attention's four projections, the router, the shared expert and its gate,
-    and the grouped GEMMs' three outputs per routed row."""
-    dense = sum(g.n for g in block_gemms(shape, 1, 1)) + (1 if shape.shared_gate else 0)
-    return dense + load_factor(shape, lay) * shape.top_k * (2 * shape.moe_hidden + shape.hidden)
+    block on one tp rank: attention's four projections (split as in the dense block), and, on
+    the rank's tokens (a 1/t slice under SP), the router, the shared expert and its gate, and
+    the grouped GEMMs' three outputs per routed row."""
+    attention = sum(g.n for g in block_gemms(shape, 1, lay.tp)[:4])
+    ffn = sum(g.n for g in block_gemms(shape, 1, lay.tp)[4:]) + (1 if shape.shared_gate else 0)
+    ffn += load_factor(shape, lay) * shape.top_k * (2 * shape.moe_hidden + shape.hidden)
+    return attention + ffn / (lay.tp if lay.sp else 1)
 
 
 def op_sac_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype: str) -> float:
@@ -261,7 +270,7 @@ def layer_activation_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype
     mlp_tensors = 2 if gpt else (2 if rec == "selective" else 4)  # selective recomputes silu*up
     if shape.is_moe:  # the feed-forward is not split over tp (plan/moe.py)
         split = (2 * h + 2 * shape.kv_dim) * e
-        moe = sb * activation_bytes_per_token(shape, lay, e, rec)
+        moe = ffn_tokens(lay, sb) * activation_bytes_per_token(shape, lay, e, rec)
     else:
         split = (2 * h + 2 * shape.kv_dim + mlp_tensors * f) * e
         moe = 0.0
@@ -310,7 +319,7 @@ def weight_copy_bytes(shape: ModelShape, lay: Layout, rank: int, dtype: str,
             or lay.zero):
         return 0.0
     n = layers_on_rank(shape, lay.pp) * shape.tp_split_params / lay.tp
-    if shape.is_moe:  # the router, shared expert and this rank's experts (cast whole, tp = 1)
+    if shape.is_moe:  # the router, shared expert and this rank's experts (whole on every tp rank)
         n += layers_on_rank(shape, lay.pp) * (shape.moe_dense_ffn_params
                                               + shape.expert_layer_params / lay.ep)
     if rank == lay.pp - 1:
@@ -460,7 +469,7 @@ def _buffers(shape: ModelShape, lay: Layout, s: int, b: int, dtype: str) -> floa
     if lay.cp > 1:
         out += 2 * 2 * (2 * s * b * shape.kv_dim * e) / lay.tp
     if shape.is_moe and lay.ep > 1:
-        out += 2 * load_factor(shape, lay) * dispatch_bytes(shape, s * b, e)
+        out += 2 * load_factor(shape, lay) * dispatch_bytes(shape, ffn_tokens(lay, s * b), e)
     return out
 
 

@@ -9,7 +9,9 @@ norms, router, shared expert, embeddings) is sharded over dp_shard as in a dense
 ep = 1 no expert groups exist, so the experts are ordinary parameters and shard over dp_shard.
 In this first version the experts are not split over tp: each tp rank holds its ep share of
 whole experts and runs the whole MoE feed-forward (router, shared expert, experts) on its
-tokens, so that part of a block's FLOPs and activations is not divided by tp.
+tokens, so that part of a block's FLOPs and activations is not divided by tp. Its tokens are
+the whole sequence, or under sequence parallel the rank's 1/tp slice, which it routes itself
+(models/moe.py splits the routing statistics over the tp ranks): `ffn_tokens`.
 
 Tokens: every MoE block, in forward, dispatches each GPU's tokens to their top_k experts by one
 all-to-all and combines the outputs by another, each of tokens x top_k x hidden x bytes; backward
@@ -46,6 +48,12 @@ def expert_shard(lay: Layout) -> int:
 def expert_replicas(lay: Layout) -> int:
     """Ranks holding the same experts (edp = dp x cp / ep): DDP all-reduces their gradients."""
     return lay.dp * lay.cp // lay.ep
+
+
+def ffn_tokens(lay: Layout, tokens: int) -> int:
+    """Tokens an MoE feed-forward runs on per tp rank for `tokens` local tokens of a micro-batch:
+    all of them, or under sequence parallel the rank's slice."""
+    return tokens // lay.tp if lay.sp else tokens
 
 
 def dispatch_bytes(shape: ModelShape, tokens: float, elem_bytes: int) -> float:
@@ -109,7 +117,7 @@ def summary(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, micro_ba
             a2a_seconds: float) -> dict:
     """The MoE figures of one candidate, for `--json` and the table's all-to-all line
     (`all_to_all_bytes` is one call's payload per GPU; with ep = 1 there are no calls)."""
-    tokens = lay.micro_batch * (seq // lay.cp)
+    tokens = ffn_tokens(lay, lay.micro_batch * (seq // lay.cp))
     calls = all_to_alls(lay.recompute)
     layers = -(-shape.layers // lay.pp)
     payload = dispatch_bytes(shape, tokens, dtype_bytes)

@@ -49,6 +49,7 @@ from meshloom.plan.moe import (
     dispatch_bytes,
     expert_replicas,
     expert_shard,
+    ffn_tokens,
     load_factor,
 )
 
@@ -154,7 +155,7 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     # backward (forward's pair again under full recompute); nothing to hide them behind.
     ep_f = ep_b = 0.0
     if shape.is_moe and lay.ep > 1:
-        a2a = all_to_all_time(dispatch_bytes(shape, tokens, e), lay.ep,
+        a2a = all_to_all_time(dispatch_bytes(shape, ffn_tokens(lay, tokens), e), lay.ep,
                               all_to_all_bandwidth(cluster, lay), load_factor(shape, lay))
         ep_f = A2A_FORWARD * a2a
         ep_b = (all_to_alls(lay.recompute) - A2A_FORWARD) * a2a
