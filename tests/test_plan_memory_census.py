@@ -243,6 +243,73 @@ def test_moe_block_saves_bf16_copies_of_every_weight_under_autocast(name):
     assert weight_copy_bytes(shape, Layout(), 0, "bf16", Implementation()) - head == constant
 
 
+def _ep_census_job(world: int, precision: str, name: str) -> dict:
+    """Per (layers, length) on one expert-parallel rank: the bytes its model saves for
+    backward, and the routed rows each of its MoE blocks' experts received."""
+    import os
+
+    import torch.distributed as dist
+
+    from meshloom.comm import CommCounter
+    from meshloom.config import ParallelConfig
+    from meshloom.mesh import Mesh, ParallelDims
+    from meshloom.models.moe import moe_blocks
+    from meshloom.parallel import parallelize
+
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    out = {}
+    for layers in (1, 2):
+        _, model = _block(MOE_CONFIGS[name], precision, layers)
+        mesh = Mesh(ParallelDims(dp_shard=world, ep=world), rank, "cpu", CommCounter())
+        par = parallelize(model, mesh, ParallelConfig(dp_shard=world, ep=world, zero_stage=0))
+        for s in (128, 256):
+            storages: dict[int, int] = {}
+
+            def pack(t: torch.Tensor, into: dict = storages) -> torch.Tensor:
+                st = t.untyped_storage()
+                into[st.data_ptr()] = st.nbytes()
+                return t
+
+            torch.manual_seed(100 + rank + s)  # each rank its own tokens
+            for _, moe in moe_blocks(par.model):
+                moe.reset_stats()
+            with _autocast(precision), \
+                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                par.model(torch.randint(0, 300, (1, s)))
+            rows = 0.0
+            for _, moe in moe_blocks(par.model):  # every rank's assignments per expert
+                load = moe.stats.load.clone().float()
+                dist.all_reduce(load)
+                mine = load.numel() // world
+                rows += float(load[rank * mine:(rank + 1) * mine].sum())
+            out[(layers, s)] = (sum(storages.values()), rows)
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("precision", ["amp", "bf16"])
+def test_expert_parallel_block_saves_what_the_planner_counts(precision):
+    """On 2 expert-parallel ranks, routing (and so each rank's received rows) differs from run
+    to run: what is left of a rank's saved bytes once the planner's per-token and per-row
+    terms are taken off must not depend on the length, the rows or the rank, only on the
+    number of layers (the weights) and the rest of the model (the same per token)."""
+    from dist_harness import run_ranks
+
+    from meshloom.plan.memory import moe_local_bytes_per_token, moe_routed_row_bytes
+
+    cfg, _ = _block(MOE_CONFIGS["mixtral"])
+    shape, lay = _shape(cfg), Layout(dp=2, ep=2, zero=LAYOUT[precision].zero)
+    per_token = moe_local_bytes_per_token(shape, lay, precision == "amp")
+    per_row = moe_routed_row_bytes(shape, lay)
+    per_layer = set()
+    for runs in run_ranks(_ep_census_job, 2, 2, precision, "mixtral"):
+        left = {key: saved - per_token * key[0] * key[1] - per_row * rows
+                for key, (saved, rows) in runs.items()}
+        per_layer |= {left[(2, s)] - left[(1, s)] for s in (128, 256)}
+    assert len(per_layer) == 1
+
+
 def test_census_for_meshloom_dense_bf16_blocks_only():
     lay, zero = Layout(micro_batch=1), Layout(micro_batch=1, zero=1, dp=2)
     ideal = Implementation(meshloom_block=False)

@@ -197,15 +197,21 @@ def moe_block_bytes_per_token(shape: ModelShape, lay: Layout, amp: bool) -> floa
       weight and the expert output it multiplies, 2h + 18 (the combine itself keeps only the
       index, models/moe.py `_Combine`);
     - per routed row on the expert's rank (load x top_k per token): the bf16 rows the grouped
-      GEMMs read (2h) and SwiGLU's gate, up, silu(gate) and product (8H);
+      GEMMs read (2h) and SwiGLU's gate, up, silu(gate) and product (8H), and under expert
+      parallel the two int64 indices regrouping the received rows (16);
     - the shared expert's SwiGLU (8 x shared_hidden) and, gated, the sigmoid's output and the
       shared output it scales (2h + 2).
     Under tp, q and a are split as in the dense block and the feed-forward is whole on every
     rank; under SP the norms and the whole feed-forward run on the rank's slice of the sequence
     (the MoE routes its slice, models/moe.py), only the first norm's output is all-gathered for
     wq, wk, wv. The routing defaults are counted (softmax scores, renormalised top-k weights);
-    sigmoid scores keep 4 bytes more per token, unnormalised weights 4k + 4 fewer. Expert
-    parallel's regrouping indices (16 bytes per routed row) are left out."""
+    sigmoid scores keep 4 bytes more per token, unnormalised weights 4k + 4 fewer."""
+    routed = load_factor(shape, lay) * shape.top_k * moe_routed_row_bytes(shape, lay)
+    return moe_local_bytes_per_token(shape, lay, amp) + routed / (lay.tp if lay.sp else 1)
+
+
+def moe_local_bytes_per_token(shape: ModelShape, lay: Layout, amp: bool) -> float:
+    """`moe_block_bytes_per_token` but the routed rows: what a token keeps on its own rank."""
     h, q, a, k, t = shape.hidden, shape.q_dim, shape.heads, shape.top_k, lay.tp
     w = t if lay.sp else 1
     shared, gate = bool(shape.shared_hidden), bool(shape.shared_gate)
@@ -214,9 +220,15 @@ def moe_block_bytes_per_token(shape: ModelShape, lay: Layout, amp: bool) -> floa
     attention = (16 * h + second + 8) / w + first + (8 * q + 4 * a) / t
     router = 4 * shape.n_experts + 12 * k + 4
     local = k * (2 * h + 18)
-    routed = load_factor(shape, lay) * k * (2 * h + 8 * shape.moe_hidden)
     extra = 8 * shape.shared_hidden + (2 * h + 2 if gate else 0)
-    return attention + (router + local + routed + extra) / w
+    return attention + (router + local + extra) / w
+
+
+def moe_routed_row_bytes(shape: ModelShape, lay: Layout) -> float:
+    """What one routed row keeps on its expert's rank: the bf16 row the grouped GEMMs read and
+    SwiGLU's four tensors; under expert parallel also the two int64 indices that regroup the
+    received rows by expert and back (parallel/expert.py)."""
+    return 2 * shape.hidden + 8 * shape.moe_hidden + (16 if lay.ep > 1 else 0)
 
 
 def moe_matmul_outputs(shape: ModelShape, lay: Layout) -> float:
