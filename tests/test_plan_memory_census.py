@@ -121,17 +121,26 @@ def _graph_bytes(out: torch.Tensor) -> int:
     return sum(storages.values())
 
 
-def _packed_bytes(model, block, s: int, precision: str) -> int:
-    """Bytes of every distinct storage packed for backward (sees a compiled graph's saves)."""
-    storages = {}
+@contextlib.contextmanager
+def _saved_storages(precision: str, only=None):
+    """Under `precision`'s autocast, a dict filled with the bytes of every distinct storage
+    packed for backward (a compiled graph's saves too), by storage; `only` filters tensors."""
+    storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        storages[st.data_ptr()] = st.nbytes()
+        if only is None or only(t):
+            st = t.untyped_storage()
+            storages[st.data_ptr()] = st.nbytes()
         return t
 
-    h, extra = _inputs(model, s)
     with _autocast(precision), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield storages
+
+
+def _packed_bytes(model, block, s: int, precision: str) -> int:
+    """Bytes of every distinct storage packed for backward (sees a compiled graph's saves)."""
+    h, extra = _inputs(model, s)
+    with _saved_storages(precision) as storages:
         block(h, *extra)
     return sum(storages.values())
 
@@ -224,16 +233,8 @@ def test_moe_block_saves_bf16_copies_of_every_weight_under_autocast(name):
     model.eval()
 
     def bf16_saved(s: int) -> int:
-        storages = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            if t.dtype == torch.bfloat16:
-                st = t.untyped_storage()
-                storages[st.data_ptr()] = st.nbytes()
-            return t
-
         h, extra = _inputs(model, s)
-        with _autocast("amp"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with _saved_storages("amp", lambda t: t.dtype == torch.bfloat16) as storages:
             model.layers[0](h, *extra)
         return sum(storages.values())
 
@@ -264,18 +265,10 @@ def _ep_census_job(world: int, precision: str, name: str) -> dict:
         mesh = Mesh(ParallelDims(dp_shard=world, ep=world), rank, "cpu", CommCounter())
         par = parallelize(model, mesh, ParallelConfig(dp_shard=world, ep=world, zero_stage=0))
         for s in (128, 256):
-            storages: dict[int, int] = {}
-
-            def pack(t: torch.Tensor, into: dict = storages) -> torch.Tensor:
-                st = t.untyped_storage()
-                into[st.data_ptr()] = st.nbytes()
-                return t
-
             torch.manual_seed(100 + rank + s)  # each rank its own tokens
             for _, moe in moe_blocks(par.model):
                 moe.reset_stats()
-            with _autocast(precision), \
-                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with _saved_storages(precision) as storages:
                 par.model(torch.randint(0, 300, (1, s)))
             rows = 0.0
             for _, moe in moe_blocks(par.model):  # every rank's assignments per expert
@@ -383,19 +376,11 @@ def _tp_census_job(world: int, sp: bool, precision: str, compiled: bool = False,
                                                       sequence_parallel=sp),
                           compile_blocks=compiled)
         for s in (128, 256):
-            storages: dict[int, int] = {}
-
-            def pack(t: torch.Tensor, into: dict = storages) -> torch.Tensor:
-                st = t.untyped_storage()
-                into[st.data_ptr()] = st.nbytes()
-                return t
-
             x = torch.randint(0, 300, (1, s))
             if compiled:  # compile first, then count
                 with _autocast(precision):
                     par.model(x)
-            with _autocast(precision), \
-                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with _saved_storages(precision) as storages:
                 par.model(x)
             saved[(layers, s)] = sum(storages.values())
     dist.destroy_process_group()
