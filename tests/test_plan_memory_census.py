@@ -244,6 +244,29 @@ def test_moe_block_saves_bf16_copies_of_every_weight_under_autocast(name):
     assert weight_copy_bytes(shape, Layout(), 0, "bf16", Implementation()) - head == constant
 
 
+# Compiled MoE blocks: the Mixtral-like base and variants in each dimension of the count.
+MOE_COMPILED = {
+    "mixtral": MOE_CONFIGS["mixtral"],
+    "wider experts, top 1": MOE_CONFIGS["mixtral"] | dict(moe_hidden=256, top_k=1, n_experts=4),
+    "h192": MOE_CONFIGS["mixtral"] | dict(dim=192, n_heads=6),
+    "shared+gate": MOE_CONFIGS["shared+gate"],
+    "shared": MOE_CONFIGS["mixtral"] | dict(shared_hidden=512),
+}
+
+
+@pytest.mark.parametrize("name, precision", [(n, "amp") for n in MOE_COMPILED]
+                         + [("mixtral", "bf16"), ("shared+gate", "bf16")])
+def test_compiled_moe_block_saves_what_the_planner_counts(name, precision):
+    torch._dynamo.reset()  # a fresh compile per case (dynamo's recompile limit)
+    cfg, model = _block(MOE_COMPILED[name], precision)
+    model.eval()
+    block = torch.compile(model.layers[0], backend="inductor", dynamic=False)
+    per_token = (_packed_bytes(model, block, 512, precision)
+                 - _packed_bytes(model, block, 256, precision)) / 256
+    assert meshloom_block_bytes(_shape(cfg), 1, 1, LAYOUT[precision], "none", fused=True) \
+        == per_token
+
+
 def _ep_census_job(world: int, precision: str, name: str) -> dict:
     """Per (layers, length) on one expert-parallel rank: the bytes its model saves for
     backward, and the routed rows each of its MoE blocks' experts received."""
@@ -317,13 +340,18 @@ def test_census_for_meshloom_dense_bf16_blocks_only():
         # bf16 working parameters do.
         assert layer_activation_bytes(shape, 2048, 1, lay, "bf16", impl=Implementation()) \
             > layer_activation_bytes(shape, 2048, 1, zero, "bf16", impl=Implementation())
-    # MoE blocks: census eager (tensor parallel too), Korthikanti's count compiled.
+    # MoE blocks: census eager (tensor parallel too) and compiled without tp or ep;
+    # Korthikanti's count compiled with them.
     moe = PRESETS["mixtral-8x7b"]
+    compiled = Implementation(compile=True)
     for layout, impl, census in ((lay, Implementation(), True),
                                  (Layout(micro_batch=1, tp=2, sp=True), Implementation(), True),
-                                 (lay, Implementation(compile=True), False)):
+                                 (lay, compiled, True),
+                                 (Layout(micro_batch=1, tp=2), compiled, False),
+                                 (Layout(micro_batch=1, dp=8, ep=2), compiled, False)):
         got = layer_activation_bytes(moe, 2048, 1, layout, "bf16", impl=impl)
-        assert (got == meshloom_block_bytes(moe, 2048, 1, layout, "none", False)) == census
+        assert (got == meshloom_block_bytes(moe, 2048, 1, layout, "none", impl.compile)) \
+            == census
     # fp32 runs without autocast: not the census.
     assert layer_activation_bytes(PRESETS["llama3-1b"], 2048, 1, lay, "fp32",
                                   impl=Implementation()) \

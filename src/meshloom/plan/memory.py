@@ -105,8 +105,9 @@ def uses_meshloom_block(shape: ModelShape, dtype: str, impl: Implementation | No
     if impl is None or not impl.meshloom_block or dtype != "bf16" or shape.arch not in ("llama",
                                                                                        "gpt"):
         return False
-    # meshloom's MoE block is counted eager (`moe_block_bytes_per_token`).
-    return not shape.is_moe or not impl.compile
+    # meshloom's MoE block: eager (`moe_block_bytes_per_token`), or compiled without tensor or
+    # expert parallel (`moe_compiled_bytes_per_token`).
+    return not shape.is_moe or not impl.compile or (lay.tp == 1 and lay.ep == 1)
 
 
 def meshloom_block_bytes(shape: ModelShape, s: int, b: int, lay: Layout, rec: str,
@@ -152,9 +153,11 @@ def meshloom_block_bytes(shape: ModelShape, s: int, b: int, lay: Layout, rec: st
     block_input = (4 if amp else 2) * h / whole
     if rec == "full":
         return s * b * block_input
-    if shape.is_moe:  # eager (uses_meshloom_block)
-        return s * b * (moe_block_bytes_per_token(shape, lay, amp) if rec == "none" else
-                        block_input + 2 * moe_matmul_outputs(shape, lay))
+    if shape.is_moe:  # compiled only at tp = ep = 1 (uses_meshloom_block)
+        if rec == "selective":
+            return s * b * (block_input + 2 * moe_matmul_outputs(shape, lay))
+        return s * b * (moe_compiled_bytes_per_token(shape, amp) if fused
+                        else moe_block_bytes_per_token(shape, lay, amp))
     if rec == "selective":
         kept = sum(g.n for g in block_gemms(shape, 1, t))
         return s * b * (block_input + 2 * kept)
@@ -208,6 +211,25 @@ def moe_block_bytes_per_token(shape: ModelShape, lay: Layout, amp: bool) -> floa
     sigmoid scores keep 4 bytes more per token, unnormalised weights 4k + 4 fewer."""
     routed = load_factor(shape, lay) * shape.top_k * moe_routed_row_bytes(shape, lay)
     return moe_local_bytes_per_token(shape, lay, amp) + routed / (lay.tp if lay.sp else 1)
+
+
+def moe_compiled_bytes_per_token(shape: ModelShape, amp: bool) -> float:
+    """meshloom's MoE block compiled with inductor (`train.compile`), tp = ep = 1, per token.
+    Routing's host reads (the split sizes) break the block into graphs that inductor
+    partitions apart; counted from those graphs' saved tensors on CPU at nine shapes (hidden,
+    heads, experts, top_k, expert and shared widths, gate; tests/test_plan_memory_census.py):
+    - amp 16h, bf16 10h, + 8q + 4a + 8 + 4E: attention, the norms and the router's scores;
+    - per assignment 4h + 30 + 6F_e: the row the experts read and the output the combine
+      scales (bf16), its indices and weights, and gate, up and their product (silu is rerun);
+    - the shared expert 6F_s (amp + 2h, its input's cast); its gate 2h + 2."""
+    h, k = shape.hidden, shape.top_k
+    per = (16 if amp else 10) * h + 8 * shape.q_dim + 4 * shape.heads + 8 + 4 * shape.n_experts
+    per += k * (4 * h + 30 + 6 * shape.moe_hidden)
+    if shape.shared_hidden:
+        per += 6 * shape.shared_hidden + (2 * h if amp else 0)
+    if shape.shared_gate:
+        per += 2 * h + 2
+    return per
 
 
 def moe_local_bytes_per_token(shape: ModelShape, lay: Layout, amp: bool) -> float:
