@@ -223,25 +223,33 @@ def test_moe_block_keeps_what_the_planner_counts(name, recompute, precision):
     assert counted == per_token + (4 if precision == "amp" else 2) * cfg.dim  # held input
 
 
-@pytest.mark.parametrize("name", list(MOE_CONFIGS))
-def test_moe_block_saves_bf16_copies_of_every_weight_under_autocast(name):
+@pytest.mark.parametrize("name, compiled", [(n, False) for n in MOE_CONFIGS]
+                         + [("mixtral", True)])
+def test_moe_block_saves_bf16_copies_of_every_weight_under_autocast(name, compiled):
     """The bf16 tensors an amp MoE block saves that do not grow with the tokens: the weight
-    copies `weight_copy_bytes` counts (attention, router, shared expert, the stacked experts)."""
+    copies `weight_copy_bytes` counts (attention, router, shared expert, the stacked experts),
+    eager or compiled."""
     from meshloom.plan.memory import weight_copy_bytes
 
+    torch._dynamo.reset()
     cfg, model = _block(MOE_CONFIGS[name], "amp")
     model.eval()
+    block = torch.compile(model.layers[0], backend="inductor", dynamic=False) if compiled \
+        else model.layers[0]
 
     def bf16_saved(s: int) -> int:
         h, extra = _inputs(model, s)
         with _saved_storages("amp", lambda t: t.dtype == torch.bfloat16) as storages:
-            model.layers[0](h, *extra)
+            block(h, *extra)
         return sum(storages.values())
 
+    if compiled:  # compile at both lengths first, then count
+        bf16_saved(256), bf16_saved(512)
     constant = 2 * bf16_saved(256) - bf16_saved(512)
     shape = _shape(cfg)
     head = 2 * shape.vocab * shape.hidden  # the last rank's head copy, not in the block
-    assert weight_copy_bytes(shape, Layout(), 0, "bf16", Implementation()) - head == constant
+    impl = Implementation(compile=compiled)
+    assert weight_copy_bytes(shape, Layout(), 0, "bf16", impl) - head == constant
 
 
 # Compiled MoE blocks: the Mixtral-like base and variants in each dimension of the count.
