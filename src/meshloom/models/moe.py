@@ -225,12 +225,16 @@ def _swiglu(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:
     return (F.silu(x @ w1.t()) * (x @ w3.t())) @ w2.t()
 
 
-def grouped_mm_usable(x: Tensor, w: Tensor) -> bool:
-    """torch._grouped_mm needs 16-byte-aligned rows (of the dtype it runs in: autocast's, where
-    on); on CUDA it runs every group as one kernel."""
+def _matmul_dtype(x: Tensor) -> torch.dtype:
+    """The dtype a matmul reading `x` runs in: autocast's where it is on, else x's."""
     device = x.device.type
-    size = (torch.finfo(torch.get_autocast_dtype(device)).bits // 8
-            if torch.is_autocast_enabled(device) else x.element_size())
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+def grouped_mm_usable(x: Tensor, w: Tensor) -> bool:
+    """torch._grouped_mm needs 16-byte-aligned rows (in the dtype it runs in); on CUDA it runs
+    every group as one kernel."""
+    size = torch.finfo(_matmul_dtype(x)).bits // 8
     return hasattr(torch, "_grouped_mm") and all(
         d * size % 16 == 0 for d in (w.shape[-1], w.shape[-2]))
 
@@ -239,10 +243,9 @@ def _autocast_operands(*ts: Tensor) -> list[Tensor]:
     """The operands as autocast would cast a matmul's: torch._grouped_mm has no autocast rule
     (pytorch/pytorch#174763), so under autocast with fp32 parameters it would otherwise run in
     fp32 (or refuse fp32 where the kernel is bf16-only), unlike the loop's matmuls."""
-    device = ts[0].device.type
-    if not torch.is_autocast_enabled(device):
+    if not torch.is_autocast_enabled(ts[0].device.type):
         return list(ts)
-    dtype = torch.get_autocast_dtype(device)
+    dtype = _matmul_dtype(ts[0])
     return [t.to(dtype) for t in ts]
 
 
@@ -367,11 +370,9 @@ class MoE(nn.Module):
         r = route(self.router(flat), s, self.settings, self.split)
         if self.training and torch.is_grad_enabled():
             self._record(r, b * s)
-        rows = flat[r.token]
-        if torch.is_autocast_enabled(rows.device.type):
-            # The experts compute in autocast's dtype: cast the rows before they travel, so that
-            # expert parallel's dispatch moves 2-byte rows, not fp32 ones (same values).
-            rows = rows.to(torch.get_autocast_dtype(rows.device.type))
+        # Cast to the experts' compute dtype before the rows travel: under autocast expert
+        # parallel's dispatch then moves 2-byte rows, not fp32 ones (same values).
+        (rows,) = _autocast_operands(flat[r.token])
         y = self.dispatcher(rows, r.counts, self.experts)
         y = y * r.weight.unsqueeze(-1).to(y.dtype)
         out = _Combine.apply(y.to(flat.dtype), r.token, flat.shape[0])

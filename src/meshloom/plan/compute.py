@@ -147,12 +147,12 @@ def block_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, e: int, f
     """One block, one micro-batch (lay.micro_batch sequences of seq / cp local tokens)."""
     t, s = lay.tp, seq // lay.cp
     tokens = lay.micro_batch * s
-    gemms = block_gemms(shape, tokens, t)
+    rows, local, moe_tokens = 0.0, 0, None
     if shape.is_moe:  # the feed-forward on its own tokens (a 1/t slice under SP)
         moe_tokens = ffn_tokens(lay, tokens)
         local = shape.n_experts // lay.ep
         rows = moe_tokens * shape.top_k * load_factor(shape, lay) * lay.ep / shape.n_experts
-        gemms = gemms[:4] + block_gemms(shape, moe_tokens, t, rows, local)[4:]
+    gemms = block_gemms(shape, tokens, t, rows, local, moe_tokens)
     fwd = PassCost(gemm=sum(rates.gemm(g) for g in gemms))
     bwd = PassCost(gemm=sum(rates.gemm(b) for g in gemms for b in g.backward()))
 

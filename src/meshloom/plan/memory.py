@@ -11,7 +11,7 @@ A mixture-of-experts block's routed experts are counted apart from the rest (pla
 over ep, ZeRO-sharded over the expert shard degree, not split over tp.
 
 With `Implementation.meshloom_block` (the default) a dense Llama or GPT-2 block in bf16, and
-an eager MoE Llama block without tensor parallel (`moe_block_bytes_per_token`), is counted as
+an MoE Llama block (eager, or compiled without tensor or expert parallel), is counted as
 meshloom's own block keeps it (`meshloom_block_bytes`), term by term from its autograd graph,
 both as unsharded layouts run it (fp32 parameters under autocast) and as ZeRO stages do (bf16
 working parameters); tests/test_plan_memory_census.py walks that graph on CPU and checks the
@@ -37,7 +37,7 @@ from meshloom.plan.moe import (
     ffn_tokens,
     load_factor,
 )
-from meshloom.plan.step_kernels import block_gemms
+from meshloom.plan.step_kernels import ATTENTION_GEMMS, block_gemms
 
 # The CUDA context plus library workspaces (cuBLAS, NCCL) per GPU, outside the allocator's
 # count. A layout fits when its peak of allocated bytes plus this is at most the GPU's memory:
@@ -100,8 +100,8 @@ def rank_model_states(shape: ModelShape, lay: Layout, rank: int, prec) -> dict[s
 
 def uses_meshloom_block(shape: ModelShape, dtype: str, impl: Implementation | None,
                         lay: Layout) -> bool:
-    """Whether the activations are meshloom's own block's census: a dense Llama or GPT-2 block
-    in bf16 (`meshloom_block_bytes`)."""
+    """Whether the activations are meshloom's own block's census: a Llama or GPT-2 block in
+    bf16 (`meshloom_block_bytes`); an MoE block compiled only without tp or ep."""
     if impl is None or not impl.meshloom_block or dtype != "bf16" or shape.arch not in ("llama",
                                                                                        "gpt"):
         return False
@@ -258,8 +258,10 @@ def moe_matmul_outputs(shape: ModelShape, lay: Layout) -> float:
     block on one tp rank: attention's four projections (split as in the dense block), and, on
     the rank's tokens (a 1/t slice under SP), the router, the shared expert and its gate, and
     the grouped GEMMs' three outputs per routed row."""
-    attention = sum(g.n for g in block_gemms(shape, 1, lay.tp)[:4])
-    ffn = sum(g.n for g in block_gemms(shape, 1, lay.tp)[4:]) + (1 if shape.shared_gate else 0)
+    gemms = block_gemms(shape, 1, lay.tp)
+    attention = sum(g.n for g in gemms if g.name in ATTENTION_GEMMS)
+    ffn = sum(g.n for g in gemms if g.name not in ATTENTION_GEMMS) + (1 if shape.shared_gate
+                                                                      else 0)
     ffn += load_factor(shape, lay) * shape.top_k * (2 * shape.moe_hidden + shape.hidden)
     return attention + ffn / (lay.tp if lay.sp else 1)
 

@@ -53,11 +53,15 @@ def _linear(name: str, tokens: int, out: int, inp: int, count: float = 1.0) -> G
     return Gemm(name, tokens, out, inp, count)
 
 
+ATTENTION_GEMMS = ("wq", "wk", "wv", "wo")
+
+
 def block_gemms(shape: ModelShape, tokens: int, tp: int, expert_rows: float = 0.0,
-                local_experts: int = 0) -> list[Gemm]:
+                local_experts: int = 0, ffn_tokens: int | None = None) -> list[Gemm]:
     """The forward GEMMs of one block on one tp rank for `tokens` local tokens. For an MoE
     block, `expert_rows` routed rows per local expert and `local_experts` experts on the rank
-    (the feed-forward is not split over tp: plan/moe.py)."""
+    (the feed-forward is not split over tp: plan/moe.py), its router and shared expert on
+    `ffn_tokens` (default `tokens`; the rank's slice under SP)."""
     h, t = shape.hidden, tp
     if shape.arch == "gpt":
         f = shape.ffn_hidden
@@ -70,11 +74,12 @@ def block_gemms(shape: ModelShape, tokens: int, tp: int, expert_rows: float = 0.
         f = shape.ffn_hidden // t
         return out + [_linear("w1", tokens, f, h), _linear("w3", tokens, f, h),
                       _linear("w2", tokens, h, f)]
-    out.append(_linear("router", tokens, shape.n_experts, h))
+    ft = tokens if ffn_tokens is None else ffn_tokens
+    out.append(_linear("router", ft, shape.n_experts, h))
     if shape.shared_hidden:
         fs = shape.shared_hidden
-        out += [_linear("shared.w1", tokens, fs, h), _linear("shared.w3", tokens, fs, h),
-                _linear("shared.w2", tokens, h, fs)]
+        out += [_linear("shared.w1", ft, fs, h), _linear("shared.w3", ft, fs, h),
+                _linear("shared.w2", ft, h, fs)]
     rows = max(1, round(expert_rows))
     if local_experts and expert_rows > 0:
         fe = shape.moe_hidden
