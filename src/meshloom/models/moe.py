@@ -243,10 +243,10 @@ def _autocast_operands(*ts: Tensor) -> list[Tensor]:
     """The operands as autocast would cast a matmul's: torch._grouped_mm has no autocast rule
     (pytorch/pytorch#174763), so under autocast with fp32 parameters it would otherwise run in
     fp32 (or refuse fp32 where the kernel is bf16-only), unlike the loop's matmuls."""
-    if not torch.is_autocast_enabled(ts[0].device.type):
+    device = ts[0].device.type
+    if not torch.is_autocast_enabled(device):
         return list(ts)
-    dtype = _matmul_dtype(ts[0])
-    return [t.to(dtype) for t in ts]
+    return [t.to(torch.get_autocast_dtype(device)) for t in ts]
 
 
 class _ContiguousGrad(torch.autograd.Function):

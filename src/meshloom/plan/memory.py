@@ -102,8 +102,8 @@ def uses_meshloom_block(shape: ModelShape, dtype: str, impl: Implementation | No
                         lay: Layout) -> bool:
     """Whether the activations are meshloom's own block's census: a Llama or GPT-2 block in
     bf16 (`meshloom_block_bytes`); an MoE block compiled only without tp or ep."""
-    if impl is None or not impl.meshloom_block or dtype != "bf16" or shape.arch not in ("llama",
-                                                                                       "gpt"):
+    meshloom_arch = shape.arch in ("llama", "gpt")
+    if impl is None or not impl.meshloom_block or dtype != "bf16" or not meshloom_arch:
         return False
     # meshloom's MoE block: eager (`moe_block_bytes_per_token`), or compiled without tensor or
     # expert parallel (`moe_compiled_bytes_per_token`).
@@ -260,8 +260,8 @@ def moe_matmul_outputs(shape: ModelShape, lay: Layout) -> float:
     the grouped GEMMs' three outputs per routed row."""
     gemms = block_gemms(shape, 1, lay.tp)
     attention = sum(g.n for g in gemms if g.name in ATTENTION_GEMMS)
-    ffn = sum(g.n for g in gemms if g.name not in ATTENTION_GEMMS) + (1 if shape.shared_gate
-                                                                      else 0)
+    ffn = sum(g.n for g in gemms if g.name not in ATTENTION_GEMMS)
+    ffn += 1 if shape.shared_gate else 0  # the gate's linear map (h -> 1)
     ffn += load_factor(shape, lay) * shape.top_k * (2 * shape.moe_hidden + shape.hidden)
     return attention + ffn / (lay.tp if lay.sp else 1)
 
