@@ -90,9 +90,15 @@ def test_what_each_mode_recomputes():
     assert sel["rsqrt"] > none["rsqrt"]  # the norms are recomputed
 
 
-def _job(run_dir, cache, overrides):
-    """Rank 0's losses, and every rank's first-step gradients and gradient norms."""
+def _job(run_dir, cache, overrides, explicit_ring=False):
+    """Rank 0's losses, and every rank's first-step gradients and gradient norms.
+    `explicit_ring`: context parallel's ring multiplies blocks itself (the path of devices
+    without CPU's fused attention kernel)."""
     from meshloom.train import train
+    if explicit_ring:
+        import meshloom.parallel.context as context
+
+        context._fused_cpu = lambda q: False
     cfg = tiny_config(run_dir, cache, f"train.steps={STEPS}", "train.eval_every=0",
                       "train.eval_sequences=0", "train.sample_tokens=0", *overrides)
     with gradient_probe() as probe:
@@ -111,6 +117,17 @@ LAYOUTS = {
 }
 
 
+def _assert_same_run(base: list[dict], got: list[dict], mode: str) -> None:
+    want = base[0]["losses"]
+    assert got[0]["losses"] == want, f"{mode}: {got[0]['losses']} vs {want}"
+    # Recomputing reruns the same kernels on the same inputs: the gradients (which AdamW would
+    # hide from the losses if they were scaled) are bit-identical too.
+    for b, g in zip(base, got, strict=True):
+        assert g["norms"] == b["norms"], mode
+        for name, w in b["grads"].items():
+            assert torch.equal(g["grads"][name], w), f"{mode}: gradient of {name}"
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_same_losses_with_checkpointing(tmp_path, token_cache, name):
     world, ov = LAYOUTS[name]
@@ -118,14 +135,17 @@ def test_same_losses_with_checkpointing(tmp_path, token_cache, name):
     for mode in ("full", "selective"):
         got = run_ranks(_job, world, tmp_path / mode, token_cache,
                         [*ov, f"train.activation_checkpointing={mode}"])
-        want = base[0]["losses"]
-        assert got[0]["losses"] == want, f"{mode}: {got[0]['losses']} vs {want}"
-        # Recomputing reruns the same kernels on the same inputs: the gradients (which AdamW
-        # would hide from the losses if they were scaled) are bit-identical too.
-        for b, g in zip(base, got, strict=True):
-            assert g["norms"] == b["norms"], mode
-            for name, w in b["grads"].items():
-                assert torch.equal(g["grads"][name], w), f"{mode}: gradient of {name}"
+        _assert_same_run(base, got, mode)
+
+
+def test_selective_reruns_the_explicit_ring_exactly(tmp_path, token_cache):
+    """Selective recompute reruns the whole ring, its per-block matmuls included (their score
+    blocks are not kept: tests/test_plan_memory_census.py), to the same bits."""
+    ov = ["parallel.cp=2"]
+    base = run_ranks(_job, 2, tmp_path / "none", token_cache, ov, True)
+    got = run_ranks(_job, 2, tmp_path / "selective", token_cache,
+                    [*ov, "train.activation_checkpointing=selective"], True)
+    _assert_same_run(base, got, "selective")
 
 
 def _saved_bytes(model: torch.nn.Module) -> int:

@@ -163,6 +163,43 @@ def _alive_bytes(model, block, s: int, precision: str) -> int:
     return sum(e.self_cpu_memory_usage for e in prof.events()) - out.untyped_storage().nbytes()
 
 
+@contextlib.contextmanager
+def _sac_caches():
+    """A list filled with the cache of every selectively checkpointed call (the matmul outputs
+    meshloom's policy keeps), for blocks checkpointed while it is open. Unlike the profiler it
+    works beside Gloo's threads; one process checks that the two agree."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    import meshloom.parallel.activation_checkpointing as ac
+
+    caches, plain = [], ac._selective_context
+
+    def context():
+        caching, cached = create_selective_checkpoint_contexts(ac._policy)
+        caches.append(caching.storage)
+        return caching, cached
+
+    ac._selective_context = context
+    try:
+        yield caches
+    finally:
+        ac._selective_context = plain
+
+
+def _cached_bytes(cache) -> int:
+    """Bytes of the distinct storages one selective checkpoint cached."""
+    from torch.utils._pytree import tree_leaves
+
+    storages = {}
+    for per_op in cache.values():
+        for leaf in tree_leaves(list(per_op.values())):
+            leaf = getattr(leaf, "val", leaf)  # the cache wraps tensors with their version
+            if isinstance(leaf, torch.Tensor):
+                st = leaf.untyped_storage()
+                storages[st.data_ptr()] = st.nbytes()
+    return sum(storages.values())
+
+
 @pytest.mark.parametrize("precision", ["amp", "bf16"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_eager_block_saves_what_the_planner_counts(name, precision):
@@ -191,13 +228,16 @@ def test_compiled_block_saves_what_the_planner_counts(name, precision):
 @pytest.mark.parametrize("name", ["gqa", "gpt2"])
 def test_checkpointed_block_keeps_what_the_planner_counts(name, recompute, precision):
     cfg, model = _block(CONFIGS[name], precision)
-    apply_block_options(model, recompute)  # meshloom's own checkpointing and policy
-    block = model.layers[0]
-    per_token = (_alive_bytes(model, block, 512, precision)
-                 - _alive_bytes(model, block, 256, precision)) / 256
+    with _sac_caches() as caches:
+        apply_block_options(model, recompute)  # meshloom's own checkpointing and policy
+        block = model.layers[0]
+        per_token = (_alive_bytes(model, block, 512, precision)
+                     - _alive_bytes(model, block, 256, precision)) / 256
     held_input = (4 if precision == "amp" else 2) * cfg.dim  # the checkpoint keeps its input
     counted = meshloom_block_bytes(_shape(cfg), 1, 1, LAYOUT[precision], recompute, fused=False)
     assert counted == per_token + held_input
+    if recompute == "selective":  # what stays alive is the cache: the two measures agree
+        assert (_cached_bytes(caches[0]) - _cached_bytes(caches[1])) / 256 == per_token  # 512, 256
 
 
 @pytest.mark.parametrize("precision", ["amp", "bf16"])
@@ -388,39 +428,53 @@ def test_gradients_leave_the_peak_only_for_a_loop_that_frees_them():
     assert accumulating.grads == kept.grads  # the second micro-batch adds into them
 
 
-def _tp_census_job(world: int, sp: bool, precision: str, compiled: bool = False,
-                   name: str = "gqa") -> float:
-    """Per token and layer, the bytes a tensor-parallel rank's model saves for backward: the
-    whole model at 1 and 2 layers and two lengths (what does not scale with both drops out of
-    the double difference), bf16 working parameters standing in for a ZeRO stage's."""
+def _census_job(world: int, axis: str, precision: str, name: str, recompute: str = "none",
+                compiled: bool = False, sp: bool = False, explicit_ring: bool = False) -> float:
+    """Per token and layer, the bytes one rank of a tp or cp group keeps for backward: what the
+    whole model packs (a checkpoint's input too: it saves its arguments), plus with selective
+    recompute the checkpoints' caches, at 1 and 2 layers and two lengths (what does not scale
+    with both, the weights and the rest of the model, drops out of the double difference).
+    Per token of the sequence under tp, of the rank's slice under cp. `explicit_ring`: the
+    ring's per-block matmuls (what devices without CPU's fused kernel run)."""
     import os
 
     import torch.distributed as dist
 
+    import meshloom.parallel.context as context
     from meshloom.comm import CommCounter
     from meshloom.config import ParallelConfig
     from meshloom.mesh import Mesh, ParallelDims
     from meshloom.parallel import parallelize
 
+    if explicit_ring:
+        context._fused_cpu = lambda q: False
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    saved = {}
+    kept = {}
     for layers in (1, 2):
-        cfg, model = _block({**CONFIGS, **MOE_CONFIGS}[name], precision, layers)
-        mesh = Mesh(ParallelDims(tp=world), rank, "cpu", CommCounter())
-        par = parallelize(model, mesh, ParallelConfig(tp=world, dp_shard=1,
-                                                      sequence_parallel=sp),
-                          compile_blocks=compiled)
-        for s in (128, 256):
-            x = torch.randint(0, 300, (1, s))
-            if compiled:  # compile first, then count
-                with _autocast(precision):
-                    par.model(x)
-            with _saved_storages(precision) as storages:
-                par.model(x)
-            saved[(layers, s)] = sum(storages.values())
+        _, model = _block({**CONFIGS, **MOE_CONFIGS}[name], precision, layers)
+        model.eval()  # MoE routing statistics: bookkeeping, allocated on the first call only
+        with _sac_caches() as caches:
+            mesh = Mesh(ParallelDims(**{axis: world}), rank, "cpu", CommCounter())
+            pcfg = ParallelConfig(**{axis: world}, dp_shard=1, sequence_parallel=sp)
+            par = parallelize(model, mesh, pcfg, activation_checkpointing=recompute,
+                              compile_blocks=compiled)
+            for s in (256, 512):
+                tokens = torch.randint(0, 300, (1, s))
+                args = (tokens,)
+                if axis == "cp":  # the rank's zigzag slice, with its positions
+                    idx = context.zigzag_indices(s, world, rank)
+                    args = (tokens[:, idx], idx)
+                if compiled:  # compile first, then count
+                    with _autocast(precision):
+                        par.model(*args)
+                caches.clear()
+                with _saved_storages(precision) as packed:
+                    par.model(*args)
+                kept[(layers, s)] = sum(packed.values()) + sum(map(_cached_bytes, caches))
     dist.destroy_process_group()
-    return (saved[(2, 256)] - saved[(1, 256)] - saved[(2, 128)] + saved[(1, 128)]) / 128
+    twice = kept[(2, 512)] - kept[(1, 512)] - kept[(2, 256)] + kept[(1, 256)]
+    return twice / (256 / world if axis == "cp" else 256)
 
 
 def _tp_counted(name: str, precision: str, sp: bool, compiled: bool) -> float:
@@ -439,7 +493,8 @@ def test_tensor_parallel_block_saves_what_the_planner_counts(name, sp, precision
     from dist_harness import run_ranks
 
     counted = _tp_counted(name, precision, sp, compiled=False)
-    assert run_ranks(_tp_census_job, 2, 2, sp, precision, False, name) == [counted, counted]
+    assert run_ranks(_census_job, 2, 2, "tp", precision, name, "none", False, sp) \
+        == [counted, counted]
 
 
 # Compiled under tp: Llama amp with and without SP, and one SP case each of Llama in bf16 and
@@ -450,8 +505,89 @@ def test_compiled_tensor_parallel_block_saves_what_the_planner_counts(name, prec
     from dist_harness import run_ranks
 
     counted = _tp_counted(name, precision, sp, compiled=True)
-    assert run_ranks(_tp_census_job, 2, 2, sp, precision, True, name, timeout=600) \
+    assert run_ranks(_census_job, 2, 2, "tp", precision, name, "none", True, sp,
+                     timeout=600) == [counted, counted]
+
+
+@pytest.mark.parametrize("precision", ["amp", "bf16"])
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("name", ["gqa", "gpt2", "mixtral", "shared+gate"])
+def test_tensor_parallel_selective_block_keeps_what_the_planner_counts(name, sp, precision):
+    from dist_harness import run_ranks
+
+    cfg, _ = _block({**CONFIGS, **MOE_CONFIGS}[name])
+    lay = Layout(tp=2, sp=sp, zero=LAYOUT[precision].zero, dp=LAYOUT[precision].dp)
+    counted = meshloom_block_bytes(_shape(cfg), 1, 1, lay, "selective", fused=False)
+    assert run_ranks(_census_job, 2, 2, "tp", precision, name, "selective", False, sp) \
         == [counted, counted]
+
+
+@pytest.mark.parametrize("name, precision", [("gqa", "amp"), ("gpt2", "bf16")])
+def test_compiled_selective_block_keeps_what_the_planner_counts(name, precision):
+    """Compiled as one graph, the checkpointed block's saves are its graph's: the policy's
+    matmul outputs but the down projection's, which the backward never reads."""
+    torch._dynamo.reset()
+    cfg, model = _block(CONFIGS[name], precision)
+    apply_block_options(model, "selective", compile_blocks=True)
+    block = model.layers[0]
+    per_token = (_packed_bytes(model, block, 512, precision)
+                 - _packed_bytes(model, block, 256, precision)) / 256
+    counted = meshloom_block_bytes(_shape(cfg), 1, 1, LAYOUT[precision], "selective", fused=True)
+    assert counted == per_token  # the input is packed too: the checkpoint saves its arguments
+    eager = meshloom_block_bytes(_shape(cfg), 1, 1, LAYOUT[precision], "selective", fused=False)
+    assert eager - counted == 2 * cfg.dim
+
+
+def test_compiled_selective_tensor_parallel_block_keeps_the_eager_count():
+    """Under tp the collectives break the compiled block, so its checkpoint runs eagerly with
+    the policy: the eager count, down projection included."""
+    from dist_harness import run_ranks
+
+    cfg, _ = _block(CONFIGS["gqa"])
+    lay = Layout(tp=2, sp=True)
+    counted = meshloom_block_bytes(_shape(cfg), 1, 1, lay, "selective", fused=True)
+    assert counted == meshloom_block_bytes(_shape(cfg), 1, 1, lay, "selective", fused=False)
+    assert run_ranks(_census_job, 2, 2, "tp", "amp", "gqa", "selective", True, True,
+                     timeout=600) == [counted, counted]
+
+
+def _cp_counted(name: str, precision: str, recompute: str, compiled: bool) -> float:
+    cfg, _ = _block({**CONFIGS, **MOE_CONFIGS}[name])
+    lay = Layout(cp=2, zero=LAYOUT[precision].zero, dp=LAYOUT[precision].dp)
+    counted = meshloom_block_bytes(_shape(cfg), 1, 1, lay, recompute, fused=compiled)
+    return counted - (_cpu_offset(cfg, precision) if recompute == "none" else 0)
+
+
+@pytest.mark.parametrize("precision", ["amp", "bf16"])
+@pytest.mark.parametrize("name", ["gqa", "mha", "gpt2", "mixtral"])
+def test_context_parallel_block_saves_what_the_planner_counts(name, precision):
+    """Ring attention keeps K and V with their own heads and an fp32 output (4 kv more per
+    token than SDPA's repeated K and V): the count on each of 2 cp ranks."""
+    from dist_harness import run_ranks
+
+    counted = _cp_counted(name, precision, "none", False)
+    assert run_ranks(_census_job, 2, 2, "cp", precision, name) == [counted, counted]
+
+
+@pytest.mark.parametrize("name, precision", [("gqa", "bf16"), ("gpt2", "amp")])
+def test_compiled_context_parallel_block_saves_what_the_planner_counts(name, precision):
+    from dist_harness import run_ranks
+
+    counted = _cp_counted(name, precision, "none", True)
+    assert run_ranks(_census_job, 2, 2, "cp", precision, name, "none", True,
+                     timeout=600) == [counted, counted]
+
+
+@pytest.mark.parametrize("explicit_ring", [False, True])
+def test_selective_recompute_reruns_the_whole_ring(explicit_ring):
+    """Under cp, selective recompute keeps the matmul outputs and the input, not the ring's
+    tensors; with the ring's explicit per-block matmuls (CUDA's path) the policy must not keep
+    their score blocks either (it did: 2.5x the count at these lengths, growing with them)."""
+    from dist_harness import run_ranks
+
+    counted = _cp_counted("gqa", "amp", "selective", False)
+    assert run_ranks(_census_job, 2, 2, "cp", "amp", "gqa", "selective", False, False,
+                     explicit_ring) == [counted, counted]
 
 
 @pytest.mark.parametrize("compiled", [False, True])

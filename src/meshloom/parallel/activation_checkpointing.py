@@ -17,7 +17,10 @@ around it for `selective` (so that the compiler sees the policy).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -40,8 +43,27 @@ if hasattr(torch.ops.aten, "_grouped_mm"):  # torch >= 2.8
     _SAVED_OPS.add(torch.ops.aten._grouped_mm.default)
 
 
+_region = threading.local()
+
+
+@contextlib.contextmanager
+def recomputed_whole() -> Iterator[None]:
+    """Everything run inside is recomputed under `selective`, matmuls included: for an
+    attention core that multiplies blocks itself (context parallel's ring where no fused kernel
+    returns the log-sum-exp, as on CUDA), whose score blocks are the quadratic tensors the
+    policy exists to drop."""
+    depth = getattr(_region, "depth", 0)
+    _region.depth = depth + 1
+    try:
+        yield
+    finally:
+        _region.depth = depth
+
+
 def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    if op in _SAVED_OPS and not getattr(_region, "depth", 0):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective_context():

@@ -138,13 +138,20 @@ def meshloom_block_bytes(shape: ModelShape, s: int, b: int, lay: Layout, rec: st
     - with dropout, eager or compiled: + 2h, the residual dropouts' 1-byte masks (selective and
       full recompute rerun dropout from the saved RNG state instead).
     Recompute, either family: selective (meshloom's policy keeps every matmul's output) the
-    block's input, which the checkpoint holds (amp 4h, bf16 2h), plus the matmul outputs in bf16;
-    full, the input alone.
+    block's input, which the checkpoint holds (amp 4h, bf16 2h), plus the matmul outputs in bf16,
+    but compiled as one graph (tp = cp = 1) not the down projection's (2h): inductor's partition
+    keeps only what the backward reads, and nothing reruns after it; full, the input alone.
     Split over tp as the projections are; h-wide terms whole on each rank. Under SP the block
     input and the norms' own tensors are a 1/t slice, but what the projections read (a norm's
     output, all-gathered, and under amp its casts) is whole. A row-parallel matmul's output is h
-    wide on every rank (a partial sum). tests/test_plan_memory_census.py checks both families on
-    2 ranks with and without SP, eager in amp and bf16 and compiled."""
+    wide on every rank (a partial sum). Under context parallel (s = the rank's tokens) the ring
+    attention (parallel/context.py) keeps K and V with their own heads beside q, its fp32 output
+    and the bf16 output wo reads, where SDPA keeps K and V repeated to every head and one
+    output: 4 kv more, eager or compiled; compiled GPT-2 under amp also keeps the fp32 residual
+    between the graphs around the ring, not wo's bf16 input, and reruns one norm statistic
+    (4h - 2q - 4); selective recompute reruns the ring and keeps what it keeps without it.
+    tests/test_plan_memory_census.py checks both families on 2 ranks with and without SP, on 2
+    cp ranks, eager in amp and bf16 and compiled, and selective recompute on 2 tp ranks."""
     t = lay.tp
     h, q, kv, f, a = shape.hidden, shape.q_dim / t, shape.kv_dim / t, shape.ffn_hidden / t, \
         shape.heads / t
@@ -156,11 +163,14 @@ def meshloom_block_bytes(shape: ModelShape, s: int, b: int, lay: Layout, rec: st
     if shape.is_moe:  # compiled only at tp = ep = 1 (uses_meshloom_block)
         if rec == "selective":
             return s * b * (block_input + 2 * moe_matmul_outputs(shape, lay))
-        return s * b * (moe_compiled_bytes_per_token(shape, amp) if fused
-                        else moe_block_bytes_per_token(shape, lay, amp))
+        return s * b * (moe_compiled_bytes_per_token(shape, amp) + ring_bytes(shape, lay)
+                        if fused else moe_block_bytes_per_token(shape, lay, amp))
     if rec == "selective":
         kept = sum(g.n for g in block_gemms(shape, 1, t))
+        if fused and t == 1 and lay.cp == 1:  # one graph: w2's output is not kept
+            kept -= h
         return s * b * (block_input + 2 * kept)
+    ring = ring_bytes(shape, lay)
     # Under SP a norm runs on this rank's slice of the sequence (its internals and the block
     # input are 1/t), and its output is all-gathered before the projections, which keep the
     # whole-sequence tensor they read (amp: autocast's bf16 cast of it, once per projection).
@@ -177,13 +187,21 @@ def meshloom_block_bytes(shape: ModelShape, s: int, b: int, lay: Layout, rec: st
         # the residual between them (the second norm's input, like the block input a slice under
         # SP) and let wo read the attention output itself.
         per = (block_input + 10 * q if t == 1 else 2 * block_input + 8 * q) + 4 * h
-        per += 4 * a + stats / whole + masks
+        per += 4 * a + stats / whole + masks + ring
+        if ring and t == 1 and amp and shape.arch == "gpt":
+            per += 4 * h - 2 * q - 4
         return s * b * (per + (6 if shape.arch == "llama" else 4) * f)
-    per = norms * h / whole + gathered * h + 8 * q + 4 * a + stats / whole
+    per = norms * h / whole + gathered * h + 8 * q + 4 * a + stats / whole + ring
     per += (8 if shape.arch == "llama" else 4) * f + masks
     if shape.qk_norm:
         per += 8 * (q + kv) + 4 * (a + shape.kv_heads / t)
     return s * b * per
+
+
+def ring_bytes(shape: ModelShape, lay: Layout) -> float:
+    """What context parallel's ring attention keeps per token beyond SDPA: K and V with their
+    own heads (4 kv), split over tp as the heads are; 0 without cp (`meshloom_block_bytes`)."""
+    return 4 * shape.kv_dim / lay.tp if lay.cp > 1 else 0.0
 
 
 def moe_block_bytes_per_token(shape: ModelShape, lay: Layout, amp: bool) -> float:
@@ -207,8 +225,9 @@ def moe_block_bytes_per_token(shape: ModelShape, lay: Layout, amp: bool) -> floa
     Under tp, q and a are split as in the dense block and the feed-forward is whole on every
     rank; under SP the norms and the whole feed-forward run on the rank's slice of the sequence
     (the MoE routes its slice, models/moe.py), only the first norm's output is all-gathered for
-    wq, wk, wv. The routing defaults are counted (softmax scores, renormalised top-k weights);
-    sigmoid scores keep 4 bytes more per token, unnormalised weights 4k + 4 fewer."""
+    wq, wk, wv. Under cp the ring attention keeps 4 kv more (`ring_bytes`). The routing
+    defaults are counted (softmax scores, renormalised top-k weights); sigmoid scores keep 4
+    bytes more per token, unnormalised weights 4k + 4 fewer."""
     routed = load_factor(shape, lay) * shape.top_k * moe_routed_row_bytes(shape, lay)
     return moe_local_bytes_per_token(shape, lay, amp) + routed / (lay.tp if lay.sp else 1)
 
@@ -239,7 +258,7 @@ def moe_local_bytes_per_token(shape: ModelShape, lay: Layout, amp: bool) -> floa
     shared, gate = bool(shape.shared_hidden), bool(shape.shared_gate)
     readers = 1 + 2 * shared + gate  # projections reading the second norm's output
     first, second = (6 * h, 2 * readers * h) if amp else (2 * h, 2 * h)
-    attention = (16 * h + second + 8) / w + first + (8 * q + 4 * a) / t
+    attention = (16 * h + second + 8) / w + first + (8 * q + 4 * a) / t + ring_bytes(shape, lay)
     router = 4 * shape.n_experts + 12 * k + 4
     local = k * (2 * h + 18)
     extra = 8 * shape.shared_hidden + (2 * h + 2 if gate else 0)
