@@ -101,13 +101,13 @@ def rank_model_states(shape: ModelShape, lay: Layout, rank: int, prec) -> dict[s
 def uses_meshloom_block(shape: ModelShape, dtype: str, impl: Implementation | None,
                         lay: Layout) -> bool:
     """Whether the activations are meshloom's own block's census: a Llama or GPT-2 block in
-    bf16 (`meshloom_block_bytes`); an MoE block compiled only without tp or ep."""
+    bf16 (`meshloom_block_bytes`); an MoE block compiled only without expert parallel."""
     meshloom_arch = shape.arch in ("llama", "gpt")
     if impl is None or not impl.meshloom_block or dtype != "bf16" or not meshloom_arch:
         return False
-    # meshloom's MoE block: eager (`moe_block_bytes_per_token`), or compiled without tensor or
-    # expert parallel (`moe_compiled_bytes_per_token`).
-    return not shape.is_moe or not impl.compile or (lay.tp == 1 and lay.ep == 1)
+    # meshloom's MoE block: eager (`moe_block_bytes_per_token`), or compiled without expert
+    # parallel (`moe_compiled_bytes_per_token`).
+    return not shape.is_moe or not impl.compile or lay.ep == 1
 
 
 def meshloom_block_bytes(shape: ModelShape, s: int, b: int, lay: Layout, rec: str,
@@ -160,11 +160,11 @@ def meshloom_block_bytes(shape: ModelShape, s: int, b: int, lay: Layout, rec: st
     block_input = (4 if amp else 2) * h / whole
     if rec == "full":
         return s * b * block_input
-    if shape.is_moe:  # compiled only at tp = ep = 1 (uses_meshloom_block)
+    if shape.is_moe:  # compiled only at ep = 1 (uses_meshloom_block)
         if rec == "selective":
             return s * b * (block_input + 2 * moe_matmul_outputs(shape, lay))
-        return s * b * (moe_compiled_bytes_per_token(shape, amp) + ring_bytes(shape, lay)
-                        if fused else moe_block_bytes_per_token(shape, lay, amp))
+        return s * b * (moe_compiled_bytes_per_token(shape, lay, amp) if fused
+                        else moe_block_bytes_per_token(shape, lay, amp))
     if rec == "selective":
         kept = sum(g.n for g in block_gemms(shape, 1, t))
         if fused and t == 1 and lay.cp == 1:  # one graph: w2's output is not kept
@@ -232,23 +232,30 @@ def moe_block_bytes_per_token(shape: ModelShape, lay: Layout, amp: bool) -> floa
     return moe_local_bytes_per_token(shape, lay, amp) + routed / (lay.tp if lay.sp else 1)
 
 
-def moe_compiled_bytes_per_token(shape: ModelShape, amp: bool) -> float:
-    """meshloom's MoE block compiled with inductor (`train.compile`), tp = ep = 1, per token.
-    Routing's host reads (the split sizes) break the block into graphs that inductor
+def moe_compiled_bytes_per_token(shape: ModelShape, lay: Layout, amp: bool) -> float:
+    """meshloom's MoE block compiled with inductor (`train.compile`), ep = 1, per token on one
+    rank. Routing's host reads (the split sizes) break the block into graphs that inductor
     partitions apart; counted from those graphs' saved tensors on CPU at nine shapes (hidden,
     heads, experts, top_k, expert and shared widths, gate; tests/test_plan_memory_census.py):
     - amp 16h, bf16 10h, + 8q + 4a + 8 + 4E: attention, the norms and the router's scores;
     - per assignment 4h + 30 + 6F_e: the row the experts read and the output the combine
       scales (bf16), its indices and weights, and gate, up and their product (silu is rerun);
-    - the shared expert 6F_s (amp + 2h, its input's cast); its gate 2h + 2."""
-    h, k = shape.hidden, shape.top_k
-    per = (16 if amp else 10) * h + 8 * shape.q_dim + 4 * shape.heads + 8 + 4 * shape.n_experts
+    - the shared expert 6F_s (amp + 2h, its input's cast); its gate 2h + 2.
+    Under tp, attention's 8q + 4a is split over the heads; with SP everything is the rank's
+    1/t slice of the sequence but the first norm's bf16 output, all-gathered whole for wq, wk
+    and wv (2h(1 - 1/t) more). Under cp the ring adds 4 kv (`ring_bytes`). Checked on 2 tp
+    ranks with and without SP and on 2 cp ranks."""
+    h, k, t = shape.hidden, shape.top_k, lay.tp
+    attention = 8 * shape.q_dim + 4 * shape.heads
+    per = (16 if amp else 10) * h + 8 + 4 * shape.n_experts
     per += k * (4 * h + 30 + 6 * shape.moe_hidden)
     if shape.shared_hidden:
         per += 6 * shape.shared_hidden + (2 * h if amp else 0)
     if shape.shared_gate:
         per += 2 * h + 2
-    return per
+    if lay.sp:
+        per = per / t + 2 * h * (1 - 1 / t)
+    return per + attention / t + ring_bytes(shape, lay)
 
 
 def moe_local_bytes_per_token(shape: ModelShape, lay: Layout, amp: bool) -> float:
