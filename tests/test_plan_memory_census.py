@@ -482,13 +482,17 @@ def _census_job(world: int, axis: str, precision: str, name: str, recompute: str
     return twice / (256 / world if axis == "cp" else 256)
 
 
-def _tp_counted(name: str, precision: str, sp: bool, compiled: bool) -> float:
-    """The planner's count for one of two tensor-parallel ranks, with the CPU LayerNorm
-    correction (its norms' statistics are a 1/t slice under SP, as the norms are)."""
+def _counted(name: str, precision: str, recompute: str = "none", compiled: bool = False,
+             **axes) -> float:
+    """The planner's count for one rank of a 2-rank tp or cp group (`axes`), with the CPU
+    LayerNorm correction when the norms' statistics are kept (a 1/t slice under SP, as the
+    norms are)."""
     cfg, _ = _block({**CONFIGS, **MOE_CONFIGS}[name])
-    lay = Layout(tp=2, sp=sp, zero=LAYOUT[precision].zero, dp=LAYOUT[precision].dp)
-    counted = meshloom_block_bytes(_shape(cfg), 1, 1, lay, "none", fused=compiled)
-    return counted - _cpu_offset(cfg, precision) / (2 if sp else 1)
+    lay = Layout(**axes, zero=LAYOUT[precision].zero, dp=LAYOUT[precision].dp)
+    counted = meshloom_block_bytes(_shape(cfg), 1, 1, lay, recompute, fused=compiled)
+    if recompute != "none":  # the norms are rerun
+        return counted
+    return counted - _cpu_offset(cfg, precision) / (lay.tp if lay.sp else 1)
 
 
 @pytest.mark.parametrize("precision", ["amp", "bf16"])
@@ -497,7 +501,7 @@ def _tp_counted(name: str, precision: str, sp: bool, compiled: bool) -> float:
 def test_tensor_parallel_block_saves_what_the_planner_counts(name, sp, precision):
     from dist_harness import run_ranks
 
-    counted = _tp_counted(name, precision, sp, compiled=False)
+    counted = _counted(name, precision, tp=2, sp=sp)
     assert run_ranks(_census_job, 2, 2, "tp", precision, name, "none", False, sp) \
         == [counted, counted]
 
@@ -509,7 +513,7 @@ def test_tensor_parallel_block_saves_what_the_planner_counts(name, sp, precision
 def test_compiled_tensor_parallel_block_saves_what_the_planner_counts(name, precision, sp):
     from dist_harness import run_ranks
 
-    counted = _tp_counted(name, precision, sp, compiled=True)
+    counted = _counted(name, precision, compiled=True, tp=2, sp=sp)
     assert run_ranks(_census_job, 2, 2, "tp", precision, name, "none", True, sp,
                      timeout=600) == [counted, counted]
 
@@ -520,9 +524,7 @@ def test_compiled_tensor_parallel_block_saves_what_the_planner_counts(name, prec
 def test_tensor_parallel_selective_block_keeps_what_the_planner_counts(name, sp, precision):
     from dist_harness import run_ranks
 
-    cfg, _ = _block({**CONFIGS, **MOE_CONFIGS}[name])
-    lay = Layout(tp=2, sp=sp, zero=LAYOUT[precision].zero, dp=LAYOUT[precision].dp)
-    counted = meshloom_block_bytes(_shape(cfg), 1, 1, lay, "selective", fused=False)
+    counted = _counted(name, precision, "selective", tp=2, sp=sp)
     assert run_ranks(_census_job, 2, 2, "tp", precision, name, "selective", False, sp) \
         == [counted, counted]
 
@@ -556,13 +558,6 @@ def test_compiled_selective_tensor_parallel_block_keeps_the_eager_count():
                      timeout=600) == [counted, counted]
 
 
-def _cp_counted(name: str, precision: str, recompute: str, compiled: bool) -> float:
-    cfg, _ = _block({**CONFIGS, **MOE_CONFIGS}[name])
-    lay = Layout(cp=2, zero=LAYOUT[precision].zero, dp=LAYOUT[precision].dp)
-    counted = meshloom_block_bytes(_shape(cfg), 1, 1, lay, recompute, fused=compiled)
-    return counted - (_cpu_offset(cfg, precision) if recompute == "none" else 0)
-
-
 @pytest.mark.parametrize("precision", ["amp", "bf16"])
 @pytest.mark.parametrize("name", ["gqa", "mha", "gpt2", "mixtral"])
 def test_context_parallel_block_saves_what_the_planner_counts(name, precision):
@@ -570,7 +565,7 @@ def test_context_parallel_block_saves_what_the_planner_counts(name, precision):
     token than SDPA's repeated K and V): the count on each of 2 cp ranks."""
     from dist_harness import run_ranks
 
-    counted = _cp_counted(name, precision, "none", False)
+    counted = _counted(name, precision, cp=2)
     assert run_ranks(_census_job, 2, 2, "cp", precision, name) == [counted, counted]
 
 
@@ -579,7 +574,7 @@ def test_context_parallel_block_saves_what_the_planner_counts(name, precision):
 def test_compiled_context_parallel_block_saves_what_the_planner_counts(name, precision):
     from dist_harness import run_ranks
 
-    counted = _cp_counted(name, precision, "none", True)
+    counted = _counted(name, precision, compiled=True, cp=2)
     assert run_ranks(_census_job, 2, 2, "cp", precision, name, "none", True,
                      timeout=600) == [counted, counted]
 
@@ -590,9 +585,7 @@ def test_compiled_context_parallel_block_saves_what_the_planner_counts(name, pre
 def test_compiled_tensor_parallel_moe_block_saves_what_the_planner_counts(name, precision, sp):
     from dist_harness import run_ranks
 
-    cfg, _ = _block(MOE_CONFIGS[name])
-    lay = Layout(tp=2, sp=sp, zero=LAYOUT[precision].zero, dp=LAYOUT[precision].dp)
-    counted = meshloom_block_bytes(_shape(cfg), 1, 1, lay, "none", fused=True)
+    counted = _counted(name, precision, compiled=True, tp=2, sp=sp)
     assert run_ranks(_census_job, 2, 2, "tp", precision, name, "none", True, sp,
                      timeout=600) == [counted, counted]
 
@@ -604,7 +597,7 @@ def test_selective_recompute_reruns_the_whole_ring(explicit_ring):
     their score blocks either (it did: 2.5x the count at these lengths, growing with them)."""
     from dist_harness import run_ranks
 
-    counted = _cp_counted("gqa", "amp", "selective", False)
+    counted = _counted("gqa", "amp", "selective", cp=2)
     assert run_ranks(_census_job, 2, 2, "cp", "amp", "gqa", "selective", False, False,
                      explicit_ring) == [counted, counted]
 
