@@ -9,6 +9,7 @@ import math
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -308,6 +309,27 @@ def test_a_gpu_without_a_table_says_so():
     c = evaluate(PRESETS["gpt2-xl"], Layout(dp=2, zero=3), make_cluster("titan-rtx-24g", 2),
                  1024, 2)
     assert "no kernel table" in c.timing.detail["rates"]
+
+
+def test_h200_table_is_the_h100_compute_with_its_own_bandwidth():
+    """No bf16 GEMM or FlashAttention table has been published for the H200: its table takes the
+    H100's compute rows (same die, SMs and clocks) and only its bandwidth from an H200 source.
+    So an H200 step is priced as the H100's with faster memory-bound kernels, never at its
+    datasheet peak (which it was before it had a table: 78% MFU on llama3-8b)."""
+    h100, h200 = for_gpu("h100"), for_gpu("h200")
+    assert h200.gemm == h100.gemm and h200.attention == h100.attention
+    assert h200.hbm_gbps == 4010.0 and h200.hbm_gbps > h100.hbm_gbps
+    raw = json.loads(Path(h200.path).read_text())
+    assert raw["hbm_gbps"]["source"] == "azure_nd_h200_v5"
+    shape, lay = PRESETS["llama3-8b"], Layout(dp=8, zero=2)
+    on = {g: evaluate(shape, lay, make_cluster(g, 8), 8192, 64) for g in ("h100", "h200")}
+    assert "h200.json" in on["h200"].timing.detail["rates"]
+    gemm = {g: c.timing.detail["compute_s"]["gemm"] for g, c in on.items()}
+    elementwise = {g: c.timing.detail["compute_s"]["elementwise"] for g, c in on.items()}
+    assert gemm["h200"] == pytest.approx(gemm["h100"], rel=1e-12)
+    assert elementwise["h200"] < elementwise["h100"]
+    datasheet = evaluate(shape, lay, make_cluster("h200", 8, kernels="datasheet"), 8192, 64)
+    assert on["h200"].mfu < 0.6 < datasheet.mfu
 
 
 def test_a_shape_measured_twice_is_their_mean():
