@@ -320,7 +320,7 @@ def test_compiled_moe_block_saves_what_the_planner_counts(name, precision):
         == per_token
 
 
-def _ep_census_job(world: int, precision: str, name: str) -> dict:
+def _ep_census_job(world: int, precision: str, name: str, compiled: bool = False) -> dict:
     """Per (layers, length) on one expert-parallel rank: the bytes its model saves for
     backward, and the routed rows each of its MoE blocks' experts received."""
     import os
@@ -337,15 +337,21 @@ def _ep_census_job(world: int, precision: str, name: str) -> dict:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     out = {}
     for layers in (1, 2):
-        _, model = _block(MOE_CONFIGS[name], precision, layers)
+        torch._dynamo.reset()  # a fresh compile per model (dynamo's recompile limit)
+        _, model = _block(MOE_COMPILED[name], precision, layers)
         mesh = Mesh(ParallelDims(dp_shard=world, ep=world), rank, "cpu", CommCounter())
-        par = parallelize(model, mesh, ParallelConfig(dp_shard=world, ep=world, zero_stage=0))
+        par = parallelize(model, mesh, ParallelConfig(dp_shard=world, ep=world, zero_stage=0),
+                          compile_blocks=compiled)
         for s in (128, 256):
             torch.manual_seed(100 + rank + s)  # each rank its own tokens
+            tokens = torch.randint(0, 300, (1, s))
+            if compiled:  # compile first, then count
+                with _autocast(precision):
+                    par.model(tokens)
             for _, moe in moe_blocks(par.model):
                 moe.reset_stats()
             with _saved_storages(precision) as storages:
-                par.model(torch.randint(0, 300, (1, s)))
+                par.model(tokens)
             rows = 0.0
             for _, moe in moe_blocks(par.model):  # every rank's assignments per expert
                 load = moe.stats.load.clone().float()
@@ -357,26 +363,45 @@ def _ep_census_job(world: int, precision: str, name: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("precision", ["amp", "bf16"])
-def test_expert_parallel_block_saves_what_the_planner_counts(precision):
+def _ep_leftovers(precision: str, name: str, compiled: bool) -> set:
     """On 2 expert-parallel ranks, routing (and so each rank's received rows) differs from run
-    to run: what is left of a rank's saved bytes once the planner's per-token and per-row
-    terms are taken off must not depend on the length, the rows or the rank, only on the
-    number of layers (the weights) and the rest of the model (the same per token)."""
+    to run: what is left of a rank's saved bytes per layer once the planner's per-token and
+    per-row terms are taken off, for each rank and length. Right terms leave one value, the
+    weights a layer adds; a wrong term leaves one that moves with the length or the rows."""
     from dist_harness import run_ranks
 
-    from meshloom.plan.memory import moe_local_bytes_per_token, moe_routed_row_bytes
+    from meshloom.plan.memory import (
+        moe_compiled_local_bytes_per_token,
+        moe_local_bytes_per_token,
+        moe_routed_row_bytes,
+    )
 
-    cfg, _ = _block(MOE_CONFIGS["mixtral"])
+    cfg, _ = _block(MOE_COMPILED[name])
     shape, lay = _shape(cfg), Layout(dp=2, ep=2, zero=LAYOUT[precision].zero)
-    per_token = moe_local_bytes_per_token(shape, lay, precision == "amp")
-    per_row = moe_routed_row_bytes(shape, lay)
+    local = moe_compiled_local_bytes_per_token if compiled else moe_local_bytes_per_token
+    per_token = local(shape, lay, precision == "amp")
+    per_row = moe_routed_row_bytes(shape, lay, compiled)
     per_layer = set()
-    for runs in run_ranks(_ep_census_job, 2, 2, precision, "mixtral"):
+    for runs in run_ranks(_ep_census_job, 2, 2, precision, name, compiled, timeout=600):
         left = {key: saved - per_token * key[0] * key[1] - per_row * rows
                 for key, (saved, rows) in runs.items()}
         per_layer |= {left[(2, s)] - left[(1, s)] for s in (128, 256)}
-    assert len(per_layer) == 1
+    return per_layer
+
+
+@pytest.mark.parametrize("precision", ["amp", "bf16"])
+def test_expert_parallel_block_saves_what_the_planner_counts(precision):
+    assert len(_ep_leftovers(precision, "mixtral", False)) == 1
+
+
+@pytest.mark.parametrize("name, precision", [("wider experts, top 1", "amp"),
+                                             ("shared+gate", "bf16")])
+def test_compiled_expert_parallel_block_saves_what_the_planner_counts(name, precision):
+    """Compiled, the all-to-all breaks the block where one graph spanned the dispatch: the
+    combined output is no longer kept (amp 4h), the routed rows keep SwiGLU's three tensors and
+    the regrouping indices. Top 1 tells that 4h per token from 2h per assignment (at top 2 the
+    two are equal)."""
+    assert len(_ep_leftovers(precision, name, True)) == 1
 
 
 def test_census_for_meshloom_dense_bf16_blocks_only():
@@ -393,15 +418,17 @@ def test_census_for_meshloom_dense_bf16_blocks_only():
         # bf16 working parameters do.
         assert layer_activation_bytes(shape, 2048, 1, lay, "bf16", impl=Implementation()) \
             > layer_activation_bytes(shape, 2048, 1, zero, "bf16", impl=Implementation())
-    # MoE blocks: census eager (tensor parallel too) and compiled without ep (tensor parallel
-    # too); Korthikanti's count compiled with ep.
+    # MoE blocks: census eager (tensor parallel too), compiled without ep (tensor parallel
+    # too) and with ep alone; Korthikanti's count compiled with ep and tp or cp.
     moe = PRESETS["mixtral-8x7b"]
     compiled = Implementation(compile=True)
     for layout, impl, census in ((lay, Implementation(), True),
                                  (Layout(micro_batch=1, tp=2, sp=True), Implementation(), True),
                                  (lay, compiled, True),
                                  (Layout(micro_batch=1, tp=2), compiled, True),
-                                 (Layout(micro_batch=1, dp=8, ep=2), compiled, False)):
+                                 (Layout(micro_batch=1, dp=8, ep=2), compiled, True),
+                                 (Layout(micro_batch=1, dp=4, tp=2, ep=2), compiled, False),
+                                 (Layout(micro_batch=1, dp=4, cp=2, ep=2), compiled, False)):
         got = layer_activation_bytes(moe, 2048, 1, layout, "bf16", impl=impl)
         assert (got == meshloom_block_bytes(moe, 2048, 1, layout, "none", impl.compile)) \
             == census

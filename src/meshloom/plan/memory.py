@@ -101,13 +101,14 @@ def rank_model_states(shape: ModelShape, lay: Layout, rank: int, prec) -> dict[s
 def uses_meshloom_block(shape: ModelShape, dtype: str, impl: Implementation | None,
                         lay: Layout) -> bool:
     """Whether the activations are meshloom's own block's census: a Llama or GPT-2 block in
-    bf16 (`meshloom_block_bytes`); an MoE block compiled only without expert parallel."""
+    bf16 (`meshloom_block_bytes`); an MoE block compiled under expert parallel only with
+    tp = cp = 1 (the layouts measured)."""
     meshloom_arch = shape.arch in ("llama", "gpt")
     if impl is None or not impl.meshloom_block or dtype != "bf16" or not meshloom_arch:
         return False
-    # meshloom's MoE block: eager (`moe_block_bytes_per_token`), or compiled without expert
-    # parallel (`moe_compiled_bytes_per_token`).
-    return not shape.is_moe or not impl.compile or lay.ep == 1
+    # meshloom's MoE block: eager (`moe_block_bytes_per_token`), or compiled
+    # (`moe_compiled_bytes_per_token`) without expert parallel or with it alone (tp = cp = 1).
+    return not shape.is_moe or not impl.compile or lay.ep == 1 or lay.tp == lay.cp == 1
 
 
 def meshloom_block_bytes(shape: ModelShape, s: int, b: int, lay: Layout, rec: str,
@@ -160,7 +161,7 @@ def meshloom_block_bytes(shape: ModelShape, s: int, b: int, lay: Layout, rec: st
     block_input = (4 if amp else 2) * h / whole
     if rec == "full":
         return s * b * block_input
-    if shape.is_moe:  # compiled only at ep = 1 (uses_meshloom_block)
+    if shape.is_moe:  # compiled under ep only at tp = cp = 1 (uses_meshloom_block)
         if rec == "selective":
             return s * b * (block_input + 2 * moe_matmul_outputs(shape, lay))
         return s * b * (moe_compiled_bytes_per_token(shape, lay, amp) if fused
@@ -233,22 +234,37 @@ def moe_block_bytes_per_token(shape: ModelShape, lay: Layout, amp: bool) -> floa
 
 
 def moe_compiled_bytes_per_token(shape: ModelShape, lay: Layout, amp: bool) -> float:
-    """meshloom's MoE block compiled with inductor (`train.compile`), ep = 1, per token on one
-    rank. Routing's host reads (the split sizes) break the block into graphs that inductor
-    partitions apart; counted from those graphs' saved tensors on CPU at nine shapes (hidden,
-    heads, experts, top_k, expert and shared widths, gate; tests/test_plan_memory_census.py):
-    - amp 16h, bf16 10h, + 8q + 4a + 8 + 4E: attention, the norms and the router's scores;
-    - per assignment 4h + 30 + 6F_e: the row the experts read and the output the combine
-      scales (bf16), its indices and weights, and gate, up and their product (silu is rerun);
+    """meshloom's MoE block compiled with inductor (`train.compile`), per token on one rank:
+    what the token keeps on its own rank (`moe_compiled_local_bytes_per_token`) and its routed
+    rows on the experts' ranks (`moe_routed_row_bytes`, compiled), load x top_k of them, a
+    1/t slice under SP as the eager block's are."""
+    routed = load_factor(shape, lay) * shape.top_k * moe_routed_row_bytes(shape, lay, True)
+    return moe_compiled_local_bytes_per_token(shape, lay, amp) \
+        + routed / (lay.tp if lay.sp else 1)
+
+
+def moe_compiled_local_bytes_per_token(shape: ModelShape, lay: Layout, amp: bool) -> float:
+    """What a token of meshloom's compiled MoE block keeps on its own rank. Routing's host reads
+    (the split sizes) break the block into graphs that inductor partitions apart; counted from
+    those graphs' saved tensors on CPU at nine shapes (hidden, heads, experts, top_k, expert and
+    shared widths, gate; tests/test_plan_memory_census.py):
+    - amp 12h, bf16 8h, + 8q + 4a + 8 + 4E: attention, the norms and the router's scores;
+    - per assignment 2h + 30: the expert output the combine scales (bf16), the assignment's
+      indices and weights; gate, up and their product on the rows the experts read are the
+      routed rows' (silu is rerun);
+    - without expert parallel, where one graph spans the dispatch, the combined output too
+      (amp 4h, bf16 2h); under expert parallel the all-to-all breaks the graph there;
     - the shared expert 6F_s (amp + 2h, its input's cast); its gate 2h + 2.
     Under tp, attention's 8q + 4a is split over the heads; with SP everything is the rank's
     1/t slice of the sequence but the first norm's bf16 output, all-gathered whole for wq, wk
     and wv (2h(1 - 1/t) more). Under cp the ring adds 4 kv (`ring_bytes`). Checked on 2 tp
-    ranks with and without SP and on 2 cp ranks."""
+    ranks with and without SP, on 2 cp ranks and on 2 expert-parallel ranks (tp = cp = 1:
+    `uses_meshloom_block` takes no other expert-parallel layout)."""
     h, k, t = shape.hidden, shape.top_k, lay.tp
     attention = 8 * shape.q_dim + 4 * shape.heads
-    per = (16 if amp else 10) * h + 8 + 4 * shape.n_experts
-    per += k * (4 * h + 30 + 6 * shape.moe_hidden)
+    per = (12 if amp else 8) * h + 8 + 4 * shape.n_experts + k * (2 * h + 30)
+    if lay.ep == 1:
+        per += (4 if amp else 2) * h
     if shape.shared_hidden:
         per += 6 * shape.shared_hidden + (2 * h if amp else 0)
     if shape.shared_gate:
@@ -272,11 +288,12 @@ def moe_local_bytes_per_token(shape: ModelShape, lay: Layout, amp: bool) -> floa
     return attention + (router + local + extra) / w
 
 
-def moe_routed_row_bytes(shape: ModelShape, lay: Layout) -> float:
+def moe_routed_row_bytes(shape: ModelShape, lay: Layout, compiled: bool = False) -> float:
     """What one routed row keeps on its expert's rank: the bf16 row the grouped GEMMs read and
-    SwiGLU's four tensors; under expert parallel also the two int64 indices that regroup the
-    received rows by expert and back (parallel/expert.py)."""
-    return 2 * shape.hidden + 8 * shape.moe_hidden + (16 if lay.ep > 1 else 0)
+    SwiGLU's four tensors (compiled three: silu is rerun); under expert parallel also the two
+    int64 indices that regroup the received rows by expert and back (parallel/expert.py)."""
+    swiglu = (6 if compiled else 8) * shape.moe_hidden
+    return 2 * shape.hidden + swiglu + (16 if lay.ep > 1 else 0)
 
 
 def moe_matmul_outputs(shape: ModelShape, lay: Layout) -> float:
