@@ -320,13 +320,17 @@ def test_compiled_moe_block_saves_what_the_planner_counts(name, precision):
         == per_token
 
 
-def _ep_census_job(world: int, precision: str, name: str, compiled: bool = False) -> dict:
-    """Per (layers, length) on one expert-parallel rank: the bytes its model saves for
-    backward, and the routed rows each of its MoE blocks' experts received."""
+def _ep_census_job(world: int, precision: str, name: str, compiled: bool = False,
+                   cp: bool = False) -> dict:
+    """Per (layers, the rank's tokens) on one expert-parallel rank: the bytes its model saves
+    for backward, and the routed rows each of its MoE blocks' experts received. The experts are
+    split over data-parallel ranks, or with `cp` over context-parallel ones (each with its
+    zigzag slice of one sequence)."""
     import os
 
     import torch.distributed as dist
 
+    import meshloom.parallel.context as context
     from meshloom.comm import CommCounter
     from meshloom.config import ParallelConfig
     from meshloom.mesh import Mesh, ParallelDims
@@ -339,19 +343,25 @@ def _ep_census_job(world: int, precision: str, name: str, compiled: bool = False
     for layers in (1, 2):
         torch._dynamo.reset()  # a fresh compile per model (dynamo's recompile limit)
         _, model = _block(MOE_COMPILED[name], precision, layers)
-        mesh = Mesh(ParallelDims(dp_shard=world, ep=world), rank, "cpu", CommCounter())
-        par = parallelize(model, mesh, ParallelConfig(dp_shard=world, ep=world, zero_stage=0),
-                          compile_blocks=compiled)
+        axis = {"cp": world} if cp else {"dp_shard": world}
+        mesh = Mesh(ParallelDims(**axis, ep=world), rank, "cpu", CommCounter())
+        pcfg = ParallelConfig(**{"dp_shard": 1, **axis}, ep=world, zero_stage=0)
+        par = parallelize(model, mesh, pcfg, compile_blocks=compiled)
         for s in (128, 256):
-            torch.manual_seed(100 + rank + s)  # each rank its own tokens
-            tokens = torch.randint(0, 300, (1, s))
+            if cp:  # one sequence, the rank's zigzag slice of it
+                torch.manual_seed(100 + s)
+                idx = context.zigzag_indices(2 * s, world, rank)
+                args = (torch.randint(0, 300, (1, 2 * s))[:, idx], idx)
+            else:
+                torch.manual_seed(100 + rank + s)  # each rank its own tokens
+                args = (torch.randint(0, 300, (1, s)),)
             if compiled:  # compile first, then count
                 with _autocast(precision):
-                    par.model(tokens)
+                    par.model(*args)
             for _, moe in moe_blocks(par.model):
                 moe.reset_stats()
             with _saved_storages(precision) as storages:
-                par.model(tokens)
+                par.model(*args)
             rows = 0.0
             for _, moe in moe_blocks(par.model):  # every rank's assignments per expert
                 load = moe.stats.load.clone().float()
@@ -363,7 +373,7 @@ def _ep_census_job(world: int, precision: str, name: str, compiled: bool = False
     return out
 
 
-def _ep_leftovers(precision: str, name: str, compiled: bool) -> set:
+def _ep_leftovers(precision: str, name: str, compiled: bool, cp: bool = False) -> set:
     """On 2 expert-parallel ranks, routing (and so each rank's received rows) differs from run
     to run: what is left of a rank's saved bytes per layer once the planner's per-token and
     per-row terms are taken off, for each rank and length. Right terms leave one value, the
@@ -377,31 +387,34 @@ def _ep_leftovers(precision: str, name: str, compiled: bool) -> set:
     )
 
     cfg, _ = _block(MOE_COMPILED[name])
-    shape, lay = _shape(cfg), Layout(dp=2, ep=2, zero=LAYOUT[precision].zero)
+    axis = {"cp": 2} if cp else {"dp": 2}
+    shape, lay = _shape(cfg), Layout(**axis, ep=2, zero=LAYOUT[precision].zero)
     local = moe_compiled_local_bytes_per_token if compiled else moe_local_bytes_per_token
     per_token = local(shape, lay, precision == "amp")
     per_row = moe_routed_row_bytes(shape, lay, compiled)
     per_layer = set()
-    for runs in run_ranks(_ep_census_job, 2, 2, precision, name, compiled, timeout=600):
+    for runs in run_ranks(_ep_census_job, 2, 2, precision, name, compiled, cp, timeout=600):
         left = {key: saved - per_token * key[0] * key[1] - per_row * rows
                 for key, (saved, rows) in runs.items()}
         per_layer |= {left[(2, s)] - left[(1, s)] for s in (128, 256)}
     return per_layer
 
 
-@pytest.mark.parametrize("precision", ["amp", "bf16"])
-def test_expert_parallel_block_saves_what_the_planner_counts(precision):
-    assert len(_ep_leftovers(precision, "mixtral", False)) == 1
+@pytest.mark.parametrize("precision, cp", [("amp", False), ("bf16", False), ("amp", True)])
+def test_expert_parallel_block_saves_what_the_planner_counts(precision, cp):
+    """With the experts over context-parallel ranks, the ring's 4 kv per token comes on top."""
+    assert len(_ep_leftovers(precision, "mixtral", False, cp)) == 1
 
 
-@pytest.mark.parametrize("name, precision", [("wider experts, top 1", "amp"),
-                                             ("shared+gate", "bf16")])
-def test_compiled_expert_parallel_block_saves_what_the_planner_counts(name, precision):
+@pytest.mark.parametrize("name, precision, cp", [("wider experts, top 1", "amp", False),
+                                                 ("shared+gate", "bf16", False),
+                                                 ("wider experts, top 1", "amp", True)])
+def test_compiled_expert_parallel_block_saves_what_the_planner_counts(name, precision, cp):
     """Compiled, the all-to-all breaks the block where one graph spanned the dispatch: the
     combined output is no longer kept (amp 4h), the routed rows keep SwiGLU's three tensors and
     the regrouping indices. Top 1 tells that 4h per token from 2h per assignment (at top 2 the
-    two are equal)."""
-    assert len(_ep_leftovers(precision, name, True)) == 1
+    two are equal). Over context-parallel ranks the ring adds its 4 kv."""
+    assert len(_ep_leftovers(precision, name, True, cp)) == 1
 
 
 def test_census_for_meshloom_dense_bf16_blocks_only():
@@ -419,7 +432,7 @@ def test_census_for_meshloom_dense_bf16_blocks_only():
         assert layer_activation_bytes(shape, 2048, 1, lay, "bf16", impl=Implementation()) \
             > layer_activation_bytes(shape, 2048, 1, zero, "bf16", impl=Implementation())
     # MoE blocks: census eager (tensor parallel too), compiled without ep (tensor parallel
-    # too) and with ep alone; Korthikanti's count compiled with ep and tp or cp.
+    # too) and with ep at tp = 1 (cp too); Korthikanti's count compiled with ep and tp.
     moe = PRESETS["mixtral-8x7b"]
     compiled = Implementation(compile=True)
     for layout, impl, census in ((lay, Implementation(), True),
@@ -428,7 +441,9 @@ def test_census_for_meshloom_dense_bf16_blocks_only():
                                  (Layout(micro_batch=1, tp=2), compiled, True),
                                  (Layout(micro_batch=1, dp=8, ep=2), compiled, True),
                                  (Layout(micro_batch=1, dp=4, tp=2, ep=2), compiled, False),
-                                 (Layout(micro_batch=1, dp=4, cp=2, ep=2), compiled, False)):
+                                 (Layout(micro_batch=1, dp=4, cp=2, ep=2), compiled, True),
+                                 (Layout(micro_batch=1, dp=2, tp=2, cp=2, ep=2), compiled,
+                                  False)):
         got = layer_activation_bytes(moe, 2048, 1, layout, "bf16", impl=impl)
         assert (got == meshloom_block_bytes(moe, 2048, 1, layout, "none", impl.compile)) \
             == census

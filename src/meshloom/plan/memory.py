@@ -101,14 +101,14 @@ def rank_model_states(shape: ModelShape, lay: Layout, rank: int, prec) -> dict[s
 def uses_meshloom_block(shape: ModelShape, dtype: str, impl: Implementation | None,
                         lay: Layout) -> bool:
     """Whether the activations are meshloom's own block's census: a Llama or GPT-2 block in
-    bf16 (`meshloom_block_bytes`); an MoE block compiled under expert parallel only with
-    tp = cp = 1 (the layouts measured)."""
+    bf16 (`meshloom_block_bytes`); an MoE block compiled under expert parallel only at tp = 1
+    (the layouts measured)."""
     meshloom_arch = shape.arch in ("llama", "gpt")
     if impl is None or not impl.meshloom_block or dtype != "bf16" or not meshloom_arch:
         return False
     # meshloom's MoE block: eager (`moe_block_bytes_per_token`), or compiled
-    # (`moe_compiled_bytes_per_token`) without expert parallel or with it alone (tp = cp = 1).
-    return not shape.is_moe or not impl.compile or lay.ep == 1 or lay.tp == lay.cp == 1
+    # (`moe_compiled_bytes_per_token`) without expert parallel, or with it at tp = 1.
+    return not shape.is_moe or not impl.compile or lay.ep == 1 or lay.tp == 1
 
 
 def meshloom_block_bytes(shape: ModelShape, s: int, b: int, lay: Layout, rec: str,
@@ -161,7 +161,7 @@ def meshloom_block_bytes(shape: ModelShape, s: int, b: int, lay: Layout, rec: st
     block_input = (4 if amp else 2) * h / whole
     if rec == "full":
         return s * b * block_input
-    if shape.is_moe:  # compiled under ep only at tp = cp = 1 (uses_meshloom_block)
+    if shape.is_moe:  # compiled under ep only at tp = 1 (uses_meshloom_block)
         if rec == "selective":
             return s * b * (block_input + 2 * moe_matmul_outputs(shape, lay))
         return s * b * (moe_compiled_bytes_per_token(shape, lay, amp) if fused
@@ -258,8 +258,8 @@ def moe_compiled_local_bytes_per_token(shape: ModelShape, lay: Layout, amp: bool
     Under tp, attention's 8q + 4a is split over the heads; with SP everything is the rank's
     1/t slice of the sequence but the first norm's bf16 output, all-gathered whole for wq, wk
     and wv (2h(1 - 1/t) more). Under cp the ring adds 4 kv (`ring_bytes`). Checked on 2 tp
-    ranks with and without SP, on 2 cp ranks and on 2 expert-parallel ranks (tp = cp = 1:
-    `uses_meshloom_block` takes no other expert-parallel layout)."""
+    ranks with and without SP, on 2 cp ranks, and on 2 expert-parallel ranks that are data- or
+    context-parallel (tp = 1: `uses_meshloom_block` takes no other expert-parallel layout)."""
     h, k, t = shape.hidden, shape.top_k, lay.tp
     attention = 8 * shape.q_dim + 4 * shape.heads
     per = (12 if amp else 8) * h + 8 + 4 * shape.n_experts + k * (2 * h + 30)
