@@ -320,12 +320,16 @@ def test_compiled_moe_block_saves_what_the_planner_counts(name, precision):
         == per_token
 
 
-def _ep_census_job(world: int, precision: str, name: str, compiled: bool = False,
-                   cp: bool = False) -> dict:
-    """Per (layers, the rank's tokens) on one expert-parallel rank: the bytes its model saves
-    for backward, and the routed rows each of its MoE blocks' experts received. The experts are
-    split over data-parallel ranks, or with `cp` over context-parallel ones (each with its
-    zigzag slice of one sequence)."""
+# The expert-parallel censuses: the experts over 2 data-parallel ranks, over 2 context-parallel
+# ranks (each with its zigzag slice of one sequence), or over 2 data-parallel ranks that are
+# each a 2-rank tensor-parallel group (4 ranks).
+EP_MESHES = {"dp": dict(dp_shard=2), "cp": dict(cp=2), "tp": dict(dp_shard=2, tp=2)}
+
+
+def _ep_census_job(world: int, precision: str, name: str, compiled: bool, axis: str,
+                   sp: bool) -> dict:
+    """Per (layers, the rank's tokens) on one rank of an expert-parallel layout (`EP_MESHES`):
+    the bytes its model saves for backward, and the routed rows its experts received."""
     import os
 
     import torch.distributed as dist
@@ -343,17 +347,17 @@ def _ep_census_job(world: int, precision: str, name: str, compiled: bool = False
     for layers in (1, 2):
         torch._dynamo.reset()  # a fresh compile per model (dynamo's recompile limit)
         _, model = _block(MOE_COMPILED[name], precision, layers)
-        axis = {"cp": world} if cp else {"dp_shard": world}
-        mesh = Mesh(ParallelDims(**axis, ep=world), rank, "cpu", CommCounter())
-        pcfg = ParallelConfig(**{"dp_shard": 1, **axis}, ep=world, zero_stage=0)
+        dims = {"dp_shard": 1, **EP_MESHES[axis]}
+        mesh = Mesh(ParallelDims(**dims, ep=2), rank, "cpu", CommCounter())
+        pcfg = ParallelConfig(**dims, ep=2, zero_stage=0, sequence_parallel=sp)
         par = parallelize(model, mesh, pcfg, compile_blocks=compiled)
         for s in (128, 256):
-            if cp:  # one sequence, the rank's zigzag slice of it
+            if axis == "cp":  # one sequence, the rank's zigzag slice of it
                 torch.manual_seed(100 + s)
-                idx = context.zigzag_indices(2 * s, world, rank)
+                idx = context.zigzag_indices(2 * s, 2, rank)
                 args = (torch.randint(0, 300, (1, 2 * s))[:, idx], idx)
-            else:
-                torch.manual_seed(100 + rank + s)  # each rank its own tokens
+            else:  # each data-parallel rank its own tokens (a tp group shares them)
+                torch.manual_seed(100 + mesh.coord("dp_shard") + s)
                 args = (torch.randint(0, 300, (1, s)),)
             if compiled:  # compile first, then count
                 with _autocast(precision):
@@ -362,22 +366,24 @@ def _ep_census_job(world: int, precision: str, name: str, compiled: bool = False
                 moe.reset_stats()
             with _saved_storages(precision) as storages:
                 par.model(*args)
-            rows = 0.0
-            for _, moe in moe_blocks(par.model):  # every rank's assignments per expert
+            rows, e = 0.0, mesh.coord("ep")
+            for _, moe in moe_blocks(par.model):  # the ep group's assignments per expert
                 load = moe.stats.load.clone().float()
-                dist.all_reduce(load)
-                mine = load.numel() // world
-                rows += float(load[rank * mine:(rank + 1) * mine].sum())
+                dist.all_reduce(load, group=mesh.group("ep"))
+                mine = load.numel() // 2
+                rows += float(load[e * mine:(e + 1) * mine].sum())
             out[(layers, s)] = (sum(storages.values()), rows)
     dist.destroy_process_group()
     return out
 
 
-def _ep_leftovers(precision: str, name: str, compiled: bool, cp: bool = False) -> set:
-    """On 2 expert-parallel ranks, routing (and so each rank's received rows) differs from run
-    to run: what is left of a rank's saved bytes per layer once the planner's per-token and
-    per-row terms are taken off, for each rank and length. Right terms leave one value, the
-    weights a layer adds; a wrong term leaves one that moves with the length or the rows."""
+def _ep_leftovers(precision: str, name: str, compiled: bool, axis: str = "dp",
+                  sp: bool = False) -> set:
+    """With expert parallel, routing (and so each rank's received rows) differs from rank to
+    rank and run to run: what is left of a rank's saved bytes per layer once the planner's
+    per-token and per-row terms are taken off, for each rank and length. Right terms leave one
+    value, the weights a layer adds; a wrong term leaves one that moves with the length or the
+    rows."""
     from dist_harness import run_ranks
 
     from meshloom.plan.memory import (
@@ -387,34 +393,41 @@ def _ep_leftovers(precision: str, name: str, compiled: bool, cp: bool = False) -
     )
 
     cfg, _ = _block(MOE_COMPILED[name])
-    axis = {"cp": 2} if cp else {"dp": 2}
-    shape, lay = _shape(cfg), Layout(**axis, ep=2, zero=LAYOUT[precision].zero)
+    axes = {"dp": 2} | {k: v for k, v in EP_MESHES[axis].items() if k != "dp_shard"}
+    shape = _shape(cfg)
+    lay = Layout(**axes, ep=2, sp=sp, zero=LAYOUT[precision].zero)
     local = moe_compiled_local_bytes_per_token if compiled else moe_local_bytes_per_token
     per_token = local(shape, lay, precision == "amp")
     per_row = moe_routed_row_bytes(shape, lay, compiled)
+    world = 4 if axis == "tp" else 2
     per_layer = set()
-    for runs in run_ranks(_ep_census_job, 2, 2, precision, name, compiled, cp, timeout=600):
+    for runs in run_ranks(_ep_census_job, world, world, precision, name, compiled, axis, sp,
+                          timeout=900):
         left = {key: saved - per_token * key[0] * key[1] - per_row * rows
                 for key, (saved, rows) in runs.items()}
         per_layer |= {left[(2, s)] - left[(1, s)] for s in (128, 256)}
     return per_layer
 
 
-@pytest.mark.parametrize("precision, cp", [("amp", False), ("bf16", False), ("amp", True)])
-def test_expert_parallel_block_saves_what_the_planner_counts(precision, cp):
-    """With the experts over context-parallel ranks, the ring's 4 kv per token comes on top."""
-    assert len(_ep_leftovers(precision, "mixtral", False, cp)) == 1
+@pytest.mark.parametrize("precision, axis, sp", [("amp", "dp", False), ("bf16", "dp", False),
+                                                 ("amp", "cp", False), ("amp", "tp", True)])
+def test_expert_parallel_block_saves_what_the_planner_counts(precision, axis, sp):
+    """The experts over data-parallel ranks; over context-parallel ones, where the ring's 4 kv
+    per token comes on top; over data-parallel ranks that are tensor-parallel groups with SP,
+    where the norms and the whole feed-forward run on the rank's 1/t slice."""
+    assert len(_ep_leftovers(precision, "mixtral", False, axis, sp)) == 1
 
 
-@pytest.mark.parametrize("name, precision, cp", [("wider experts, top 1", "amp", False),
-                                                 ("shared+gate", "bf16", False),
-                                                 ("wider experts, top 1", "amp", True)])
-def test_compiled_expert_parallel_block_saves_what_the_planner_counts(name, precision, cp):
+@pytest.mark.parametrize("name, precision, axis", [("wider experts, top 1", "amp", "dp"),
+                                                   ("wider experts, top 1", "amp", "cp"),
+                                                   ("shared+gate", "bf16", "tp")])
+def test_compiled_expert_parallel_block_saves_what_the_planner_counts(name, precision, axis):
     """Compiled, the all-to-all breaks the block where one graph spanned the dispatch: the
     combined output is no longer kept (amp 4h), the routed rows keep SwiGLU's three tensors and
     the regrouping indices. Top 1 tells that 4h per token from 2h per assignment (at top 2 the
-    two are equal). Over context-parallel ranks the ring adds its 4 kv."""
-    assert len(_ep_leftovers(precision, name, True, cp)) == 1
+    two are equal). Over context-parallel ranks the ring adds its 4 kv; under tp with SP
+    (4 ranks) everything but attention's heads and the gathered first norm is a 1/t slice."""
+    assert len(_ep_leftovers(precision, name, True, axis, sp=axis == "tp")) == 1
 
 
 def test_census_for_meshloom_dense_bf16_blocks_only():
@@ -431,8 +444,8 @@ def test_census_for_meshloom_dense_bf16_blocks_only():
         # bf16 working parameters do.
         assert layer_activation_bytes(shape, 2048, 1, lay, "bf16", impl=Implementation()) \
             > layer_activation_bytes(shape, 2048, 1, zero, "bf16", impl=Implementation())
-    # MoE blocks: census eager (tensor parallel too), compiled without ep (tensor parallel
-    # too) and with ep at tp = 1 (cp too); Korthikanti's count compiled with ep and tp.
+    # MoE blocks: census eager and compiled, with and without ep (tensor and context parallel
+    # too); another trainer's block (meshloom_block off): Korthikanti's count.
     moe = PRESETS["mixtral-8x7b"]
     compiled = Implementation(compile=True)
     for layout, impl, census in ((lay, Implementation(), True),
@@ -440,10 +453,10 @@ def test_census_for_meshloom_dense_bf16_blocks_only():
                                  (lay, compiled, True),
                                  (Layout(micro_batch=1, tp=2), compiled, True),
                                  (Layout(micro_batch=1, dp=8, ep=2), compiled, True),
-                                 (Layout(micro_batch=1, dp=4, tp=2, ep=2), compiled, False),
                                  (Layout(micro_batch=1, dp=4, cp=2, ep=2), compiled, True),
-                                 (Layout(micro_batch=1, dp=2, tp=2, cp=2, ep=2), compiled,
-                                  False)):
+                                 (Layout(micro_batch=1, dp=4, tp=2, ep=2), compiled, True),
+                                 (Layout(micro_batch=1, dp=8, ep=2),
+                                  Implementation(compile=True, meshloom_block=False), False)):
         got = layer_activation_bytes(moe, 2048, 1, layout, "bf16", impl=impl)
         assert (got == meshloom_block_bytes(moe, 2048, 1, layout, "none", impl.compile)) \
             == census

@@ -98,17 +98,11 @@ def rank_model_states(shape: ModelShape, lay: Layout, rank: int, prec) -> dict[s
     return states
 
 
-def uses_meshloom_block(shape: ModelShape, dtype: str, impl: Implementation | None,
-                        lay: Layout) -> bool:
+def uses_meshloom_block(shape: ModelShape, dtype: str, impl: Implementation | None) -> bool:
     """Whether the activations are meshloom's own block's census: a Llama or GPT-2 block in
-    bf16 (`meshloom_block_bytes`); an MoE block compiled under expert parallel only at tp = 1
-    (the layouts measured)."""
+    bf16, with an MoE feed-forward too, eager or compiled (`meshloom_block_bytes`)."""
     meshloom_arch = shape.arch in ("llama", "gpt")
-    if impl is None or not impl.meshloom_block or dtype != "bf16" or not meshloom_arch:
-        return False
-    # meshloom's MoE block: eager (`moe_block_bytes_per_token`), or compiled
-    # (`moe_compiled_bytes_per_token`) without expert parallel, or with it at tp = 1.
-    return not shape.is_moe or not impl.compile or lay.ep == 1 or lay.tp == 1
+    return impl is not None and impl.meshloom_block and dtype == "bf16" and meshloom_arch
 
 
 def meshloom_block_bytes(shape: ModelShape, s: int, b: int, lay: Layout, rec: str,
@@ -161,7 +155,7 @@ def meshloom_block_bytes(shape: ModelShape, s: int, b: int, lay: Layout, rec: st
     block_input = (4 if amp else 2) * h / whole
     if rec == "full":
         return s * b * block_input
-    if shape.is_moe:  # compiled under ep only at tp = 1 (uses_meshloom_block)
+    if shape.is_moe:
         if rec == "selective":
             return s * b * (block_input + 2 * moe_matmul_outputs(shape, lay))
         return s * b * (moe_compiled_bytes_per_token(shape, lay, amp) if fused
@@ -259,7 +253,7 @@ def moe_compiled_local_bytes_per_token(shape: ModelShape, lay: Layout, amp: bool
     1/t slice of the sequence but the first norm's bf16 output, all-gathered whole for wq, wk
     and wv (2h(1 - 1/t) more). Under cp the ring adds 4 kv (`ring_bytes`). Checked on 2 tp
     ranks with and without SP, on 2 cp ranks, and on 2 expert-parallel ranks that are data- or
-    context-parallel (tp = 1: `uses_meshloom_block` takes no other expert-parallel layout)."""
+    context-parallel or 2-rank tensor-parallel groups with SP."""
     h, k, t = shape.hidden, shape.top_k, lay.tp
     attention = 8 * shape.q_dim + 4 * shape.heads
     per = (12 if amp else 8) * h + 8 + 4 * shape.n_experts + k * (2 * h + 30)
@@ -371,7 +365,7 @@ def logits_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype: str,
     log-softmax, the fp32 gradient it receives and the one it writes (12 bytes per logit, the
     bf16 logits already freed); compiled (`parallel.compiled_loss`), the bf16 logits it saves
     and their bf16 gradient (4 bytes)."""
-    if lay.tp == 1 and uses_meshloom_block(shape, dtype, impl, lay):
+    if lay.tp == 1 and uses_meshloom_block(shape, dtype, impl):
         return s * b * shape.vocab * (4 if impl.compile else 12)
     return s * b * shape.vocab / lay.tp * (act_elem_bytes(dtype) + 4)
 
@@ -381,7 +375,7 @@ def final_norm_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype: str,
     """The final norm's saved input: sbh·e. meshloom's: the Llama RMSNorm's fp32 input (or the
     fp32 copy of its bf16 one) and normalised value, and the bf16 tensor the head reads, 10 bytes
     per h; GPT-2's LayerNorm its input and the head's bf16 input, 6 (amp) or 4 (bf16)."""
-    if uses_meshloom_block(shape, dtype, impl, lay):
+    if uses_meshloom_block(shape, dtype, impl):
         per = 10 if shape.arch == "llama" else 6 if lay.zero == 0 else 4
     else:
         per = act_elem_bytes(dtype)
@@ -394,7 +388,7 @@ def weight_copy_bytes(shape: ModelShape, lay: Layout, rank: int, dtype: str,
     (meshloom's block without recompute: with recompute the copies die with the forward). Not
     with ZeRO, whose working parameters are bf16 already. An MoE block's grouped GEMMs save
     the bf16 casts of its local experts' stacked weights the same way."""
-    if (not uses_meshloom_block(shape, dtype, impl, lay) or lay.recompute != "none"
+    if (not uses_meshloom_block(shape, dtype, impl) or lay.recompute != "none"
             or lay.zero):
         return 0.0
     n = layers_on_rank(shape, lay.pp) * shape.tp_split_params / lay.tp
@@ -436,7 +430,7 @@ def _accounting(shape: ModelShape, lay: Layout, dtype: str, flash: bool,
     (meshloom's own block) or "korthikanti"."""
     if rec == "selective" and impl is not None and impl.op_sac and not shape.is_moe and flash:
         return "op_sac"
-    if uses_meshloom_block(shape, dtype, impl, lay) and flash:
+    if uses_meshloom_block(shape, dtype, impl) and flash:
         return "census"
     return "korthikanti"
 
