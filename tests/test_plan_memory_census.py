@@ -28,6 +28,7 @@ from meshloom.plan.implementation import Implementation
 from meshloom.plan.layout import Layout
 from meshloom.plan.memory import layer_activation_bytes, memory_per_gpu, meshloom_block_bytes
 from meshloom.plan.models import PRESETS, from_dims, from_llama_config
+from meshloom.plan.moe import load_factor
 
 CONFIGS = {
     "gqa": dict(dim=256, n_heads=8, n_kv_heads=2, ffn_hidden=768),
@@ -327,9 +328,10 @@ EP_MESHES = {"dp": dict(dp_shard=2), "cp": dict(cp=2), "tp": dict(dp_shard=2, tp
 
 
 def _ep_census_job(world: int, precision: str, name: str, compiled: bool, axis: str,
-                   sp: bool) -> dict:
+                   sp: bool, recompute: str = "none") -> dict:
     """Per (layers, the rank's tokens) on one rank of an expert-parallel layout (`EP_MESHES`):
-    the bytes its model saves for backward, and the routed rows its experts received."""
+    the bytes its model keeps for backward (with selective recompute the checkpoints' caches
+    too), and the routed rows its experts received."""
     import os
 
     import torch.distributed as dist
@@ -350,35 +352,39 @@ def _ep_census_job(world: int, precision: str, name: str, compiled: bool, axis: 
         dims = {"dp_shard": 1, **EP_MESHES[axis]}
         mesh = Mesh(ParallelDims(**dims, ep=2), rank, "cpu", CommCounter())
         pcfg = ParallelConfig(**dims, ep=2, zero_stage=0, sequence_parallel=sp)
-        par = parallelize(model, mesh, pcfg, compile_blocks=compiled)
-        for s in (128, 256):
-            if axis == "cp":  # one sequence, the rank's zigzag slice of it
-                torch.manual_seed(100 + s)
-                idx = context.zigzag_indices(2 * s, 2, rank)
-                args = (torch.randint(0, 300, (1, 2 * s))[:, idx], idx)
-            else:  # each data-parallel rank its own tokens (a tp group shares them)
-                torch.manual_seed(100 + mesh.coord("dp_shard") + s)
-                args = (torch.randint(0, 300, (1, s)),)
-            if compiled:  # compile first, then count
-                with _autocast(precision):
+        with _sac_caches() as caches:  # open from the wrapping on (it binds the context)
+            par = parallelize(model, mesh, pcfg, activation_checkpointing=recompute,
+                              compile_blocks=compiled)
+            for s in (128, 256):
+                if axis == "cp":  # one sequence, the rank's zigzag slice of it
+                    torch.manual_seed(100 + s)
+                    idx = context.zigzag_indices(2 * s, 2, rank)
+                    args = (torch.randint(0, 300, (1, 2 * s))[:, idx], idx)
+                else:  # each data-parallel rank its own tokens (a tp group shares them)
+                    torch.manual_seed(100 + mesh.coord("dp_shard") + s)
+                    args = (torch.randint(0, 300, (1, s)),)
+                if compiled:  # compile first, then count
+                    with _autocast(precision):
+                        par.model(*args)
+                for _, moe in moe_blocks(par.model):
+                    moe.reset_stats()
+                caches.clear()
+                with _saved_storages(precision) as storages:
                     par.model(*args)
-            for _, moe in moe_blocks(par.model):
-                moe.reset_stats()
-            with _saved_storages(precision) as storages:
-                par.model(*args)
-            rows, e = 0.0, mesh.coord("ep")
-            for _, moe in moe_blocks(par.model):  # the ep group's assignments per expert
-                load = moe.stats.load.clone().float()
-                dist.all_reduce(load, group=mesh.group("ep"))
-                mine = load.numel() // 2
-                rows += float(load[e * mine:(e + 1) * mine].sum())
-            out[(layers, s)] = (sum(storages.values()), rows)
+                rows, e = 0.0, mesh.coord("ep")
+                for _, moe in moe_blocks(par.model):  # the ep group's assignments per expert
+                    load = moe.stats.load.clone().float()
+                    dist.all_reduce(load, group=mesh.group("ep"))
+                    mine = load.numel() // 2
+                    rows += float(load[e * mine:(e + 1) * mine].sum())
+                kept = sum(storages.values()) + sum(map(_cached_bytes, caches))
+                out[(layers, s)] = (kept, rows)
     dist.destroy_process_group()
     return out
 
 
 def _ep_leftovers(precision: str, name: str, compiled: bool, axis: str = "dp",
-                  sp: bool = False) -> set:
+                  sp: bool = False, recompute: str = "none") -> set:
     """With expert parallel, routing (and so each rank's received rows) differs from rank to
     rank and run to run: what is left of a rank's saved bytes per layer once the planner's
     per-token and per-row terms are taken off, for each rank and length. Right terms leave one
@@ -396,13 +402,18 @@ def _ep_leftovers(precision: str, name: str, compiled: bool, axis: str = "dp",
     axes = {"dp": 2} | {k: v for k, v in EP_MESHES[axis].items() if k != "dp_shard"}
     shape = _shape(cfg)
     lay = Layout(**axes, ep=2, sp=sp, zero=LAYOUT[precision].zero)
-    local = moe_compiled_local_bytes_per_token if compiled else moe_local_bytes_per_token
-    per_token = local(shape, lay, precision == "amp")
-    per_row = moe_routed_row_bytes(shape, lay, compiled)
+    if recompute == "none":
+        local = moe_compiled_local_bytes_per_token if compiled else moe_local_bytes_per_token
+        per_token = local(shape, lay, precision == "amp")
+        per_row = moe_routed_row_bytes(shape, lay, compiled)
+    else:  # the checkpoint's input; selective: the matmul outputs, the experts' per row
+        per_row = 2 * (2 * shape.moe_hidden + shape.hidden) if recompute == "selective" else 0
+        routed = load_factor(shape, lay) * shape.top_k * per_row / (lay.tp if sp else 1)
+        per_token = meshloom_block_bytes(shape, 1, 1, lay, recompute, compiled) - routed
     world = 4 if axis == "tp" else 2
     per_layer = set()
     for runs in run_ranks(_ep_census_job, world, world, precision, name, compiled, axis, sp,
-                          timeout=900):
+                          recompute, timeout=900):
         left = {key: saved - per_token * key[0] * key[1] - per_row * rows
                 for key, (saved, rows) in runs.items()}
         per_layer |= {left[(2, s)] - left[(1, s)] for s in (128, 256)}
@@ -416,6 +427,14 @@ def test_expert_parallel_block_saves_what_the_planner_counts(precision, axis, sp
     per token comes on top; over data-parallel ranks that are tensor-parallel groups with SP,
     where the norms and the whole feed-forward run on the rank's 1/t slice."""
     assert len(_ep_leftovers(precision, "mixtral", False, axis, sp)) == 1
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_recomputed_expert_parallel_block_keeps_what_the_planner_counts(recompute):
+    """Recompute reruns the dispatch (its all-to-alls too): selective keeps the block input and
+    the matmul outputs, on the expert's rank the grouped GEMMs' three per routed row (2F_e + h),
+    and none of the received rows or regrouping indices; full keeps the input alone."""
+    assert len(_ep_leftovers("amp", "mixtral", False, recompute=recompute)) == 1
 
 
 @pytest.mark.parametrize("name, precision, axis", [("wider experts, top 1", "amp", "dp"),
