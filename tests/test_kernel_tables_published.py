@@ -68,9 +68,22 @@ def _check_scalar(problems: list[str], name: str, table: dict, upper: float | No
 
 
 def check_table(table: object, stem: str) -> list[str]:
-    """Every schema violation in one kernel table, as one line each (empty list = valid)."""
+    """Every schema violation in one kernel table, as one line each (empty list = valid). A
+    table with `compute_from` is checked with the GEMM and attention rows (and their sources)
+    of the committed table it names, which must not take them from a third."""
     if not isinstance(table, dict):
         return ["top level must be an object"]
+    if "compute_from" in table:
+        if "gemm" in table or "attention" in table:
+            return ["compute_from and its own gemm or attention rows"]
+        base_path = KERNELS / f"{table['compute_from']}.json"
+        if not base_path.exists():
+            return [f"compute_from {table['compute_from']!r} is not a committed table"]
+        base = json.loads(base_path.read_text())
+        if "compute_from" in base:
+            return [f"compute_from {table['compute_from']!r} takes its compute from a third"]
+        table = {**table, "gemm": base["gemm"], "attention": base["attention"],
+                 "sources": {**base.get("sources", {}), **table.get("sources", {})}}
     missing = [key for key in TOP_KEYS if key not in table]
     if missing:
         return [f"missing keys: {', '.join(missing)}"]

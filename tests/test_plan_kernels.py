@@ -75,6 +75,11 @@ def test_attention_flops_follow_flashattention():
     (lambda d: d["attention"][0].update(direction="sideways"), "direction one of"),
     (lambda d: d.update(kind="published"), "cites a source"),
     (lambda d: d.update(hbm_gbps={"value": "fast"}), "hbm_gbps"),
+    (lambda d: d.update(compute_from="h100"), "both compute_from and its own gemm"),
+    (lambda d: (d.pop("gemm"), d.pop("attention"), d.update(compute_from="h1000")),
+     "no readable committed table h1000.json"),
+    (lambda d: (d.pop("gemm"), d.pop("attention"), d.update(compute_from="h200")),
+     "takes its compute from another table itself"),
 ])
 def test_a_bad_table_is_one_line_naming_the_problem(tmp_path, edit, needle):
     raw = json.loads(json.dumps(TABLE))

@@ -160,6 +160,8 @@ def parse(raw: dict, where: str = "<table>") -> KernelTable:
 
     if not isinstance(raw, dict):
         raise bad("must be a JSON object")
+    if raw.get("compute_from") is not None:
+        raw = _with_compute_of(raw, bad)
     for key in ("gpu", "kind", "gemm"):
         if key not in raw:
             raise bad(f"missing key '{key}'")
@@ -204,6 +206,25 @@ def parse(raw: dict, where: str = "<table>") -> KernelTable:
     return KernelTable(str(raw["gpu"]), raw["kind"], str(raw.get("device", raw["gpu"])), where,
                        _mean_duplicates(gemm, 3), _mean_duplicates(attention, 4),
                        scalars["hbm_gbps"], scalars["launch_us"])
+
+
+def _with_compute_of(raw: dict, bad) -> dict:
+    """A table whose GPU has the compute of another's (`"compute_from": "<committed table>"`: the
+    same die, SMs and clocks, e.g. the H200 and the H100) takes that table's GEMM and attention
+    rows, with their sources, and keeps its own bandwidth and launch figures."""
+    name = raw["compute_from"]
+    if "gemm" in raw or "attention" in raw:
+        raise bad("has both compute_from and its own gemm or attention rows")
+    path = TABLE_DIR / f"{name}.json"
+    try:
+        base = json.loads(path.read_text())
+    except (OSError, ValueError):
+        raise bad(f"compute_from={name!r}: no readable committed table {path.name}") from None
+    if base.get("compute_from") is not None:
+        raise bad(f"compute_from={name!r} takes its compute from another table itself")
+    sources = {**(base.get("sources") or {}), **(raw.get("sources") or {})}
+    return {**raw, "gemm": base.get("gemm", []), "attention": base.get("attention") or [],
+            "sources": sources}
 
 
 def _mean_duplicates(rows: list[tuple], key_len: int) -> tuple:
