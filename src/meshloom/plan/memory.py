@@ -158,8 +158,7 @@ def meshloom_block_bytes(shape: ModelShape, s: int, b: int, lay: Layout, rec: st
     if shape.is_moe:
         if rec == "selective":
             return s * b * (block_input + 2 * moe_matmul_outputs(shape, lay))
-        return s * b * (moe_compiled_bytes_per_token(shape, lay, amp) if fused
-                        else moe_block_bytes_per_token(shape, lay, amp))
+        return s * b * moe_block_bytes_per_token(shape, lay, amp, fused)
     if rec == "selective":
         kept = sum(g.n for g in block_gemms(shape, 1, t))
         if fused and t == 1 and lay.cp == 1:  # one graph: w2's output is not kept
@@ -199,9 +198,13 @@ def ring_bytes(shape: ModelShape, lay: Layout) -> float:
     return 4 * shape.kv_dim / lay.tp if lay.cp > 1 else 0.0
 
 
-def moe_block_bytes_per_token(shape: ModelShape, lay: Layout, amp: bool) -> float:
-    """meshloom's Llama block with an MoE feed-forward (models/moe.py), eager, per token on one
-    tp rank, read off its autograd graph like the dense block's
+def moe_block_bytes_per_token(shape: ModelShape, lay: Layout, amp: bool,
+                              compiled: bool = False) -> float:
+    """meshloom's Llama block with an MoE feed-forward (models/moe.py), per token on one tp
+    rank: what the token keeps on its own rank (eager `moe_local_bytes_per_token`, compiled
+    `moe_compiled_local_bytes_per_token`) and its load x top_k routed rows on the experts'
+    ranks (`moe_routed_row_bytes`), a 1/t slice under SP. Eager, read off its autograd graph
+    like the dense block's
     (tests/test_plan_memory_census.py, one process and 2 tensor-parallel ranks):
     - attention and the two norms as in the dense block: 16h (each norm's fp32 pair) + 8q + 4a +
       8, plus what the projections read: amp autocast's bf16 casts of the first norm's output for
@@ -223,18 +226,9 @@ def moe_block_bytes_per_token(shape: ModelShape, lay: Layout, amp: bool) -> floa
     wq, wk, wv. Under cp the ring attention keeps 4 kv more (`ring_bytes`). The routing
     defaults are counted (softmax scores, renormalised top-k weights); sigmoid scores keep 4
     bytes more per token, unnormalised weights 4k + 4 fewer."""
-    routed = load_factor(shape, lay) * shape.top_k * moe_routed_row_bytes(shape, lay)
-    return moe_local_bytes_per_token(shape, lay, amp) + routed / (lay.tp if lay.sp else 1)
-
-
-def moe_compiled_bytes_per_token(shape: ModelShape, lay: Layout, amp: bool) -> float:
-    """meshloom's MoE block compiled with inductor (`train.compile`), per token on one rank:
-    what the token keeps on its own rank (`moe_compiled_local_bytes_per_token`) and its routed
-    rows on the experts' ranks (`moe_routed_row_bytes`, compiled), load x top_k of them, a
-    1/t slice under SP as the eager block's are."""
-    routed = load_factor(shape, lay) * shape.top_k * moe_routed_row_bytes(shape, lay, True)
-    return moe_compiled_local_bytes_per_token(shape, lay, amp) \
-        + routed / (lay.tp if lay.sp else 1)
+    local = moe_compiled_local_bytes_per_token if compiled else moe_local_bytes_per_token
+    routed = load_factor(shape, lay) * shape.top_k * moe_routed_row_bytes(shape, lay, compiled)
+    return local(shape, lay, amp) + routed / (lay.tp if lay.sp else 1)
 
 
 def moe_compiled_local_bytes_per_token(shape: ModelShape, lay: Layout, amp: bool) -> float:
