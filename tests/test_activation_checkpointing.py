@@ -185,7 +185,7 @@ def test_selective_stays_selective_when_compiled():
 ], ids=["inductor 1 process + selective", "aot_eager tp 2 + full"])
 def test_compiled_blocks_same_losses(tmp_path, token_cache, world, ov):
     """`train.compile` compiles each block's forward (inside the checkpoint); the losses stay
-    those of the eager run (the tensor-parallel collectives are graph breaks)."""
+    those of the eager run (under tp with the collectives inside the graph)."""
     layout = [o for o in ov if o.startswith("parallel.")]
     base = run_ranks(_job, world, tmp_path / "eager", token_cache, layout)[0]
     got = run_ranks(_job, world, tmp_path / "compiled", token_cache, [*ov, "train.compile=true"],

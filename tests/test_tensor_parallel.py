@@ -93,11 +93,13 @@ def test_tied_embeddings_tp(tmp_path, token_cache):
 B, S = 2, 16
 
 
-def _micro_batch_job(world, n_layers, sp, n_kv_heads=4):
-    """One forward + backward of one micro-batch: the loss, whole gradients and comm record."""
+def _micro_batch_job(world, n_layers, sp, n_kv_heads=4, recompute="none", compiled=False):
+    """One forward + backward of one micro-batch: the loss, whole gradients and comm record
+    (the forward's apart), and the graph breaks when the blocks are compiled."""
     import os
 
     import torch.distributed as dist
+    from torch._dynamo.utils import counters
 
     from meshloom.comm import CommCounter
     from meshloom.config import ParallelConfig
@@ -112,11 +114,16 @@ def _micro_batch_job(world, n_layers, sp, n_kv_heads=4):
     model = build_model(cfg, 0)
     g = torch.Generator().manual_seed(1)
     x, y = (torch.randint(0, cfg.vocab_size, (B, S), generator=g) for _ in range(2))
-    par = parallelize(model, mesh, ParallelConfig(tp=world, dp_shard=1, sequence_parallel=sp))
-    loss = par.loss(par.model(x), y)
+    par = parallelize(model, mesh, ParallelConfig(tp=world, dp_shard=1, sequence_parallel=sp),
+                      activation_checkpointing=recompute, compile_blocks=compiled,
+                      compile_backend="aot_eager")
+    logits = par.model(x)
+    forward = dict(mesh.counter.calls)
+    loss = par.loss(logits, y)
     loss.backward()
     par.grads.finish()
-    record = {"bytes": dict(mesh.counter.bytes), "calls": dict(mesh.counter.calls)}
+    record = {"bytes": dict(mesh.counter.bytes), "calls": dict(mesh.counter.calls),
+              "forward_calls": forward, "graph_breaks": sum(counters["graph_break"].values())}
     named = dict(model.named_parameters())
     grads = {n: p.grad for n, p in named.items()}
     if par.tp is not None:
@@ -165,6 +172,33 @@ def test_tp_comm_volume_per_layer_is_exact(sp):
     # Two more layers add 2 x (2 forward + 2 backward) collectives of b*s*h of each kind.
     for op in ops:
         assert per_op[(4, op)] - per_op[(2, op)] == 2 * 4 * act
+
+
+@pytest.mark.parametrize("sp,recompute", [(False, "none"), (True, "none"), (True, "selective"),
+                                          (True, "full")])
+def test_compiled_tp_block_is_one_graph(sp, recompute):
+    """`train.compile` under tp: each block compiles whole, its collectives traced into the
+    graph (the comm counter called through an opaque op), no graph break, the eager loss and
+    gradients, and the same comm record: every collective counted once per run. Recompute is
+    what the planner charges: selective keeps the collectives' outputs (the compiler never
+    reruns a collective), full reruns each block's forward collectives in backward."""
+    n_layers = 2
+    eager = run_ranks(_micro_batch_job, 2, 2, n_layers, sp)
+    got = run_ranks(_micro_batch_job, 2, 2, n_layers, sp, 4, recompute, True, timeout=600)
+    for e, g in zip(eager, got, strict=True):
+        assert g["graph_breaks"] == 0
+        assert abs(g["loss"] - e["loss"]) <= 1e-6 * e["loss"]
+        for name, w in e["grads"].items():
+            torch.testing.assert_close(g["grads"][name], w, rtol=1e-5,
+                                       atol=1e-5 * float(w.abs().max()), msg=name)
+        assert g["forward_calls"] == e["forward_calls"]
+        # Full reruns each layer's two forward collectives of each kind, b*s*h each.
+        rerun = 2 * n_layers if recompute == "full" else 0
+        calls, nbytes = dict(e["calls"]), dict(e["bytes"])
+        for op in (["all_gather", "reduce_scatter"] if sp else ["all_reduce"]):
+            calls[("tp", op)] += rerun
+            nbytes[("tp", op)] += rerun * B * S * 64 * 4
+        assert (g["calls"], g["bytes"]) == (calls, nbytes)
 
 
 # ---------------------------------------------------------------- checkpoints

@@ -10,7 +10,9 @@ all-reduce of Ψ, as in the ZeRO paper's accounting.
 
 from __future__ import annotations
 
+import itertools
 import time
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -27,9 +29,24 @@ class CommCounter:
     # The latest collective issued and when: the stall watchdog (faults.py) reports it.
     last: tuple[str, str] = ("", "")
     last_time: float = field(default_factory=time.monotonic)
+    key: int = field(default_factory=lambda: next(_counter_keys), compare=False)
 
-    def record(self, axis: str, op: str, tensor: torch.Tensor) -> None:
-        self.bytes[(axis, op)] += tensor.numel() * tensor.element_size()
+    def __post_init__(self) -> None:
+        _counters[self.key] = self
+
+    def record(self, axis: str, op: str, tensor: torch.Tensor, times: int = 1) -> None:
+        """Count `times` × `tensor`'s bytes. Pass the tensor the collective reads (an all-gather
+        counts its input `times` = group size): compiled, the count runs where that tensor is
+        ready, so a backward collective's count stays in the backward graph."""
+        if torch.compiler.is_compiling():
+            # Inside a compiled block (tensor parallel's collectives): Python bookkeeping would
+            # break the graph, so the compiled code calls the counter through an opaque op.
+            torch.ops.meshloom.count_collective(tensor, self.key, axis, op, times)
+            return
+        self.add(axis, op, tensor.numel() * tensor.element_size() * times)
+
+    def add(self, axis: str, op: str, nbytes: int) -> None:
+        self.bytes[(axis, op)] += nbytes
         self.calls[(axis, op)] += 1
         self.last = (axis, op)
         self.last_time = time.monotonic()
@@ -51,6 +68,30 @@ class CommCounter:
     def total(self, axis: str | None = None, op: str | None = None) -> int:
         return sum(n for (a, o), n in self.bytes.items()
                    if (axis is None or a == axis) and (op is None or o == op))
+
+
+_counter_keys = itertools.count()
+_counters: weakref.WeakValueDictionary[int, CommCounter] = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("meshloom::count_collective", mutates_args=())
+def _count_collective(tensor: torch.Tensor, counter: int, axis: str, op: str,
+                      times: int) -> None:
+    """`CommCounter.record` as compiled code runs it, once per call of the graph: the bytes of
+    every collective a compiled block issues are counted as in eager (it runs on the host and
+    reads only the tensor's size)."""
+    found = _counters.get(counter)
+    if found is not None:
+        found.add(axis, op, tensor.numel() * tensor.element_size() * times)
+
+
+@_count_collective.register_fake
+def _(tensor: torch.Tensor, counter: int, axis: str, op: str, times: int) -> None:
+    return None
+
+
+# It returns nothing, so without this the compiler would drop it as dead code.
+torch.fx.node.has_side_effect(torch.ops.meshloom.count_collective.default)
 
 
 # torch 2.13 renamed the flat collectives; older releases (>= 2.4) only have the old names.
@@ -88,7 +129,7 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, mesh: Mesh, axis:
     if _skip(mesh, axis):
         output.copy_(shard)
         return None
-    mesh.counter.record(axis, label, output)
+    mesh.counter.record(axis, label, shard, times=mesh.size(axis))
     return _all_gather_flat(output, shard, group=mesh.group(axis), async_op=async_op)
 
 

@@ -123,7 +123,8 @@ def meshloom_block_bytes(shape: ModelShape, s: int, b: int, lay: Layout, rec: st
     - qk-norm adds its fp32 pair per head for q and k, 8(q + kv) + 4(a + kv heads), either way;
     - compiled (inductor's partition: silu rerun, one bf16 copy per norm output, wo's input):
       amp 6F + 10h (the fp32 block input, 4h, and 6h) + 8q + 4a + 8, bf16 6F + 8h + 8q + 4a + 8;
-      under tp the residual between attention and MLP is kept too, and wo's input is not.
+      under tp the attention's all-reduced (SP: reduce-scattered) output too, in bf16 (the
+      compiler keeps collectives' outputs, never reruns them), and wo's input is not.
     GPT-2 (LayerNorm keeps its input and fp32 mean and rstd, 16 bytes for two):
     - amp eager: 4F (fc output, GELU's output) + 16h (each norm's fp32 input, 8h; the bf16 casts
       of ln_1's output for q, k, v and of ln_2's for fc, 8h) + 8q + 4a + 16;
@@ -176,11 +177,12 @@ def meshloom_block_bytes(shape: ModelShape, s: int, b: int, lay: Layout, rec: st
     # its attention dropout runs inside the flash kernel, which keeps only its RNG state.
     masks = 2 * h / whole if shape.arch == "gpt" and shape.has_dropout else 0.0
     if fused:
-        # One compiled graph (tp = 1) keeps the block input, one cast per norm output and wo's
-        # input; under tp the collectives split the block into graphs compiled apart, which keep
-        # the residual between them (the second norm's input, like the block input a slice under
-        # SP) and let wo read the attention output itself.
-        per = (block_input + 10 * q if t == 1 else 2 * block_input + 8 * q) + 4 * h
+        # The compiled graph keeps the block input, one cast per norm output and, without tp,
+        # wo's input. Under tp the collectives are in the graph, and the compiler never reruns
+        # a collective: it keeps the attention's reduced output (bf16, a 1/t slice under SP), from
+        # which with the block input the backward rebuilds the residual, and wo reads the
+        # attention output itself.
+        per = (block_input + 10 * q if t == 1 else block_input + 2 * h / whole + 8 * q) + 4 * h
         per += 4 * a + stats / whole + masks + ring
         if ring and t == 1 and amp and shape.arch == "gpt":
             per += 4 * h - 2 * q - 4
