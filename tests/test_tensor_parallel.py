@@ -182,7 +182,14 @@ def test_compiled_tp_block_is_one_graph(sp, recompute):
     gradients, and the same comm record: every collective counted once per run. Recompute is
     what the planner charges: selective keeps the collectives' outputs (the compiler never
     reruns a collective), full reruns each block's forward collectives in backward."""
+    from meshloom.models.llama import config_from_preset
+    from meshloom.plan.implementation import Implementation
+    from meshloom.plan.layout import Layout
+    from meshloom.plan.models import from_llama_config
+    from meshloom.plan.reruns import tp_reruns
+
     n_layers = 2
+    shape = from_llama_config(config_from_preset("tiny", n_layers=n_layers, n_kv_heads=4))
     eager = run_ranks(_micro_batch_job, 2, 2, n_layers, sp)
     got = run_ranks(_micro_batch_job, 2, 2, n_layers, sp, 4, recompute, True, timeout=600)
     for e, g in zip(eager, got, strict=True):
@@ -192,8 +199,10 @@ def test_compiled_tp_block_is_one_graph(sp, recompute):
             torch.testing.assert_close(g["grads"][name], w, rtol=1e-5,
                                        atol=1e-5 * float(w.abs().max()), msg=name)
         assert g["forward_calls"] == e["forward_calls"]
-        # Full reruns each layer's two forward collectives of each kind, b*s*h each.
-        rerun = 2 * n_layers if recompute == "full" else 0
+        # Full reruns each layer's two forward collectives of each kind, b*s*h each: what the
+        # planner charges a compiled block (in all-reduces: a gather + scatter pair is one).
+        rerun = int(tp_reruns(shape, Layout(tp=2, sp=sp, recompute=recompute),
+                              Implementation(compile=True))) * n_layers
         calls, nbytes = dict(e["calls"]), dict(e["bytes"])
         for op in (["all_gather", "reduce_scatter"] if sp else ["all_reduce"]):
             calls[("tp", op)] += rerun

@@ -25,11 +25,13 @@ imbalance between experts changes nothing there.
 from __future__ import annotations
 
 from meshloom.plan.hardware import Cluster
+from meshloom.plan.implementation import Implementation
 from meshloom.plan.layout import Layout
 from meshloom.plan.models import ModelShape
+from meshloom.plan.reruns import dispatch_reruns
 
 A2A_FORWARD = 2  # dispatch and combine, per MoE block and micro-batch
-A2A_BACKWARD = 2  # their gradients; full recompute reruns the forward's two as well
+A2A_BACKWARD = 2  # their gradients; recompute may rerun the forward's two as well
 ROUTER_BYTES = 4  # router scores are kept in fp32 for the softmax and the load-balancing loss
 
 
@@ -62,9 +64,10 @@ def dispatch_bytes(shape: ModelShape, tokens: float, elem_bytes: int) -> float:
     return tokens * shape.top_k * shape.hidden * elem_bytes
 
 
-def all_to_alls(recompute: str) -> int:
-    """All-to-alls per MoE block per micro-batch: 4, or 6 when full recompute reruns forward."""
-    return A2A_FORWARD * (2 if recompute == "full" else 1) + A2A_BACKWARD
+def all_to_alls(rerun: bool) -> int:
+    """All-to-alls per MoE block per micro-batch: 4, or 6 when recompute reruns the forward's
+    (`reruns.dispatch_reruns`)."""
+    return A2A_FORWARD * (2 if rerun else 1) + A2A_BACKWARD
 
 
 def all_to_all_bandwidth(cluster: Cluster, lay: Layout) -> float:
@@ -114,11 +117,11 @@ def ffn_elementwise_elems_per_token(shape: ModelShape, lay: Layout) -> float:
 
 def summary(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, micro_batches: int,
             dtype_bytes: int, dense_params: float, expert_params: float,
-            a2a_seconds: float) -> dict:
+            a2a_seconds: float, impl: Implementation) -> dict:
     """The MoE figures of one candidate, for `--json` and the table's all-to-all line
     (`all_to_all_bytes` is one call's payload per GPU; with ep = 1 there are no calls)."""
     tokens = ffn_tokens(lay, lay.micro_batch * (seq // lay.cp))
-    calls = all_to_alls(lay.recompute)
+    calls = all_to_alls(dispatch_reruns(lay, impl))
     layers = -(-shape.layers // lay.pp)
     payload = dispatch_bytes(shape, tokens, dtype_bytes)
     return {

@@ -190,7 +190,7 @@ def evaluate(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global_
     if shape.is_moe:
         dense, experts = rank_param_split(shape, lay, lay.pp - 1)
         moe = moe_summary(shape, lay, cluster, seq, lay.microbatches(global_batch),
-                          act_elem_bytes(dtype), dense, experts, tim.ep)
+                          act_elem_bytes(dtype), dense, experts, tim.ep, impl)
     return Candidate(lay, mem, tim, cluster.gpu.memory_gb * 1e9, cluster.n_gpus,
                      cluster.gpu.peak_tflops * 1e12, global_batch * seq, moe)
 

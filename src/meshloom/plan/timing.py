@@ -52,6 +52,7 @@ from meshloom.plan.moe import (
     ffn_tokens,
     load_factor,
 )
+from meshloom.plan.reruns import dispatch_reruns, ring_reruns, tp_reruns
 
 SIMULATE_LIMIT = 6000  # GPipe: micro-batches x stages simulated directly before extrapolating
 # Cluster.action_cv > 0: the expected span is the mean of this many seeded simulations (the
@@ -129,11 +130,12 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     f_layer, b_layer = blk.fwd.total, blk.bwd.total
 
     # Tensor parallel: 2 all-reduces forward and 2 backward per layer (all-gather +
-    # reduce-scatter pairs with SP: the same bus time), 2 more when full recompute reruns
-    # forward. With tp_overlap they run under the neighbouring GEMMs; only the excess waits.
+    # reduce-scatter pairs with SP: the same bus time), and what recompute reruns of the
+    # forward's (plan/reruns.py). With tp_overlap they run under the neighbouring GEMMs; only
+    # the excess waits.
     tp_bw = cluster.bus_bandwidth(t, 1)
     tp_one = ring_time("all_reduce", tokens * shape.hidden * e, t, tp_bw)
-    tp_f_all, tp_b_all = 2 * tp_one, (4 if lay.recompute == "full" else 2) * tp_one
+    tp_f_all, tp_b_all = 2 * tp_one, (2 + tp_reruns(shape, lay, impl)) * tp_one
     if impl.tp_overlap:  # the hidden part still slows the GEMMs it runs beside
         tp_f, tp_b = _exposed(tp_f_all, blk.fwd.gemm), _exposed(tp_b_all, blk.bwd.gemm)
     else:
@@ -148,17 +150,17 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
         block = blk.fwd.attention / lay.cp
         cp_f = (lay.cp - 1) * _exposed(hop, block)
         cp_b = (lay.cp - 1) * _exposed(2 * hop, 2 * block)
-        if lay.recompute == "full":
+        if ring_reruns(lay, impl):
             cp_b += cp_f
 
     # Expert parallel: every MoE block dispatches and combines by all-to-all, forward and
-    # backward (forward's pair again under full recompute); nothing to hide them behind.
+    # backward (forward's pair again when recompute reruns it); nothing to hide them behind.
     ep_f = ep_b = 0.0
     if shape.is_moe and lay.ep > 1:
         a2a = all_to_all_time(dispatch_bytes(shape, ffn_tokens(lay, tokens), e), lay.ep,
                               all_to_all_bandwidth(cluster, lay), load_factor(shape, lay))
         ep_f = A2A_FORWARD * a2a
-        ep_b = (all_to_alls(lay.recompute) - A2A_FORWARD) * a2a
+        ep_b = (all_to_alls(dispatch_reruns(lay, impl)) - A2A_FORWARD) * a2a
     tp_only = tp_f + tp_b
     tp_f, tp_b = tp_f + ep_f, tp_b + ep_b  # priced like TP's: on the critical path
 

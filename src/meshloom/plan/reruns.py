@@ -1,0 +1,64 @@
+"""Which of a layer's forward collectives the backward runs again under activation recompute.
+
+Recompute reruns a block's forward, or part of it, and with it whatever communication that part
+issues. How much depends on the implementation, not only on the mode:
+- meshloom's checkpoint (eager, or a compiled block the compiler could not take whole: an MoE
+  block, whose routing reads sizes on the host, or one around the context-parallel ring, whose
+  sends break the graph: tp and cp together are not measured) reruns
+  forward ops up to the last one the backward needs. Under tp that is the attention's
+  all-reduce (its output rebuilds the residual the second norm reruns on), not the MLP's; with
+  SP the attention's reduce-scatter and both all-gathers (the projections' inputs), or one
+  all-gather in an MoE block, whose experts work on the rank's own slice. The same for
+  `selective` and `full`: selective's policy keeps only matmul outputs, and the collectives
+  are ops like the norms around them.
+- A compiled dense block is one graph, its collectives in it (comm.py), and the compiler never
+  reruns a collective: `selective` keeps their outputs, `full` (the compiled block inside the
+  checkpoint) reruns the whole forward, both collectives.
+- Megatron-style full recompute reruns each layer's forward (both pairs); its selective one
+  reruns the attention core only, no tp collective.
+- Context parallel's ring lives in the attention core, which both recompute modes rerun
+  (meshloom's and Megatron's alike), except torchtitan's per-op policy, which keeps the attention
+  kernel's outputs.
+- An MoE block's dispatch and combine: full recompute reruns them; so does meshloom's selective
+  (the rerun repeats the routing and the dispatch rather than keep the received rows), where
+  Megatron's selective, attention only, does not.
+tests/test_plan_reruns.py counts each of meshloom's cases with the comm counter.
+"""
+
+from __future__ import annotations
+
+from meshloom.plan.implementation import Implementation
+from meshloom.plan.layout import Layout
+from meshloom.plan.models import ModelShape
+
+
+def _meshloom_checkpoint(shape: ModelShape, lay: Layout, impl: Implementation) -> bool:
+    """meshloom's block whose checkpoint reruns forward ops eagerly (not one compiled graph)."""
+    whole_graph = impl.compile and not shape.is_moe and lay.cp == 1
+    return impl.meshloom_block and not whole_graph
+
+
+def tp_reruns(shape: ModelShape, lay: Layout, impl: Implementation) -> float:
+    """Tensor-parallel collectives per layer that backward runs again, in all-reduces (an
+    all-gather or reduce-scatter is half of one: the pair moves what an all-reduce does)."""
+    if lay.recompute == "none" or lay.tp == 1:
+        return 0.0
+    if _meshloom_checkpoint(shape, lay, impl):
+        if not lay.sp:
+            return 1.0
+        return (1 + (1 if shape.is_moe else 2)) / 2  # the reduce-scatter and the all-gathers
+    return 2.0 if lay.recompute == "full" else 0.0  # a whole graph, or Megatron's
+
+
+def ring_reruns(lay: Layout, impl: Implementation) -> bool:
+    """Whether backward runs context parallel's ring of the forward again."""
+    if lay.recompute == "none" or lay.cp == 1:
+        return False
+    return lay.recompute == "full" or not impl.op_sac
+
+
+def dispatch_reruns(lay: Layout, impl: Implementation) -> bool:
+    """Whether backward runs an MoE block's forward dispatch and combine again."""
+    if lay.recompute == "full":
+        return True
+    return lay.recompute == "selective" and impl.meshloom_block
