@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 from pathlib import Path
 
 import torch
@@ -175,4 +176,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
 
 if __name__ == "__main__":
     main()
+    # The model and its strategy's hooks reference each other: collect them (and the process
+    # groups they hold) now, not during interpreter shutdown, where Gloo's teardown can abort.
+    gc.collect()
     dist.destroy_process_group()

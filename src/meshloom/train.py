@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import os
@@ -382,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         if dist.is_initialized():
+            gc.collect()  # cycles holding process groups: freed before teardown (launch.py)
             dist.destroy_process_group()
     if rank == 0:
         _print_ending(result.summary)
