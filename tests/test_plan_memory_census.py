@@ -513,8 +513,9 @@ def _census_job(world: int, axis: str, precision: str, name: str, recompute: str
     whole model packs (a checkpoint's input too: it saves its arguments), plus with selective
     recompute the checkpoints' caches, at 1 and 2 layers and two lengths (what does not scale
     with both, the weights and the rest of the model, drops out of the double difference).
-    Per token of the sequence under tp, of the rank's slice under cp. `explicit_ring`: the
-    ring's per-block matmuls (what devices without CPU's fused kernel run)."""
+    Per token of the sequence under tp, of the rank's slice under cp. `axis` "tp+cp": 2 x 2
+    on 4 ranks. `explicit_ring`: the ring's per-block matmuls (what devices without CPU's fused
+    kernel run)."""
     import os
 
     import torch.distributed as dist
@@ -529,20 +530,21 @@ def _census_job(world: int, axis: str, precision: str, name: str, recompute: str
         context._fused_cpu = lambda q: False
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    dims = {"tp": 2, "cp": 2} if axis == "tp+cp" else {axis: world}
     kept = {}
     for layers in (1, 2):
         _, model = _block({**CONFIGS, **MOE_CONFIGS}[name], precision, layers)
         model.eval()  # MoE routing statistics: bookkeeping, allocated on the first call only
         with _sac_caches() as caches:
-            mesh = Mesh(ParallelDims(**{axis: world}), rank, "cpu", CommCounter())
-            pcfg = ParallelConfig(**{axis: world}, dp_shard=1, sequence_parallel=sp)
+            mesh = Mesh(ParallelDims(**dims), rank, "cpu", CommCounter())
+            pcfg = ParallelConfig(**dims, dp_shard=1, sequence_parallel=sp)
             par = parallelize(model, mesh, pcfg, activation_checkpointing=recompute,
                               compile_blocks=compiled)
             for s in (256, 512):
                 tokens = torch.randint(0, 300, (1, s))
                 args = (tokens,)
-                if axis == "cp":  # the rank's zigzag slice, with its positions
-                    idx = context.zigzag_indices(s, world, rank)
+                if "cp" in dims:  # the rank's zigzag slice, with its positions
+                    idx = context.zigzag_indices(s, dims["cp"], mesh.coord("cp"))
                     args = (tokens[:, idx], idx)
                 if compiled:  # compile first, then count
                     with _autocast(precision):
@@ -553,7 +555,7 @@ def _census_job(world: int, axis: str, precision: str, name: str, recompute: str
                 kept[(layers, s)] = sum(packed.values()) + sum(map(_cached_bytes, caches))
     dist.destroy_process_group()
     twice = kept[(2, 512)] - kept[(1, 512)] - kept[(2, 256)] + kept[(1, 256)]
-    return twice / (256 / world if axis == "cp" else 256)
+    return twice / (256 / dims.get("cp", 1))
 
 
 def _counted(name: str, precision: str, recompute: str = "none", compiled: bool = False,
@@ -631,6 +633,19 @@ def test_compiled_selective_tensor_parallel_block_keeps_the_eager_count():
     assert counted == meshloom_block_bytes(_shape(cfg), 1, 1, lay, "selective", fused=False)
     assert run_ranks(_census_job, 2, 2, "tp", "amp", "gqa", "selective", True, True,
                      timeout=600) == [counted, counted]
+
+
+@pytest.mark.parametrize("name, compiled", [("gqa", False), ("gpt2", True)])
+def test_tensor_and_context_parallel_block_saves_what_the_planner_counts(name, compiled):
+    """tp 2 x cp 2 with SP, 4 ranks: the tp and cp terms compose. Compiled GPT-2 under amp
+    keeps the fp32 residual around the ring in place of the attention's reduced output.
+    (Also measured: Llama eager without SP, compiled amp and bf16 with SP, compiled amp
+    without; GPT-2 compiled amp without SP and bf16 with; selective, eager and compiled.)"""
+    from dist_harness import run_ranks
+
+    counted = _counted(name, "amp", compiled=compiled, tp=2, cp=2, sp=True)
+    assert run_ranks(_census_job, 4, 4, "tp+cp", "amp", name, "none", compiled, True,
+                     timeout=900) == [counted] * 4
 
 
 @pytest.mark.parametrize("precision", ["amp", "bf16"])

@@ -1,9 +1,12 @@
 """What meshloom's backward runs again of a layer's forward collectives under selective and full
 recompute, counted with the comm counter on 2 Gloo ranks, against what the planner charges
 (plan/reruns.py): tensor parallel with and without SP, dense and MoE blocks, eager and compiled;
-context parallel's ring; an MoE block's dispatch and combine under expert parallel."""
+context parallel's ring, alone and with tp (4 ranks); an MoE block's dispatch and combine under
+expert parallel."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 from dist_harness import run_ranks
@@ -40,7 +43,7 @@ def _calls_job(axes: dict, sp: bool, recompute: str, compiled: bool, moe: bool):
     from meshloom.parallel import parallelize
 
     rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", rank=rank, world_size=_world(axes))
     mesh_axes = {k: v for k, v in axes.items() if k != "ep"}
     mesh = Mesh(ParallelDims(**mesh_axes, ep=axes.get("ep", 1)), rank, "cpu", CommCounter())
     torch.manual_seed(0)
@@ -54,7 +57,7 @@ def _calls_job(axes: dict, sp: bool, recompute: str, compiled: bool, moe: bool):
     tokens = torch.randint(0, 128, (2, SEQ))
     args = (tokens,)
     if "cp" in axes:  # the rank's zigzag slice, with its positions
-        idx = context.zigzag_indices(SEQ, 2, rank)
+        idx = context.zigzag_indices(SEQ, axes["cp"], mesh.coord("cp"))
         args = (tokens[:, idx], idx)
     out = par.model(*args)
     forward = dict(mesh.counter.calls)
@@ -62,10 +65,15 @@ def _calls_job(axes: dict, sp: bool, recompute: str, compiled: bool, moe: bool):
     return forward, dict(mesh.counter.calls)
 
 
+def _world(axes: dict) -> int:
+    return math.prod(n for axis, n in axes.items() if axis != "ep")  # ep lies inside dp x cp
+
+
 def _rerun(axes, sp, recompute, compiled=False, moe=False):
     """(forward calls, extra backward calls over no recompute), rank 0's."""
-    fwd, none = run_ranks(_calls_job, 2, axes, sp, "none", compiled, moe, timeout=600)[0]
-    _, got = run_ranks(_calls_job, 2, axes, sp, recompute, compiled, moe, timeout=600)[0]
+    n = _world(axes)
+    fwd, none = run_ranks(_calls_job, n, axes, sp, "none", compiled, moe, timeout=600)[0]
+    _, got = run_ranks(_calls_job, n, axes, sp, recompute, compiled, moe, timeout=600)[0]
     return fwd, {k: n - none.get(k, 0) for k, n in got.items() if n != none.get(k, 0)}
 
 
@@ -91,6 +99,18 @@ def test_tensor_parallel_reruns(sp, moe, compiled, recompute):
     # selective.
     megatron = Implementation(compile=True, meshloom_block=False)
     assert tp_reruns(shape, lay, megatron) == (2 if recompute == "full" else 0)
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_tensor_and_context_parallel_compiled_reruns(recompute):
+    """tp 2 x cp 2 with SP, compiled, on 4 ranks: the ring's sends break the block's graph, so
+    selective reruns the tp collectives as eager does (1.5 per layer), full the whole compiled
+    block (2); both rerun the ring."""
+    fwd, extra = _rerun({"tp": 2, "cp": 2}, True, recompute, compiled=True)
+    tp = (extra.get(("tp", "all_gather"), 0) + extra.get(("tp", "reduce_scatter"), 0)) / 2
+    shape, lay, impl = _plan(False, recompute, Implementation(compile=True), tp=2, cp=2, sp=True)
+    assert tp / LAYERS == tp_reruns(shape, lay, impl) == (2 if recompute == "full" else 1.5)
+    assert extra[("cp", "send")] == fwd[("cp", "send")] and ring_reruns(lay, impl)
 
 
 @pytest.mark.parametrize("recompute", ["selective", "full"])

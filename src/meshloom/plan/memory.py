@@ -145,7 +145,9 @@ def meshloom_block_bytes(shape: ModelShape, s: int, b: int, lay: Layout, rec: st
     and the bf16 output wo reads, where SDPA keeps K and V repeated to every head and one
     output: 4 kv more, eager or compiled; compiled GPT-2 under amp also keeps the fp32 residual
     between the graphs around the ring, not wo's bf16 input, and reruns one norm statistic
-    (4h - 2q - 4); selective recompute reruns the ring and keeps what it keeps without it.
+    (4h - 2q - 4; under tp in place of the attention's reduced output, (2h - 4)/t with SP);
+    selective recompute reruns the ring and keeps what it keeps without it. tp and cp
+    together compose these terms (measured on 4 ranks).
     tests/test_plan_memory_census.py checks both families on 2 ranks with and without SP, on 2
     cp ranks, eager in amp and bf16 and compiled, and selective recompute on 2 tp ranks."""
     t = lay.tp
@@ -184,8 +186,11 @@ def meshloom_block_bytes(shape: ModelShape, s: int, b: int, lay: Layout, rec: st
         # attention output itself.
         per = (block_input + 10 * q if t == 1 else block_input + 2 * h / whole + 8 * q) + 4 * h
         per += 4 * a + stats / whole + masks + ring
-        if ring and t == 1 and amp and shape.arch == "gpt":
-            per += 4 * h - 2 * q - 4
+        if ring and amp and shape.arch == "gpt":
+            # The graphs either side of the ring keep the fp32 residual in place of wo's bf16
+            # input (tp 1) or of the attention's reduced output (tp > 1), and rerun one norm
+            # statistic.
+            per += 4 * h - 2 * q - 4 if t == 1 else (2 * h - 4) / whole
         return s * b * (per + (6 if shape.arch == "llama" else 4) * f)
     per = norms * h / whole + gathered * h + 8 * q + 4 * a + stats / whole + ring
     per += (8 if shape.arch == "llama" else 4) * f + masks

@@ -2,18 +2,19 @@
 
 Recompute reruns a block's forward, or part of it, and with it whatever communication that part
 issues. How much depends on the implementation, not only on the mode:
-- meshloom's checkpoint (eager, or a compiled block the compiler could not take whole: an MoE
-  block, whose routing reads sizes on the host, or one around the context-parallel ring, whose
-  sends break the graph: tp and cp together are not measured) reruns
-  forward ops up to the last one the backward needs. Under tp that is the attention's
-  all-reduce (its output rebuilds the residual the second norm reruns on), not the MLP's; with
-  SP the attention's reduce-scatter and both all-gathers (the projections' inputs), or one
-  all-gather in an MoE block, whose experts work on the rank's own slice. The same for
+- meshloom's eager checkpoint reruns forward ops up to the last one the backward needs. Under
+  tp that is the attention's all-reduce (its output rebuilds the residual the second norm
+  reruns on), not the MLP's; with SP the attention's reduce-scatter and both all-gathers (the
+  projections' inputs), or one all-gather in an MoE block, whose experts work on the rank's
+  own slice (the MoE feed-forward is not split over tp: its block has one pair). The same for
   `selective` and `full`: selective's policy keeps only matmul outputs, and the collectives
   are ops like the norms around them.
-- A compiled dense block is one graph, its collectives in it (comm.py), and the compiler never
-  reruns a collective: `selective` keeps their outputs, `full` (the compiled block inside the
-  checkpoint) reruns the whole forward, both collectives.
+- Compiled (`train.compile`), `full` runs the compiled block inside the checkpoint, which
+  reruns it whole: every forward collective of the block. `selective` runs the checkpoint
+  inside the compiled graph: a dense block is one graph, its collectives in it (comm.py), and
+  the compiler never reruns a collective, so none runs twice; an MoE block (routing reads
+  sizes on the host) or one around the context-parallel ring (its sends) is compiled in
+  pieces, and its checkpoint reruns as eager does.
 - Megatron-style full recompute reruns each layer's forward (both pairs); its selective one
   reruns the attention core only, no tp collective.
 - Context parallel's ring lives in the attention core, which both recompute modes rerun
@@ -32,22 +33,22 @@ from meshloom.plan.layout import Layout
 from meshloom.plan.models import ModelShape
 
 
-def _meshloom_checkpoint(shape: ModelShape, lay: Layout, impl: Implementation) -> bool:
-    """meshloom's block whose checkpoint reruns forward ops eagerly (not one compiled graph)."""
-    whole_graph = impl.compile and not shape.is_moe and lay.cp == 1
-    return impl.meshloom_block and not whole_graph
-
-
 def tp_reruns(shape: ModelShape, lay: Layout, impl: Implementation) -> float:
     """Tensor-parallel collectives per layer that backward runs again, in all-reduces (an
     all-gather or reduce-scatter is half of one: the pair moves what an all-reduce does)."""
     if lay.recompute == "none" or lay.tp == 1:
         return 0.0
-    if _meshloom_checkpoint(shape, lay, impl):
-        if not lay.sp:
-            return 1.0
-        return (1 + (1 if shape.is_moe else 2)) / 2  # the reduce-scatter and the all-gathers
-    return 2.0 if lay.recompute == "full" else 0.0  # a whole graph, or Megatron's
+    full = lay.recompute == "full"
+    if not impl.meshloom_block:  # Megatron's: the layer's forward again, or attention only
+        return 2.0 if full else 0.0
+    if full and impl.compile:  # the compiled block, inside the checkpoint, reruns whole
+        return 1.0 if shape.is_moe else 2.0  # an MoE feed-forward is not split over tp
+    if impl.compile and not shape.is_moe and lay.cp == 1:  # one graph keeps their outputs
+        return 0.0
+    # The checkpoint reruns up to the last collective the backward needs.
+    if not lay.sp:
+        return 1.0
+    return (1 + (1 if shape.is_moe else 2)) / 2  # the reduce-scatter and the all-gathers
 
 
 def ring_reruns(lay: Layout, impl: Implementation) -> bool:
