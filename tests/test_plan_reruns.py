@@ -44,15 +44,12 @@ def _calls_job(axes: dict, sp: bool, recompute: str, compiled: bool, moe: bool):
 
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", rank=rank, world_size=_world(axes))
-    mesh_axes = {k: v for k, v in axes.items() if k != "ep"}
-    mesh = Mesh(ParallelDims(**mesh_axes, ep=axes.get("ep", 1)), rank, "cpu", CommCounter())
+    mesh = Mesh(ParallelDims(**axes), rank, "cpu", CommCounter())
     torch.manual_seed(0)
     model = Llama(_config(moe))
-    par = parallelize(model, mesh, ParallelConfig(**axes, sequence_parallel=sp, zero_stage=0,
-                                                  **({} if "dp_shard" in axes else
-                                                     {"dp_shard": 1})),
-                      activation_checkpointing=recompute, compile_blocks=compiled,
-                      compile_backend="aot_eager")
+    pcfg = ParallelConfig(**{"dp_shard": 1, **axes}, sequence_parallel=sp, zero_stage=0)
+    par = parallelize(model, mesh, pcfg, activation_checkpointing=recompute,
+                      compile_blocks=compiled, compile_backend="aot_eager")
     torch.manual_seed(rank)  # each rank its own tokens (ep routes them apart)
     tokens = torch.randint(0, 128, (2, SEQ))
     args = (tokens,)
