@@ -129,7 +129,7 @@ def _collect_groups_at_exit() -> None:
     freed during interpreter finalization, where Gloo's teardown aborted a rank ("terminate
     called without an active exception": 7 of 24 four-rank exits of
     examples/train_custom_model.py here). Best is to collect before `destroy_process_group`, as
-    the example and meshloom's loop do (0 of 20); this is the fallback for a script that
+    the example and meshloom's loop do (0 of 40); this is the fallback for a script that
     does not (1 of 40)."""
     global _collect_registered
     if not _collect_registered:
