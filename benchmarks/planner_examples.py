@@ -1,0 +1,130 @@
+"""The planner examples that docs/plan.md quotes, written as result files and as the worked
+example's block in docs/plan.md (one command regenerates all of them; no hardware needed):
+
+    python benchmarks/planner_examples.py
+
+Each example is a `meshloom plan` command line; its file in benchmarks/results/planner/ is
+exactly what that command prints with `--json`, so a user can rerun any one by hand and compare.
+The worked example (Llama 3 70B on 64 H100s) also keeps the table and `--explain` text the docs
+show (`llama3_70b_64xh100.txt`), and its variants keep the figures the prose quotes (compile,
+TP overlap, no recompute, ZeRO-1). tests/test_plan_examples.py checks that every file is what
+the code plans now and that the docs quote the files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shlex
+from pathlib import Path
+
+from meshloom.commands import build_parser
+from meshloom.commands.plan import run
+
+HERE = Path(__file__).resolve().parent
+OUT = HERE / "results" / "planner"
+DOC = HERE.parent / "docs" / "plan.md"
+BEGIN, END = "<!-- worked-example:begin -->", "<!-- worked-example:end -->"
+
+_MOE = "--gpu h100 --seq 4096 --global-batch 512"
+_EP8 = "tp=1,pp=1,cp=1,ep=8,zero=2,micro_batch=1,recompute=selective"
+_L70 = "--model llama3-70b --gpus 64 --gpu h100 --seq 8192 --global-batch 256"
+# The worked example's best layout, pinned, for the variants the prose compares it with.
+_BEST = ("tp=4,pp=2,dp=8,cp=1,micro_batch=1,zero=2,recompute=selective,"
+         "schedule=interleaved_1f1b,v=20,sp=true")
+
+EXAMPLES: dict[str, str] = {
+    "moe_mixtral_8x7b_64xh100": f"{_MOE} --model mixtral-8x7b --gpus 64 --top 5",
+    "moe_mixtral_8x7b_64xh100_balanced":
+        f"{_MOE} --model mixtral-8x7b --gpus 64 --top 5 --moe-imbalance 1.0",
+    "moe_mixtral_8x7b_ep8_node8": f"{_MOE} --model mixtral-8x7b --gpus 64 --top 1 --fix {_EP8}",
+    "moe_mixtral_8x7b_ep8_node4":
+        f"{_MOE} --model mixtral-8x7b --gpus 64 --gpus-per-node 4 --top 1 --fix {_EP8}",
+    "moe_mixtral_8x22b_128xh100": f"{_MOE} --model mixtral-8x22b --gpus 128 --top 5",
+    "llama3_70b_64xh100": f"{_L70} --top 5",
+    "llama3_70b_64xh100_compile": f"{_L70} --top 1 --fix {_BEST},compile=true",
+    "llama3_70b_64xh100_tp_overlap": f"{_L70} --top 1 --fix {_BEST},tp_overlap=true",
+    "llama3_70b_64xh100_no_recompute":
+        f"{_L70} --top 1 --fix {_BEST.replace('selective', 'none')}",
+    "llama3_70b_64xh100_zero1": f"{_L70} --top 1 --fix {_BEST.replace('zero=2', 'zero=1')}",
+}
+WORKED = "llama3_70b_64xh100"
+
+
+def _printed(argv: list[str]) -> str:
+    """What `meshloom plan ARGV` prints, run in this process."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = run(build_parser().parse_args(["plan", *argv]))
+    if code != 0:
+        raise SystemExit(f"meshloom plan {' '.join(argv)}: exit {code}")
+    return buf.getvalue()
+
+
+def plan_json(name: str) -> dict:
+    """The example's `--json` output, parsed."""
+    return json.loads(_printed([*shlex.split(EXAMPLES[name]), "--json"]))
+
+
+def worked_text() -> str:
+    """The worked example as docs/plan.md shows it: the command, its table and `--explain`."""
+    argv = f"{EXAMPLES[WORKED]} --explain"
+    return f"$ meshloom plan {argv}\n" + _printed(shlex.split(argv))
+
+
+def render(text: str) -> str:
+    """The worked example's block in docs/plan.md, from the text file alone."""
+    return "\n".join([BEGIN, "", "Written by `python benchmarks/planner_examples.py` as "
+                      f"[{WORKED}.txt](../benchmarks/results/planner/{WORKED}.txt) (with "
+                      f"[{WORKED}.json](../benchmarks/results/planner/{WORKED}.json)).", "",
+                      "```", text.rstrip("\n"), "```", "", END])
+
+
+def figures(files: dict[str, dict]) -> dict[str, str]:
+    """The variants' figures as the worked example's prose quotes them."""
+    best = {k: files[k]["candidates"][0] for k in files if k.startswith(WORKED)}
+
+    def step(key: str) -> str:
+        return f"{best[key]['step_time_s']:.1f} s"
+
+    def total(key: str) -> str:
+        return f"{best[key]['memory_per_gpu_bytes']['total'] / 1e9:.1f} GB"
+
+    def acts(key: str) -> str:
+        return f"{best[key]['memory_per_gpu_bytes']['activations'] / 1e9:.1f} GB"
+
+    def optimizer(key: str) -> str:
+        return f"{best[key]['time_breakdown_s']['optimizer']:.1f} s"
+
+    return {"step": step(WORKED), "optimizer": optimizer(WORKED),
+            "compile step": step(f"{WORKED}_compile"),
+            "tp_overlap step": step(f"{WORKED}_tp_overlap"),
+            "no recompute total": total(f"{WORKED}_no_recompute"),
+            "no recompute activations": acts(f"{WORKED}_no_recompute"),
+            "zero1 total": total(f"{WORKED}_zero1"),
+            "zero1 optimizer": optimizer(f"{WORKED}_zero1")}
+
+
+def write(out: Path = OUT, doc: Path = DOC) -> dict[str, dict]:
+    files = {}
+    for name in EXAMPLES:
+        files[name] = plan_json(name)
+        # Written whole then renamed, as every result file: never half a file.
+        tmp = out / f".{name}.json.tmp"
+        tmp.write_text(json.dumps(files[name], indent=1) + "\n")
+        tmp.replace(out / f"{name}.json")
+        print(f"wrote {out / name}.json")
+    text = worked_text()
+    (out / f"{WORKED}.txt").write_text(text)
+    page = doc.read_text()
+    start, end = page.index(BEGIN), page.index(END) + len(END)
+    doc.write_text(page[:start] + render(text) + page[end:])
+    print(f"wrote {out / WORKED}.txt and its block in {doc}")
+    for key, value in figures(files).items():
+        print(f"  {key:<26}{value}")
+    return files
+
+
+if __name__ == "__main__":
+    write()
