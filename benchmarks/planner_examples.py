@@ -42,6 +42,12 @@ EXAMPLES: dict[str, str] = {
     "moe_mixtral_8x7b_ep8_node4":
         f"{_MOE} --model mixtral-8x7b --gpus 64 --gpus-per-node 4 --top 1 --fix {_EP8}",
     "moe_mixtral_8x22b_128xh100": f"{_MOE} --model mixtral-8x22b --gpus 128 --top 5",
+    # Two layouts the MoE prose compares with the searches' picks.
+    "moe_mixtral_8x7b_64xh100_pp4": f"{_MOE} --model mixtral-8x7b --gpus 64 --top 1 --fix "
+    "tp=1,pp=4,dp=16,cp=1,ep=1,zero=2,micro_batch=1,recompute=none,"
+    "schedule=interleaved_1f1b,v=8",
+    "moe_mixtral_8x22b_128xh100_zero3": f"{_MOE} --model mixtral-8x22b --gpus 128 --top 1 "
+    "--fix tp=1,pp=1,dp=128,cp=1,ep=1,zero=3,micro_batch=4,recompute=full",
     "llama3_70b_64xh100": f"{_L70} --top 5",
     "llama3_70b_64xh100_compile": f"{_L70} --top 1 --fix {_BEST},compile=true",
     "llama3_70b_64xh100_tp_overlap": f"{_L70} --top 1 --fix {_BEST},tp_overlap=true",

@@ -79,6 +79,8 @@ def _row(set_name: str, rid: str, gpu: str, gpus: int, shape, seq: int, batch: i
             "published_tokens_per_s_per_gpu": round(published_tps, 1),
             "predicted_tokens_per_s_per_gpu": round(got, 1),
             "error": round(got / published_tps - 1, 4), "mfu_predicted": round(best.mfu, 4),
+            "step_s": round(best.timing.step_time_s, 4),
+            "accumulate_s": round(best.timing.detail["accumulate_s"], 4),
             "fits": best.fits, "memory_gb": round(best.memory.total / 1e9, 2),
             "allocated_gb": round((best.memory.total - best.memory.context) / 1e9, 2),
             "rates": best.timing.detail["rates"], **(extra or {})}

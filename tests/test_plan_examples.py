@@ -57,7 +57,7 @@ def _same_text(old: str, new: str) -> None:
 
 def test_every_example_file_is_what_the_code_plans(live):
     files, _ = live
-    assert len(files) == 10
+    assert len(files) == 12
     for name, new in files.items():
         _same(_committed(name), new, name)
 
@@ -113,3 +113,36 @@ def test_docs_moe_commands_are_the_examples():
         assert listed[name][:2] == ["meshloom", "plan"], name
         assert parser.parse_args(listed[name][1:]) == parser.parse_args(
             ["plan", *shlex.split(argv), "--json"]), name
+
+
+def test_gpt2_fsdp_plan_file_is_what_the_code_plans():
+    """benchmarks/results/planner/gpt2_fsdp.json (docs/gpt2_fsdp.md): each row's command,
+    rerun now, gives the row's fit, memory and speed."""
+    gp = load_benchmark("gpt2_fsdp_plan")
+    committed = json.loads((_examples().OUT / "gpt2_fsdp.json").read_text())
+    assert len(committed["rows"]) == 64
+    for row in committed["rows"]:
+        argv = shlex.split(row["command"])
+        assert argv[0] == "meshloom"
+        c = gp.run_plan(argv[1:])["candidates"][0]
+        mem = c["memory_per_gpu_bytes"]
+        assert c["fits"] == row["fits"], row["command"]
+        assert abs(mem["total"] / 1e9 - row["memory_gb"]) <= 0.0051, row["command"]
+        assert abs(mem["activations"] / 1e9 - row["activations_gb"]) <= 0.0051, row["command"]
+        assert abs(c["tokens_per_s_per_gpu"] - row["tokens_per_s_per_gpu"]) <= 0.51, \
+            row["command"]
+
+
+def test_moe_prose_quotes_its_pinned_layouts():
+    """The two layouts the MoE section compares with the searches' picks: their step, speed
+    and memory as the prose gives them, from their files."""
+    page = _examples().DOC.read_text()
+    pp4 = _committed("moe_mixtral_8x7b_64xh100_pp4")["candidates"][0]
+    mem = pp4["memory_per_gpu_bytes"]
+    assert not pp4["fits"]
+    assert (f"{pp4['step_time_s']:.2f} s, needs {mem['total'] / 1e9:.1f} GB: its "
+            f"{mem['activations'] / 1e9:.0f} GB of\n  activations do not fit beside "
+            f"{mem['params'] / 1e9:.1f} GB") in page
+    z3 = _committed("moe_mixtral_8x22b_128xh100_zero3")["candidates"][0]
+    assert z3["fits"]
+    assert f"({z3['step_time_s']:.1f} s, {z3['tflops_per_gpu']:.0f} TFLOP/s," in page

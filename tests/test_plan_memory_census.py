@@ -321,10 +321,40 @@ def test_compiled_moe_block_saves_what_the_planner_counts(name, precision):
         == per_token
 
 
+# Router options against the Mixtral-like base (softmax, renormalised top 2 of 8): each rule of
+# `router_weight_bytes` on both sides of its threshold (inductor keeps a reduction's output only
+# when it is over 4x smaller than its input: the sum of k > 4 weights, of E > 4 sigmoid scores).
+ROUTERS = {
+    "sigmoid": MOE_CONFIGS["mixtral"] | dict(router_score="sigmoid"),
+    "unnormalised": MOE_CONFIGS["mixtral"] | dict(router_norm=False),
+    "sigmoid, unnormalised, top 1 of 4": MOE_CONFIGS["mixtral"] | dict(
+        router_score="sigmoid", router_norm=False, n_experts=4, top_k=1),
+    "top 8 of 16": MOE_CONFIGS["mixtral"] | dict(n_experts=16, top_k=8, moe_hidden=128),
+    "sigmoid, top 5 of 16": MOE_CONFIGS["mixtral"] | dict(
+        router_score="sigmoid", n_experts=16, top_k=5, moe_hidden=128),
+}
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("name, precision", [(n, "amp") for n in ROUTERS] + [("sigmoid", "bf16")])
+def test_router_options_save_what_the_planner_counts(name, precision, compiled):
+    torch._dynamo.reset()
+    cfg, model = _block(ROUTERS[name], precision)
+    model.eval()
+    block = torch.compile(model.layers[0], backend="inductor", dynamic=False) if compiled \
+        else model.layers[0]
+    per_token = (_packed_bytes(model, block, 512, precision)
+                 - _packed_bytes(model, block, 256, precision)) / 256
+    assert meshloom_block_bytes(_shape(cfg), 1, 1, LAYOUT[precision], "none", fused=compiled) \
+        == per_token
+
+
 # The expert-parallel censuses: the experts over 2 data-parallel ranks, over 2 context-parallel
-# ranks (each with its zigzag slice of one sequence), or over 2 data-parallel ranks that are
-# each a 2-rank tensor-parallel group (4 ranks).
-EP_MESHES = {"dp": dict(dp_shard=2), "cp": dict(cp=2), "tp": dict(dp_shard=2, tp=2)}
+# ranks (each with its zigzag slice of one sequence), over 2 data-parallel ranks that are
+# each a 2-rank tensor-parallel group (4 ranks), or over 2 context-parallel ranks that are
+# (tp, cp and ep at once, 4 ranks).
+EP_MESHES = {"dp": dict(dp_shard=2), "cp": dict(cp=2), "tp": dict(dp_shard=2, tp=2),
+             "tp+cp": dict(cp=2, tp=2)}
 
 
 def _ep_census_job(world: int, precision: str, name: str, compiled: bool, axis: str,
@@ -356,9 +386,9 @@ def _ep_census_job(world: int, precision: str, name: str, compiled: bool, axis: 
             par = parallelize(model, mesh, pcfg, activation_checkpointing=recompute,
                               compile_blocks=compiled)
             for s in (128, 256):
-                if axis == "cp":  # one sequence, the rank's zigzag slice of it
+                if "cp" in axis:  # one sequence, the rank's zigzag slice of it
                     torch.manual_seed(100 + s)
-                    idx = context.zigzag_indices(2 * s, 2, rank)
+                    idx = context.zigzag_indices(2 * s, 2, mesh.coord("cp"))
                     args = (torch.randint(0, 300, (1, 2 * s))[:, idx], idx)
                 else:  # each data-parallel rank its own tokens (a tp group shares them)
                     torch.manual_seed(100 + mesh.coord("dp_shard") + s)
@@ -410,7 +440,7 @@ def _ep_leftovers(precision: str, name: str, compiled: bool, axis: str = "dp",
         per_row = 2 * (2 * shape.moe_hidden + shape.hidden) if recompute == "selective" else 0
         routed = load_factor(shape, lay) * shape.top_k * per_row / (lay.tp if sp else 1)
         per_token = meshloom_block_bytes(shape, 1, 1, lay, recompute, compiled) - routed
-    world = 4 if axis == "tp" else 2
+    world = 4 if "tp" in axis else 2
     per_layer = set()
     for runs in run_ranks(_ep_census_job, world, world, precision, name, compiled, axis, sp,
                           recompute, timeout=900):
@@ -421,32 +451,37 @@ def _ep_leftovers(precision: str, name: str, compiled: bool, axis: str = "dp",
 
 
 @pytest.mark.parametrize("precision, axis, sp", [("amp", "dp", False), ("bf16", "dp", False),
-                                                 ("amp", "cp", False), ("amp", "tp", True)])
+                                                 ("amp", "cp", False), ("amp", "tp", True),
+                                                 ("amp", "tp+cp", True)])
 def test_expert_parallel_block_saves_what_the_planner_counts(precision, axis, sp):
     """The experts over data-parallel ranks; over context-parallel ones, where the ring's 4 kv
     per token comes on top; over data-parallel ranks that are tensor-parallel groups with SP,
-    where the norms and the whole feed-forward run on the rank's 1/t slice."""
+    where the norms and the whole feed-forward run on the rank's 1/t slice; and over
+    context-parallel ranks that are such groups, where the terms compose."""
     assert len(_ep_leftovers(precision, "mixtral", False, axis, sp)) == 1
 
 
-@pytest.mark.parametrize("recompute", ["selective", "full"])
-def test_recomputed_expert_parallel_block_keeps_what_the_planner_counts(recompute):
+@pytest.mark.parametrize("recompute, compiled", [("selective", False), ("full", False),
+                                                ("selective", True)])
+def test_recomputed_expert_parallel_block_keeps_what_the_planner_counts(recompute, compiled):
     """Recompute reruns the dispatch (its all-to-alls too): selective keeps the block input and
     the matmul outputs, on the expert's rank the grouped GEMMs' three per routed row (2F_e + h),
-    and none of the received rows or regrouping indices; full keeps the input alone."""
-    assert len(_ep_leftovers("amp", "mixtral", False, recompute=recompute)) == 1
+    and none of the received rows or regrouping indices; full keeps the input alone. Compiled,
+    routing's host reads break the block, so the checkpoint runs eagerly and keeps the same."""
+    assert len(_ep_leftovers("amp", "mixtral", compiled, recompute=recompute)) == 1
 
 
 @pytest.mark.parametrize("name, precision, axis", [("wider experts, top 1", "amp", "dp"),
                                                    ("wider experts, top 1", "amp", "cp"),
-                                                   ("shared+gate", "bf16", "tp")])
+                                                   ("shared+gate", "bf16", "tp"),
+                                                   ("wider experts, top 1", "amp", "tp+cp")])
 def test_compiled_expert_parallel_block_saves_what_the_planner_counts(name, precision, axis):
     """Compiled, the all-to-all breaks the block where one graph spanned the dispatch: the
     combined output is no longer kept (amp 4h), the routed rows keep SwiGLU's three tensors and
     the regrouping indices. Top 1 tells that 4h per token from 2h per assignment (at top 2 the
     two are equal). Over context-parallel ranks the ring adds its 4 kv; under tp with SP
     (4 ranks) everything but attention's heads and the gathered first norm is a 1/t slice."""
-    assert len(_ep_leftovers(precision, name, True, axis, sp=axis == "tp")) == 1
+    assert len(_ep_leftovers(precision, name, True, axis, sp="tp" in axis)) == 1
 
 
 def test_census_for_meshloom_dense_bf16_blocks_only():

@@ -217,8 +217,8 @@ def moe_block_bytes_per_token(shape: ModelShape, lay: Layout, amp: bool,
       8, plus what the projections read: amp autocast's bf16 casts of the first norm's output for
       wq, wk, wv (6h) and of the second's for the router, each shared-expert matrix reading it
       and the shared gate (2h each); bf16 the two norm outputs (4h), read by all of them;
-    - the router: fp32 softmax scores (4E), top-k indices (int64) and weights (fp32) with their
-      sum, 12k + 4;
+    - the router: fp32 scores (4E), top-k indices (int64, 8k) and `router_weight_bytes` (the
+      renormalised weights with their sum, 4k + 4; a sigmoid's sum, 4);
     - per assignment on the token's rank: its token and sort indices (int64), its bf16 combine
       weight and the expert output it multiplies, 2h + 18 (the combine itself keeps only the
       index, models/moe.py `_Combine`);
@@ -230,9 +230,8 @@ def moe_block_bytes_per_token(shape: ModelShape, lay: Layout, amp: bool,
     Under tp, q and a are split as in the dense block and the feed-forward is whole on every
     rank; under SP the norms and the whole feed-forward run on the rank's slice of the sequence
     (the MoE routes its slice, models/moe.py), only the first norm's output is all-gathered for
-    wq, wk, wv. Under cp the ring attention keeps 4 kv more (`ring_bytes`). The routing
-    defaults are counted (softmax scores, renormalised top-k weights); sigmoid scores keep 4
-    bytes more per token, unnormalised weights 4k + 4 fewer."""
+    wq, wk, wv. Under cp the ring attention keeps 4 kv more (`ring_bytes`). The router's
+    weights as `router_weight_bytes` counts them for its score and normalisation options."""
     local = moe_compiled_local_bytes_per_token if compiled else moe_local_bytes_per_token
     routed = load_factor(shape, lay) * shape.top_k * moe_routed_row_bytes(shape, lay, compiled)
     return local(shape, lay, amp) + routed / (lay.tp if lay.sp else 1)
@@ -244,9 +243,10 @@ def moe_compiled_local_bytes_per_token(shape: ModelShape, lay: Layout, amp: bool
     those graphs' saved tensors on CPU at nine shapes (hidden, heads, experts, top_k, expert and
     shared widths, gate; tests/test_plan_memory_census.py):
     - amp 12h, bf16 8h, + 8q + 4a + 8 + 4E: attention, the norms and the router's scores;
-    - per assignment 2h + 30: the expert output the combine scales (bf16), the assignment's
-      indices and weights; gate, up and their product on the rows the experts read are the
-      routed rows' (silu is rerun);
+    - per assignment 2h + 26: the expert output the combine scales (bf16), the assignment's
+      indices and weights (with the router's, `router_weight_bytes`: 4k more, renormalised);
+      gate, up and their product on the rows the experts read are the routed rows' (silu is
+      rerun);
     - without expert parallel, where one graph spans the dispatch, the combined output too
       (amp 4h, bf16 2h); under expert parallel the all-to-all breaks the graph there;
     - the shared expert 6F_s (amp + 2h, its input's cast); its gate 2h + 2.
@@ -257,7 +257,8 @@ def moe_compiled_local_bytes_per_token(shape: ModelShape, lay: Layout, amp: bool
     context-parallel or 2-rank tensor-parallel groups with SP."""
     h, k, t = shape.hidden, shape.top_k, lay.tp
     attention = 8 * shape.q_dim + 4 * shape.heads
-    per = (12 if amp else 8) * h + 8 + 4 * shape.n_experts + k * (2 * h + 30)
+    per = (12 if amp else 8) * h + 8 + 4 * shape.n_experts + k * (2 * h + 26)
+    per += router_weight_bytes(shape, compiled=True)
     if lay.ep == 1:
         per += (4 if amp else 2) * h
     if shape.shared_hidden:
@@ -277,10 +278,28 @@ def moe_local_bytes_per_token(shape: ModelShape, lay: Layout, amp: bool) -> floa
     readers = 1 + 2 * shared + gate  # projections reading the second norm's output
     first, second = (6 * h, 2 * readers * h) if amp else (2 * h, 2 * h)
     attention = (16 * h + second + 8) / w + first + (8 * q + 4 * a) / t + ring_bytes(shape, lay)
-    router = 4 * shape.n_experts + 12 * k + 4
+    router = 4 * shape.n_experts + 8 * k + router_weight_bytes(shape, compiled=False)
     local = k * (2 * h + 18)
     extra = 8 * shape.shared_hidden + (2 * h + 2 if gate else 0)
     return attention + (router + local + extra) / w
+
+
+def router_weight_bytes(shape: ModelShape, compiled: bool) -> float:
+    """What the router keeps per token for its top-k weights and its balance loss, beyond the
+    4E scores and the 8k indices (models/moe.py `route`), counted by census for each option:
+    - renormalised weights (the default) keep the top-k scores and their sum, 4k + 4; compiled,
+      the sum only when inductor's partitioner will not recompute it: it bans recomputing a
+      reduction whose output is over 4x smaller than its input (torch/_functorch/partitioners.py),
+      here for k > 4;
+    - sigmoid scores are made a distribution for the loss: their sum over the experts is kept,
+      4 bytes, compiled by the same rule only for E > 4."""
+    k, e = shape.top_k, shape.n_experts
+    kept = 0
+    if shape.router_norm:
+        kept += 4 * k + (4 if not compiled or k > 4 else 0)
+    if shape.router_score == "sigmoid":
+        kept += 4 if not compiled or e > 4 else 0
+    return kept
 
 
 def moe_routed_row_bytes(shape: ModelShape, lay: Layout, compiled: bool = False) -> float:

@@ -19,7 +19,9 @@ Two block families are modelled:
 Either block may be a mixture of experts (``n_experts`` > 0, models/moe.py, models/mixtral.py):
 the feed-forward is a router (h x E) over ``n_experts`` SwiGLU experts of width ``moe_hidden``,
 ``top_k`` of them per token, plus an optional shared expert (``shared_hidden``, its gate
-``shared_gate``). ``params`` then counts every expert, ``active_params`` what one token uses;
+``shared_gate``); the router's scores are softmax or sigmoid (``router_score``) and its top-k
+weights renormalised or not (``router_norm``), which changes only what it keeps for backward.
+``params`` then counts every expert, ``active_params`` what one token uses;
 ``layer_matmul_params`` (what FLOPs scale with) counts the active experts only.
 ``moe_imbalance`` is the planner's allowance for routing imbalance: the busiest expert rank gets
 that many times the mean number of tokens (plan/moe.py).
@@ -72,6 +74,9 @@ class ModelShape:
     moe_hidden: int = 0
     shared_hidden: int = 0
     shared_gate: bool = False
+    # Router (models/moe.py): softmax or sigmoid scores; top-k weights renormalised or not.
+    router_score: str = "softmax"
+    router_norm: bool = True
     moe_imbalance: float = DEFAULT_IMBALANCE
     # Routing options the layout rules read (parallel/expert.py: per-sequence terms refuse cp).
     aux_loss_coef: float = 0.0
@@ -131,10 +136,11 @@ class ModelShape:
                                 "integer")
         if not self.n_experts:
             if self.top_k or self.moe_hidden or self.shared_hidden or self.shared_gate \
-                    or self.aux_loss_coef or self.capacity_factor is not None:
+                    or self.aux_loss_coef or self.capacity_factor is not None \
+                    or (self.router_score, self.router_norm) != ("softmax", True):
                 raise PlanError(f"model {self.name!r}: top_k, moe_hidden, shared_hidden, "
-                                "shared_gate, aux_loss_coef and capacity_factor need "
-                                "n_experts > 0")
+                                "shared_gate, router_score, router_norm, aux_loss_coef and "
+                                "capacity_factor need n_experts > 0")
             return
         if self.arch != "llama":
             raise PlanError(f"model {self.name!r}: experts are modelled on llama blocks only")
@@ -144,9 +150,13 @@ class ModelShape:
         if self.moe_hidden < 1:
             raise PlanError(f"model {self.name!r}: moe_hidden={self.moe_hidden} must be "
                             "positive")
-        if not isinstance(self.shared_gate, bool):
-            raise PlanError(f"model {self.name!r}: shared_gate={self.shared_gate!r} must be "
-                            "true or false")
+        for flag in ("shared_gate", "router_norm"):
+            if not isinstance(getattr(self, flag), bool):
+                raise PlanError(f"model {self.name!r}: {flag}={getattr(self, flag)!r} must be "
+                                "true or false")
+        if self.router_score not in ("softmax", "sigmoid"):
+            raise PlanError(f"model {self.name!r}: router_score={self.router_score!r} must be "
+                            "'softmax' or 'sigmoid'")
         if isinstance(self.moe_imbalance, bool) or not isinstance(
                 self.moe_imbalance, (int, float)) or not self.moe_imbalance >= 1.0:
             raise PlanError(f"model {self.name!r}: moe_imbalance={self.moe_imbalance!r} must be "
@@ -264,7 +274,8 @@ class ModelShape:
                     "embedding_params", "head_params", "final_norm_params", "params"):
             out[key] = getattr(self, key)
         moe_keys = ("n_experts", "top_k", "moe_hidden", "shared_hidden", "shared_gate",
-                    "moe_imbalance", "aux_loss_coef", "capacity_factor")
+                    "router_score", "router_norm", "moe_imbalance", "aux_loss_coef",
+                    "capacity_factor")
         if self.is_moe:  # a dense shape's record stays as it was before experts existed
             for key in ("active_params", "expert_layer_params", "moe_dense_ffn_params"):
                 out[key] = getattr(self, key)
@@ -325,6 +336,7 @@ def from_llama_config(cfg: _llama.LlamaConfig, name: str = "custom") -> ModelSha
     if moe is not None:  # a capacity factor bounds the busiest expert's load exactly
         experts = dict(n_experts=moe.n_experts, top_k=moe.top_k, moe_hidden=moe.hidden,
                        shared_hidden=moe.shared_hidden, shared_gate=moe.shared_gate,
+                       router_score=moe.score, router_norm=moe.normalize,
                        moe_imbalance=max(1.0, moe.capacity_factor or DEFAULT_IMBALANCE),
                        aux_loss_coef=moe.aux_loss_coef, capacity_factor=moe.capacity_factor)
     return ModelShape(name=name, arch="llama", hidden=cfg.dim, layers=cfg.n_layers,
