@@ -24,6 +24,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from meshloom.plan import kernel_table
 from meshloom.plan.formulas import MIXED, model_state_bytes
 from meshloom.plan.hardware import make_cluster
 from meshloom.plan.models import MEGATRON_SEQ, MEGATRON_TABLE1, PRESETS, from_dims
@@ -45,6 +46,9 @@ GOAL_MEAN, GOAL_MAX = 0.08, 0.20
 # `compile` (Megatron's fused softmax/bias-GeLU/LayerNorm, flash-attention's training stack,
 # TinyLlama's fused rotary/SwiGLU/loss); Megatron-style selective recompute reruns the
 # attention core only.
+# llm-foundry's benchmark script runs MPT with `attn_impl: triton` unless told otherwise (the
+# Triton FlashAttention of 2023); its rate is published for the A100 only, so on other GPUs
+# those rows keep FlashAttention-2's rate and say so (`unpriced`).
 # NeMo's recipes set gradient_accumulation_fusion (the weight-gradient GEMM adds into the fp32
 # main gradient); Megatron-LM 2021's paper lists no such fusion, so its rows pay the pass.
 TRAINER_IMPL = {
@@ -55,7 +59,7 @@ TRAINER_IMPL = {
     "megatron-deepspeed": {"compile": True, "selective_elementwise": False},
     "flash-attention": {"compile": True},
     "tinyllama": {"compile": True},
-    "llm-foundry": {"compile": False},
+    "llm-foundry": {"compile": False, "triton_attention": True},
     "torchtitan": {"compile": False, "op_sac": True},
 }
 
@@ -160,6 +164,12 @@ def published_rows(path: Path = RUNS) -> list[dict]:
         fixed["micro_batch"] = run["micro_batch"]
         impl = trainer_impl(run["trainer"])
         impl.update(run.get("implementation") or {})
+        unpriced = {}
+        table = kernel_table.for_gpu(run["gpu"])
+        if impl.get("triton_attention") and not (table and table.other_attention.get("triton")):
+            impl["triton_attention"] = False
+            unpriced["unpriced"] = ("triton_attention: no published Triton FlashAttention rate "
+                                    f"for {run['gpu']}, priced as FlashAttention-2")
         # A row's `compile` says whether torch.compile was on. On, it fuses what the trainer
         # left unfused; off, the trainer's own kernels stand (hand-fused ones included).
         if run.get("compile"):
@@ -172,7 +182,8 @@ def published_rows(path: Path = RUNS) -> list[dict]:
                          run["published"]["tokens_per_s_per_gpu"],
                          flash=run.get("attention", "flash") == "flash",
                          gpus_per_node=run.get("gpus_per_node", 8),
-                         extra={"trainer": run["trainer"], "source": run["source"]},
+                         extra={"trainer": run["trainer"], "source": run["source"],
+                                **unpriced},
                          memory_gb=run.get("gpu_memory_gb")))
     return rows
 

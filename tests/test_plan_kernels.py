@@ -62,6 +62,48 @@ def test_attention_lookup_interpolates_in_log_seq_and_derives_backward():
     assert t.attention_tflops(1024, 128, True, "bwd") == pytest.approx(2.5 / (0.02 - 0.005))
 
 
+TRITON = [{"seq": 1024, "head_dim": 128, "causal": True, "direction": "fwd_bwd",
+           "tflops": 70.0, "kernel": "triton"},
+          {"seq": 4096, "head_dim": 128, "causal": True, "direction": "fwd_bwd",
+           "tflops": 70.0, "kernel": "triton"},
+          {"seq": 4096, "head_dim": 128, "causal": True, "direction": "fwd_bwd",
+           "tflops": 350.0}]
+
+
+def test_another_attention_kernel_runs_at_its_published_ratio_to_flashattention2():
+    """A Triton row set beside FlashAttention-2's: the asked shape at FlashAttention-2's rate
+    times the two kernels' ratio at that length in the series both were published for."""
+    t = parse({**TABLE, "attention": TABLE["attention"] + TRITON})
+    assert t.attention_tflops(1024, 128, True, "fwd") == 200.0  # FlashAttention-2 unchanged
+    # At 1024 the fwd_bwd ratio is 70/175 = 0.4, at 4096 70/350 = 0.2, at 2048 (halfway in
+    # log seq) 70/262.5; it scales every direction.
+    assert t.attention_tflops(1024, 128, True, "fwd", "triton") == pytest.approx(200.0 * 0.4)
+    assert t.attention_tflops(4096, 128, True, "fwd", "triton") == pytest.approx(400.0 * 0.2)
+    assert t.attention_tflops(2048, 128, True, "fwd", "triton") == pytest.approx(
+        300.0 * 70.0 / 262.5)
+    assert t.attention_tflops(1024, 128, True, "fwd_bwd", "triton") == pytest.approx(70.0)
+    with pytest.raises(PlanError, match="no 'triton' attention rows"):
+        parse(TABLE).attention_tflops(1024, 128, True, "fwd", "triton")
+
+
+def test_the_triton_kernel_is_an_implementation_option_where_a_table_publishes_it():
+    """`--fix triton_attention=true` slows the attention of an A100 plan by the published
+    Triton / FlashAttention-2 ratio and nothing else; on an H100 (no published Triton rate) the
+    plan says so in one line."""
+    shape, lay = PRESETS["llama3-1b"], Layout(dp=8, zero=3, micro_batch=4)
+    fa2 = evaluate(shape, lay, make_cluster("a100-80g", 8), 2048, 32)
+    tri = evaluate(shape, lay, make_cluster("a100-80g", 8), 2048, 32,
+                   impl=Implementation(triton_attention=True))
+    a, b = fa2.timing.detail["compute_s"], tri.timing.detail["compute_s"]
+    assert b["gemm"] == a["gemm"] and b["elementwise"] == a["elementwise"]
+    # Fig. 4(c) of the FlashAttention-2 paper at 2k: Triton 79, FlashAttention-2 140 TFLOP/s.
+    assert b["attention"] == pytest.approx(a["attention"] * 140 / 79)
+    assert fa2.memory.total == tri.memory.total
+    with pytest.raises(PlanError, match="h100: no 'triton' attention rows .*a100-80g"):
+        evaluate(shape, lay, make_cluster("h100", 8), 2048, 32,
+                 impl=Implementation(triton_attention=True))
+
+
 def test_attention_flops_follow_flashattention():
     assert attention_flops(2, 1024, 1024, 128, False, "fwd") == 4 * 2 * 1024 * 1024 * 128
     assert attention_flops(2, 1024, 1024, 128, True, "fwd") == 2 * 2 * 1024 * 1024 * 128
@@ -74,6 +116,9 @@ def test_attention_flops_follow_flashattention():
     (lambda d: d["gemm"][0].update(tflops=-1), "tflops > 0"),
     (lambda d: d["attention"][0].update(direction="sideways"), "direction one of"),
     (lambda d: d.update(kind="published"), "cites a source"),
+    (lambda d: d["attention"].append({**TRITON[0], "kernel": "cutlass"}), "kernel='cutlass'"),
+    (lambda d: d["attention"].append({**TRITON[0], "head_dim": 64}),
+     "need FlashAttention-2 rows of the same head width"),
     (lambda d: d.update(hbm_gbps={"value": "fast"}), "hbm_gbps"),
     (lambda d: d.update(compute_from="h100"), "both compute_from and its own gemm"),
     (lambda d: (d.pop("gemm"), d.pop("attention"), d.update(compute_from="h1000")),

@@ -79,10 +79,11 @@ class Rates:
         return max(g.flops / (rate * 1e12), self.launch_s)
 
     def attention(self, flops: float, seq: int, head_dim: int, causal: bool,
-                  direction: str) -> float:
+                  direction: str, kernel: str = "fa2") -> float:
         if self.table is None or not self.table.has_attention:
             return flops / (self.peak_tflops * 1e12)
-        rate = self.table.attention_tflops(seq, head_dim, causal, direction) * self.scale
+        rate = self.table.attention_tflops(seq, head_dim, causal, direction, kernel) \
+            * self.scale
         return max(flops / (rate * 1e12), self.launch_s)
 
     def stream(self, nbytes: float, kernels: float = 0.0) -> float:
@@ -164,7 +165,8 @@ def block_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, e: int, f
     if flash:
         for direction, cost in (("fwd", att), ("bwd", bwd)):
             fl = attention_flops(bh, s, kv_len, shape.head_dim, not windowed, direction)
-            cost.attention += rates.attention(fl, s, shape.head_dim, True, direction)
+            cost.attention += rates.attention(fl, s, shape.head_dim, True, direction,
+                                              "triton" if impl.triton_attention else "fa2")
     else:  # the unfused core: batched GEMMs, every score computed
         qk = Gemm("qk", s, kv_len, shape.head_dim, bh)
         pv = Gemm("pv", s, shape.head_dim, kv_len, bh)

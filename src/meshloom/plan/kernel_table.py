@@ -19,6 +19,12 @@ A shape measured by several sources is one point, their mean. Lookups between po
   sequence lengths, clamped at the ends; the nearest head width when the asked one is missing.
   A missing `bwd` row is derived from `fwd` and `fwd_bwd` at the same point (FlashAttention's
   FLOP convention: bwd = 2.5 x fwd, fwd_bwd = 3.5 x fwd, so the times subtract).
+- Other attention kernels (rows with `"kernel"`, e.g. `"triton"`: the Triton FlashAttention of
+  2023 trainers) are published beside FlashAttention-2 in the same benchmark, for fewer shapes.
+  Such a kernel runs at FlashAttention-2's rate for the asked shape times its ratio to
+  FlashAttention-2 in the nearest series it was published for (head width, mask, direction),
+  at the asked sequence length: the shape dependence the table knows, scaled by what the
+  benchmark showed between the two kernels.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from meshloom.plan import PlanError
 TABLE_DIR = Path(__file__).resolve().parent / "kernels"
 GEMM_NEIGHBOURS = 4
 DIRECTIONS = ("fwd", "bwd", "fwd_bwd")
+ATTENTION_KERNELS = ("fa2", "triton")  # "fa2": FlashAttention-2 class (SDPA's flash backend)
 # FlashAttention's FLOP convention (per direction, relative to one forward).
 ATTENTION_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
 
@@ -48,6 +55,8 @@ class KernelTable:
     attention: tuple[tuple[int, int, bool, str, float], ...]  # (seq, head_dim, causal, dir, TF/s)
     hbm_gbps: float | None  # achieved streaming bandwidth, GB/s
     launch_us: float | None  # gap per kernel launch, microseconds
+    # Other attention kernels' rows, by kernel name, in the form of `attention`.
+    other_attention: dict = field(default_factory=dict, compare=False, hash=False)
     # Answers already worked out: a search asks about the same few dozen shapes thousands of
     # times.
     _memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
@@ -65,9 +74,20 @@ class KernelTable:
             return 0.0
         return count * 2.0 * m * n * k / (self.gemm_tflops(m, n, k) * 1e12)
 
-    def attention_tflops(self, seq: int, head_dim: int, causal: bool, direction: str) -> float:
+    def attention_tflops(self, seq: int, head_dim: int, causal: bool, direction: str,
+                         kernel: str = "fa2") -> float:
         """TF/s of a fused attention kernel, FlashAttention's FLOP convention."""
-        return _attention_rate(self.attention, int(seq), int(head_dim), bool(causal), direction)
+        seq, head_dim, causal = int(seq), int(head_dim), bool(causal)
+        rate = _attention_rate(self.attention, seq, head_dim, causal, direction)
+        if kernel == "fa2":
+            return rate
+        rows = self.other_attention.get(kernel)
+        if not rows:
+            raise PlanError(f"kernel table {self.gpu}: no '{kernel}' attention rows (published "
+                            f"for {', '.join(_tables_with(kernel)) or 'no GPU'})")
+        d, c, direction_of = _nearest_series(rows, head_dim, causal, direction)
+        return rate * (_series_rate(rows, seq, d, c, direction_of)
+                       / _series_rate(self.attention, seq, d, c, direction_of))
 
     @property
     def has_attention(self) -> bool:
@@ -117,6 +137,20 @@ def _attention_rate(points: tuple, seq: int, head_dim: int, causal: bool, direct
             if rate is not None:
                 return rate
     raise PlanError(f"kernel table: no attention rows usable for {direction}")
+
+
+def _nearest_series(points: tuple, head_dim: int, causal: bool, direction: str) -> tuple:
+    """(head width, mask, direction) of the published series nearest the asked one: the
+    nearest head width, then the same mask, then the same direction before fwd_bwd."""
+    have = {p[1:4] for p in points}
+    order = sorted(have, key=lambda k: (abs(math.log2(k[0] / head_dim)), k[0], k[1] != causal,
+                                        k[2] != direction, k[2] != "fwd_bwd"))
+    return order[0]
+
+
+def _tables_with(kernel: str) -> list[str]:
+    return [name for name in available()
+            if (table := for_gpu(name)) is not None and table.other_attention.get(kernel)]
 
 
 def _series_rate(points: tuple, seq: int, d: int, causal: bool, direction: str) -> float | None:
@@ -180,7 +214,7 @@ def parse(raw: dict, where: str = "<table>") -> KernelTable:
         gemm.append((m, n, k, rate))
     if not gemm:
         raise bad("has no gemm rows")
-    attention = []
+    attention, other = [], {}
     for i, row in enumerate(raw.get("attention") or []):
         try:
             item = (int(row["seq"]), int(row["head_dim"]), bool(row["causal"]),
@@ -192,7 +226,20 @@ def parse(raw: dict, where: str = "<table>") -> KernelTable:
             raise bad(f"attention row {i}: direction one of {', '.join(DIRECTIONS)}, "
                       "positive sizes and tflops")
         _check_source(raw, row, sources, f"attention row {i}", bad)
-        attention.append(item)
+        kernel = row.get("kernel", "fa2")
+        if kernel not in ATTENTION_KERNELS:
+            raise bad(f"attention row {i}: kernel={kernel!r} must be one of "
+                      f"{', '.join(ATTENTION_KERNELS)}")
+        if kernel == "fa2":
+            attention.append(item)
+        else:
+            other.setdefault(kernel, []).append(item)
+    for kernel, rows in other.items():  # a ratio needs FlashAttention-2 at the same points
+        for seq, d, c, direction, _ in rows:
+            if _series_rate(tuple(attention), seq, d, c, direction) is None:
+                raise bad(f"'{kernel}' attention rows need FlashAttention-2 rows of the same "
+                          f"head width, mask and direction (head_dim={d}, causal={c}, "
+                          f"{direction})")
     scalars = {}
     for key in ("hbm_gbps", "launch_us"):
         entry = raw.get(key)
@@ -205,7 +252,8 @@ def parse(raw: dict, where: str = "<table>") -> KernelTable:
         scalars[key] = float(value) if value is not None else None
     return KernelTable(str(raw["gpu"]), raw["kind"], str(raw.get("device", raw["gpu"])), where,
                        _mean_duplicates(gemm, 3), _mean_duplicates(attention, 4),
-                       scalars["hbm_gbps"], scalars["launch_us"])
+                       scalars["hbm_gbps"], scalars["launch_us"],
+                       {k: _mean_duplicates(v, 4) for k, v in other.items()})
 
 
 def _with_compute_of(raw: dict, bad) -> dict:
