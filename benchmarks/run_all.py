@@ -61,6 +61,7 @@ JOBS: list[tuple[str, str, list[str]]] = [
      ["--tps", "1,2", "--prompt-len", "512", "--new-tokens", "32", "--repeats", "3"]),
     ("gpt2_vs_transformers", "gpt2_vs_transformers.py",
      ["--layers", "2", "--steps", "12", "--threads", "1"]),
+    ("ps_parity", "ps_parity.py", ["--steps", "100"]),
 ]
 
 
