@@ -47,8 +47,10 @@ GOAL_MEAN, GOAL_MAX = 0.08, 0.20
 # TinyLlama's fused rotary/SwiGLU/loss); Megatron-style selective recompute reruns the
 # attention core only.
 # llm-foundry's benchmark script runs MPT with `attn_impl: triton` unless told otherwise (the
-# Triton FlashAttention of 2023); its rate is published for the A100 only, so on other GPUs
-# those rows keep FlashAttention-2's rate and say so (`unpriced`).
+# Triton FlashAttention of 2023); flash-attention's training table is FlashAttention 1's (its
+# 189 TFLOP/s headline is the FlashAttention column of the FlashAttention-2 paper's Table 1).
+# Both kernels' rates are published for the A100 only, so on other GPUs such rows keep
+# FlashAttention-2's rate and say so (`unpriced`).
 # NeMo's recipes set gradient_accumulation_fusion (the weight-gradient GEMM adds into the fp32
 # main gradient); Megatron-LM 2021's paper lists no such fusion, so its rows pay the pass.
 TRAINER_IMPL = {
@@ -57,9 +59,9 @@ TRAINER_IMPL = {
     "nemo": {"compile": True, "tp_overlap": True, "dp_overlap": True,
              "selective_elementwise": False, "fused_grad_accumulation": True},
     "megatron-deepspeed": {"compile": True, "selective_elementwise": False},
-    "flash-attention": {"compile": True},
+    "flash-attention": {"compile": True, "attention_kernel": "fa1"},
     "tinyllama": {"compile": True},
-    "llm-foundry": {"compile": False, "triton_attention": True},
+    "llm-foundry": {"compile": False, "attention_kernel": "triton"},
     "torchtitan": {"compile": False, "op_sac": True},
 }
 
@@ -166,10 +168,11 @@ def published_rows(path: Path = RUNS) -> list[dict]:
         impl.update(run.get("implementation") or {})
         unpriced = {}
         table = kernel_table.for_gpu(run["gpu"])
-        if impl.get("triton_attention") and not (table and table.other_attention.get("triton")):
-            impl["triton_attention"] = False
-            unpriced["unpriced"] = ("triton_attention: no published Triton FlashAttention rate "
-                                    f"for {run['gpu']}, priced as FlashAttention-2")
+        kernel = impl.get("attention_kernel", "fa2")
+        if kernel != "fa2" and not (table and table.other_attention.get(kernel)):
+            impl["attention_kernel"] = "fa2"
+            unpriced["unpriced"] = (f"attention_kernel={kernel}: no published rate for "
+                                    f"{run['gpu']}, priced as FlashAttention-2")
         # A row's `compile` says whether torch.compile was on. On, it fuses what the trainer
         # left unfused; off, the trainer's own kernels stand (hand-fused ones included).
         if run.get("compile"):

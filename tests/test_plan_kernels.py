@@ -87,21 +87,29 @@ def test_another_attention_kernel_runs_at_its_published_ratio_to_flashattention2
 
 
 def test_the_triton_kernel_is_an_implementation_option_where_a_table_publishes_it():
-    """`--fix triton_attention=true` slows the attention of an A100 plan by the published
-    Triton / FlashAttention-2 ratio and nothing else; on an H100 (no published Triton rate) the
-    plan says so in one line."""
+    """`--fix attention_kernel=triton` (or fa1) slows the attention of an A100 plan by the
+    published ratio to FlashAttention-2 and nothing else; on an H100 (no published Triton rate)
+    the plan says so in one line."""
     shape, lay = PRESETS["llama3-1b"], Layout(dp=8, zero=3, micro_batch=4)
     fa2 = evaluate(shape, lay, make_cluster("a100-80g", 8), 2048, 32)
     tri = evaluate(shape, lay, make_cluster("a100-80g", 8), 2048, 32,
-                   impl=Implementation(triton_attention=True))
+                   impl=Implementation(attention_kernel="triton"))
+    fa1 = evaluate(shape, lay, make_cluster("a100-80g", 8), 2048, 32,
+                   impl=Implementation(attention_kernel="fa1"))
     a, b = fa2.timing.detail["compute_s"], tri.timing.detail["compute_s"]
     assert b["gemm"] == a["gemm"] and b["elementwise"] == a["elementwise"]
     # Fig. 4(c) of the FlashAttention-2 paper at 2k: Triton 79, FlashAttention-2 140 TFLOP/s.
     assert b["attention"] == pytest.approx(a["attention"] * 140 / 79)
+    # FlashAttention 1 in the same figure: 77 TFLOP/s at 2k.
+    assert fa1.timing.detail["compute_s"]["attention"] == pytest.approx(
+        a["attention"] * 140 / 77)
+    assert parse_fix("attention_kernel=fa1") == {"attention_kernel": "fa1"}
+    with pytest.raises(PlanError, match="attention_kernel=fa3 must be one of fa2, fa1, triton"):
+        parse_fix("attention_kernel=fa3")
     assert fa2.memory.total == tri.memory.total
     with pytest.raises(PlanError, match="h100: no 'triton' attention rows .*a100-80g"):
         evaluate(shape, lay, make_cluster("h100", 8), 2048, 32,
-                 impl=Implementation(triton_attention=True))
+                 impl=Implementation(attention_kernel="triton"))
 
 
 def test_attention_flops_follow_flashattention():

@@ -166,7 +166,7 @@ def block_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, e: int, f
         for direction, cost in (("fwd", att), ("bwd", bwd)):
             fl = attention_flops(bh, s, kv_len, shape.head_dim, not windowed, direction)
             cost.attention += rates.attention(fl, s, shape.head_dim, True, direction,
-                                              "triton" if impl.triton_attention else "fa2")
+                                              impl.attention_kernel)
     else:  # the unfused core: batched GEMMs, every score computed
         qk = Gemm("qk", s, kv_len, shape.head_dim, bh)
         pv = Gemm("pv", s, shape.head_dim, kv_len, bh)

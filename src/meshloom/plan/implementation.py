@@ -30,11 +30,12 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   and reruns the others (a Llama block keeps wq, wv, w1, w2 and reruns wk, wo, w3), keeps the
   attention kernel's outputs, and reruns every elementwise op. Off: meshloom's policy (every
   matmul output kept) or, with `selective_elementwise` off, Korthikanti's.
-- `triton_attention`: the fused attention is the Triton FlashAttention kernel 2023 trainers ran
-  (flash-attn's `flash_attn_triton`, llm-foundry's default `attn_impl: triton`), priced from the
-  kernel table's `triton` rows: FlashAttention-2's rate times the ratio between the two kernels
-  in the benchmark that ran both (plan/kernel_table.py). Off: FlashAttention-2 class kernels
-  (PyTorch SDPA's flash backend, which meshloom uses).
+- `attention_kernel`: which fused attention kernel runs: `fa2` (FlashAttention-2 class, PyTorch
+  SDPA's flash backend, which meshloom uses), `fa1` (FlashAttention 1, 2022 trainers) or
+  `triton` (the Triton FlashAttention of 2023 trainers, flash-attn's `flash_attn_triton`,
+  llm-foundry's default `attn_impl: triton`). The last two are priced from the kernel table's
+  rows of that kernel: FlashAttention-2's rate times the ratio between the two kernels in the
+  benchmark that ran both (plan/kernel_table.py).
 - `meshloom_block`: a Llama or GPT-2 block's activation memory is what meshloom's own block
   keeps in bf16, counted tensor by tensor from its autograd graph: unsharded, under autocast
   with fp32 parameters (fp32 residual stream and norm internals, one bf16 copy of a norm's
@@ -64,7 +65,7 @@ class Implementation:
     meshloom_block: bool = True
     op_sac: bool = False
     fused_grad_accumulation: bool = False
-    triton_attention: bool = False
+    attention_kernel: str = "fa2"
 
     @property
     def elementwise(self) -> str:
@@ -88,6 +89,10 @@ def parse_bool(key: str, value: str) -> bool:
     if v not in TRUE + FALSE:
         raise PlanError(f"--fix: {key}={value} must be true or false")
     return v in TRUE
+
+
+ATTENTION_KERNELS = ("fa2", "fa1", "triton")
+STR_IMPL_KEYS = ("attention_kernel",)
 
 
 def split_fix(fixed: dict) -> tuple[dict, Implementation]:

@@ -19,8 +19,9 @@ A shape measured by several sources is one point, their mean. Lookups between po
   sequence lengths, clamped at the ends; the nearest head width when the asked one is missing.
   A missing `bwd` row is derived from `fwd` and `fwd_bwd` at the same point (FlashAttention's
   FLOP convention: bwd = 2.5 x fwd, fwd_bwd = 3.5 x fwd, so the times subtract).
-- Other attention kernels (rows with `"kernel"`, e.g. `"triton"`: the Triton FlashAttention of
-  2023 trainers) are published beside FlashAttention-2 in the same benchmark, for fewer shapes.
+- Other attention kernels (rows with `"kernel"`: `"fa1"`, FlashAttention 1; `"triton"`, the
+  Triton FlashAttention of 2023 trainers) are published beside FlashAttention-2 in the same
+  benchmark, for fewer shapes.
   Such a kernel runs at FlashAttention-2's rate for the asked shape times its ratio to
   FlashAttention-2 in the nearest series it was published for (head width, mask, direction),
   at the asked sequence length: the shape dependence the table knows, scaled by what the
@@ -40,7 +41,7 @@ from meshloom.plan import PlanError
 TABLE_DIR = Path(__file__).resolve().parent / "kernels"
 GEMM_NEIGHBOURS = 4
 DIRECTIONS = ("fwd", "bwd", "fwd_bwd")
-ATTENTION_KERNELS = ("fa2", "triton")  # "fa2": FlashAttention-2 class (SDPA's flash backend)
+ATTENTION_KERNELS = ("fa2", "fa1", "triton")  # "fa2": FlashAttention-2 class (SDPA's flash)
 # FlashAttention's FLOP convention (per direction, relative to one forward).
 ATTENTION_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
 

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, fields
 
 from meshloom.parallel.pipeline_schedule import SCHEDULES
 from meshloom.plan import PlanError
-from meshloom.plan.implementation import IMPL_KEYS, parse_bool
+from meshloom.plan.implementation import ATTENTION_KERNELS, IMPL_KEYS, STR_IMPL_KEYS, parse_bool
 
 RECOMPUTE = ("none", "selective", "full")
 DTYPES = ("bf16", "fp32")
@@ -60,8 +60,8 @@ class Layout:
 
 
 INT_KEYS = ("tp", "pp", "dp", "cp", "dp_replicate", "micro_batch", "zero", "v", "ep")
-BOOL_KEYS = ("sp",) + IMPL_KEYS
-FIX_KEYS = INT_KEYS + ("recompute", "schedule") + BOOL_KEYS
+BOOL_KEYS = ("sp",) + tuple(k for k in IMPL_KEYS if k not in STR_IMPL_KEYS)
+FIX_KEYS = INT_KEYS + ("recompute", "schedule") + STR_IMPL_KEYS + BOOL_KEYS
 
 
 def parse_fix(text: str) -> dict:
@@ -84,7 +84,8 @@ def parse_fix(text: str) -> dict:
         elif key in BOOL_KEYS:
             out[key] = parse_bool(key, value)
         else:
-            options = RECOMPUTE if key == "recompute" else SCHEDULES
+            options = {"recompute": RECOMPUTE,
+                       "attention_kernel": ATTENTION_KERNELS}.get(key, SCHEDULES)
             if value not in options:
                 raise PlanError(f"--fix: {key}={value} must be one of {', '.join(options)}")
             out[key] = value
