@@ -30,8 +30,9 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   and reruns the others (a Llama block keeps wq, wv, w1, w2 and reruns wk, wo, w3), keeps the
   attention kernel's outputs, and reruns every elementwise op. Off: meshloom's policy (every
   matmul output kept) or, with `selective_elementwise` off, Korthikanti's.
-- `attention_kernel`: which fused attention kernel runs: `fa2` (FlashAttention-2 class, PyTorch
-  SDPA's flash backend, which meshloom uses), `fa1` (FlashAttention 1, 2022 trainers) or
+- `attention_kernel`: which fused attention kernel runs (kernel_table.ATTENTION_KERNELS):
+  `fa2` (FlashAttention-2 class, PyTorch SDPA's flash backend, which meshloom uses), `fa1`
+  (FlashAttention 1, 2022 trainers) or
   `triton` (the Triton FlashAttention of 2023 trainers, flash-attn's `flash_attn_triton`,
   llm-foundry's default `attn_impl: triton`). The last two are priced from the kernel table's
   rows of that kernel: FlashAttention-2's rate times the ratio between the two kernels in the
@@ -91,7 +92,6 @@ def parse_bool(key: str, value: str) -> bool:
     return v in TRUE
 
 
-ATTENTION_KERNELS = ("fa2", "fa1", "triton")
 STR_IMPL_KEYS = ("attention_kernel",)
 
 

@@ -7,7 +7,8 @@ from dataclasses import asdict, dataclass, fields
 
 from meshloom.parallel.pipeline_schedule import SCHEDULES
 from meshloom.plan import PlanError
-from meshloom.plan.implementation import ATTENTION_KERNELS, IMPL_KEYS, STR_IMPL_KEYS, parse_bool
+from meshloom.plan.implementation import IMPL_KEYS, STR_IMPL_KEYS, parse_bool
+from meshloom.plan.kernel_table import ATTENTION_KERNELS
 
 RECOMPUTE = ("none", "selective", "full")
 DTYPES = ("bf16", "fp32")
