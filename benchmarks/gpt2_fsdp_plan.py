@@ -8,8 +8,6 @@ whether it fits. No hardware is measured (docs/gpt2_fsdp.md reads the result).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import sys
 from pathlib import Path
@@ -17,6 +15,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _launch import provenance  # noqa: E402
+from planner_examples import printed  # noqa: E402
 
 MODELS = ("gpt2-large", "gpt2-xl")
 STRATEGIES = {"ddp": 0, "fsdp": 3}
@@ -30,14 +29,7 @@ def plan_args(model: str, zero: int, micro: int, gpu: str, seq: int) -> list[str
 
 
 def run_plan(argv: list[str]) -> dict:
-    from meshloom.commands import main
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        rc = main(argv)
-    if rc != 0:
-        raise SystemExit(f"meshloom {' '.join(argv)} failed ({rc})")
-    return json.loads(out.getvalue())
+    return json.loads(printed(argv))
 
 
 def main(argv: list[str] | None = None) -> dict:

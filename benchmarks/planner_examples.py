@@ -19,8 +19,7 @@ import json
 import shlex
 from pathlib import Path
 
-from meshloom.commands import build_parser
-from meshloom.commands.plan import run
+from meshloom.commands import main
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "results" / "planner"
@@ -58,25 +57,25 @@ EXAMPLES: dict[str, str] = {
 WORKED = "llama3_70b_64xh100"
 
 
-def _printed(argv: list[str]) -> str:
-    """What `meshloom plan ARGV` prints, run in this process."""
+def printed(argv: list[str]) -> str:
+    """What `meshloom ARGV` prints, run in this process."""
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        code = run(build_parser().parse_args(["plan", *argv]))
+        code = main(argv)
     if code != 0:
-        raise SystemExit(f"meshloom plan {' '.join(argv)}: exit {code}")
+        raise SystemExit(f"meshloom {' '.join(argv)}: exit {code}")
     return buf.getvalue()
 
 
 def plan_json(name: str) -> dict:
     """The example's `--json` output, parsed."""
-    return json.loads(_printed([*shlex.split(EXAMPLES[name]), "--json"]))
+    return json.loads(printed(["plan", *shlex.split(EXAMPLES[name]), "--json"]))
 
 
 def worked_text() -> str:
     """The worked example as docs/plan.md shows it: the command, its table and `--explain`."""
     argv = f"{EXAMPLES[WORKED]} --explain"
-    return f"$ meshloom plan {argv}\n" + _printed(shlex.split(argv))
+    return f"$ meshloom plan {argv}\n" + printed(["plan", *shlex.split(argv)])
 
 
 def render(text: str) -> str:
