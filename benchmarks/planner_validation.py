@@ -178,17 +178,22 @@ def published_rows(path: Path = RUNS) -> list[dict]:
         if run.get("compile"):
             impl["compile"] = True
         fixed.update(impl)
-        variant = f"-{run['variant']}" if run.get("variant") else ""
-        rows.append(_row(f"published-{run['gpu']}{variant}", run["id"], run["gpu"], run["gpus"],
-                         shape,
-                         run["seq"], run["global_batch"], fixed,
-                         run["published"]["tokens_per_s_per_gpu"],
-                         flash=run.get("attention", "flash") == "flash",
-                         gpus_per_node=run.get("gpus_per_node", 8),
-                         extra={"trainer": run["trainer"], "source": run["source"],
-                                **unpriced},
-                         memory_gb=run.get("gpu_memory_gb")))
+        row = _published_row(run, shape, fixed, {"trainer": run["trainer"],
+                                                 "source": run["source"], **unpriced})
+        if fixed.get("attention_kernel", "fa2") != "fa2":  # what FlashAttention-2 would give
+            row["error_fa2_attention"] = _published_row(
+                run, shape, {**fixed, "attention_kernel": "fa2"}, {})["error"]
+        rows.append(row)
     return rows
+
+
+def _published_row(run: dict, shape, fixed: dict, extra: dict) -> dict:
+    variant = f"-{run['variant']}" if run.get("variant") else ""
+    return _row(f"published-{run['gpu']}{variant}", run["id"], run["gpu"], run["gpus"], shape,
+                run["seq"], run["global_batch"], fixed, run["published"]["tokens_per_s_per_gpu"],
+                flash=run.get("attention", "flash") == "flash",
+                gpus_per_node=run.get("gpus_per_node", 8), extra=extra,
+                memory_gb=run.get("gpu_memory_gb"))
 
 
 def summarise(rows: list[dict]) -> dict:
