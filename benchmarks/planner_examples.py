@@ -31,7 +31,7 @@ _EP8 = "tp=1,pp=1,cp=1,ep=8,zero=2,micro_batch=1,recompute=selective"
 _L70 = "--model llama3-70b --gpus 64 --gpu h100 --seq 8192 --global-batch 256"
 # The worked example's best layout, pinned, for the variants the prose compares it with.
 _BEST = ("tp=4,pp=2,dp=8,cp=1,micro_batch=1,zero=2,recompute=selective,"
-         "schedule=interleaved_1f1b,v=20,sp=true")
+         "schedule=interleaved_1f1b,v=40,sp=true")
 
 EXAMPLES: dict[str, str] = {
     "moe_mixtral_8x7b_64xh100": f"{_MOE} --model mixtral-8x7b --gpus 64 --top 5",

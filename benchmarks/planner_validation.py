@@ -55,9 +55,10 @@ GOAL_MEAN, GOAL_MAX = 0.08, 0.20
 # main gradient); Megatron-LM 2021's paper lists no such fusion, so its rows pay the pass.
 TRAINER_IMPL = {
     "megatron-lm": {"compile": True, "tp_overlap": True, "dp_overlap": True,
-                    "selective_elementwise": False},
+                    "selective_elementwise": False, "pp_split": "even"},
     "nemo": {"compile": True, "tp_overlap": True, "dp_overlap": True,
-             "selective_elementwise": False, "fused_grad_accumulation": True},
+             "selective_elementwise": False, "fused_grad_accumulation": True,
+             "pp_split": "even"},
     "megatron-deepspeed": {"compile": True, "selective_elementwise": False},
     "flash-attention": {"compile": True, "attention_kernel": "fa1"},
     "tinyllama": {"compile": True},
@@ -133,7 +134,7 @@ def megatron_rows() -> list[dict]:
     for row in MEGATRON_TABLE1:
         fixed = {"tp": row["tp"], "pp": row["pp"], "dp": row["gpus"] // (row["tp"] * row["pp"]),
                  "cp": 1, "micro_batch": 1, "zero": 0, "recompute": "full", "sp": False,
-                 "compile": True, "meshloom_block": False,
+                 "compile": True, "meshloom_block": False, "pp_split": "even",
                  **({"schedule": "interleaved_1f1b"} if row["pp"] > 1 else {})}
         shape = PRESETS[row["name"]]
         # Table 1 quotes hardware TFLOP/s (recompute included): as throughput, tokens/s/GPU.

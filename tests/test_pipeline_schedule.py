@@ -3,6 +3,7 @@ stage split. No processes: these are pure functions."""
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
 import pytest
@@ -117,3 +118,39 @@ def test_split_explicit_and_impossible():
         split_layers(6, 2, explicit=[6, 0])
     with pytest.raises(ValueError, match="need at least as many layers"):
         split_layers(3, 4)
+
+
+def _split_by_trying_every_cut(n_layers, n_stages, costs, head):
+    """split_layers' dynamic programme as first written, every j tried: the reference its
+    binary search must reproduce cut for cut (ties included)."""
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    best = [[inf] * (n_layers + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (n_layers + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, n_stages + 1):
+        for i in range(s, n_layers + 1):
+            for j in range(s - 1, i):
+                tail = prefix[i] - prefix[j] + (head if s == n_stages and i == n_layers else 0.0)
+                if max(best[s - 1][j], tail) < best[s][i]:
+                    best[s][i], cut[s][i] = max(best[s - 1][j], tail), j
+    bounds, i = [], n_layers
+    for s in range(n_stages, 0, -1):
+        bounds.append((cut[s][i], i))
+        i = cut[s][i]
+    return bounds[::-1]
+
+
+def test_split_layers_matches_trying_every_cut():
+    rng = random.Random(0)
+    for _ in range(1500):
+        n = rng.randint(1, 24)
+        stages = rng.randint(1, n)
+        kind = rng.random()
+        costs = ([1.0] * n if kind < 0.3 else [float(rng.randint(0, 3)) for _ in range(n)]
+                 if kind < 0.5 else [rng.random() for _ in range(n)])
+        head = rng.choice([0.0, 0.1, 1.0, 2.5, 5 * rng.random()])
+        assert split_layers(n, stages, costs, head) == _split_by_trying_every_cut(
+            n, stages, costs, head), (n, stages, costs, head)

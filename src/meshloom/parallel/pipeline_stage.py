@@ -47,18 +47,44 @@ def split_layers(n_layers: int, n_stages: int, costs: list[float] | None = None,
     def stage_cost(lo: int, hi: int, last: bool) -> float:
         return prefix[hi] - prefix[lo] + (head_cost if last else 0.0)
 
-    # best[s][i]: the smallest possible max stage cost of putting blocks [0, i) into s stages.
+    # best[s][i]: the smallest possible max stage cost of putting blocks [0, i) into s stages;
+    # cut[s][i]: the smallest j that reaches it with blocks [j, i) as stage s. Over j,
+    # best[s - 1][j] never decreases and the cost of [j, i) never increases (costs >= 0, and
+    # floating-point subtraction keeps that order), so the optimum sits where they cross: a
+    # binary search instead of trying every j (the planner splits 100+ layers many times).
     inf = float("inf")
     best = [[inf] * (n_layers + 1) for _ in range(n_stages + 1)]
     cut = [[0] * (n_layers + 1) for _ in range(n_stages + 1)]
     best[0][0] = 0.0
     for s in range(1, n_stages + 1):
-        last = s == n_stages
+        prev = best[s - 1]
         for i in range(s, n_layers + 1):
-            for j in range(s - 1, i):
-                value = max(best[s - 1][j], stage_cost(j, i, last and i == n_layers))
-                if value < best[s][i]:
-                    best[s][i], cut[s][i] = value, j
+            last = s == n_stages and i == n_layers
+
+            def tail(j: int, i: int = i, last: bool = last) -> float:
+                return stage_cost(j, i, last)
+
+            lo, hi = s - 1, i - 1  # the first j with prev[j] >= tail(j), or i if none
+            while lo <= hi:
+                mid = (lo + hi) // 2
+                if prev[mid] >= tail(mid):
+                    hi = mid - 1
+                else:
+                    lo = mid + 1
+            cross = lo
+            value, j_best = (prev[cross], cross) if cross <= i - 1 else (inf, i)
+            if cross > s - 1 and tail(cross - 1) <= value:
+                # Left of the crossing the tail decides; take the first j it ties at.
+                value = tail(cross - 1)
+                lo, hi = s - 1, cross - 1
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    if tail(mid) <= value:
+                        hi = mid
+                    else:
+                        lo = mid + 1
+                j_best = lo
+            best[s][i], cut[s][i] = value, j_best
     bounds, i = [], n_layers
     for s in range(n_stages, 0, -1):
         j = cut[s][i]

@@ -37,6 +37,9 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   llm-foundry's default `attn_impl: triton`). The last two are priced from the kernel table's
   rows of that kernel: FlashAttention-2's rate times the ratio between the two kernels in the
   benchmark that ran both (plan/kernel_table.py).
+- `pp_split`: how the blocks are cut into pipeline stages (plan/stages.py): `balanced`
+  (meshloom: stages of equal training FLOPs, the head counted on the last) or `even` (the same
+  number of blocks per stage, the remainder to the first: Megatron-LM, DeepSpeed).
 - `meshloom_block`: a Llama or GPT-2 block's activation memory is what meshloom's own block
   keeps in bf16, counted tensor by tensor from its autograd graph: unsharded, under autocast
   with fp32 parameters (fp32 residual stream and norm internals, one bf16 copy of a norm's
@@ -67,6 +70,7 @@ class Implementation:
     op_sac: bool = False
     fused_grad_accumulation: bool = False
     attention_kernel: str = "fa2"
+    pp_split: str = "balanced"
 
     @property
     def elementwise(self) -> str:
@@ -92,7 +96,7 @@ def parse_bool(key: str, value: str) -> bool:
     return v in TRUE
 
 
-STR_IMPL_KEYS = ("attention_kernel",)
+STR_IMPL_KEYS = ("attention_kernel", "pp_split")
 
 
 def split_fix(fixed: dict) -> tuple[dict, Implementation]:

@@ -9,6 +9,7 @@ from meshloom.parallel.pipeline_schedule import SCHEDULES
 from meshloom.plan import PlanError
 from meshloom.plan.implementation import IMPL_KEYS, STR_IMPL_KEYS, parse_bool
 from meshloom.plan.kernel_table import ATTENTION_KERNELS
+from meshloom.plan.stages import PP_SPLITS
 
 RECOMPUTE = ("none", "selective", "full")
 DTYPES = ("bf16", "fp32")
@@ -85,8 +86,8 @@ def parse_fix(text: str) -> dict:
         elif key in BOOL_KEYS:
             out[key] = parse_bool(key, value)
         else:
-            options = {"recompute": RECOMPUTE,
-                       "attention_kernel": ATTENTION_KERNELS}.get(key, SCHEDULES)
+            options = {"recompute": RECOMPUTE, "attention_kernel": ATTENTION_KERNELS,
+                       "pp_split": PP_SPLITS}.get(key, SCHEDULES)
             if value not in options:
                 raise PlanError(f"--fix: {key}={value} must be one of {', '.join(options)}")
             out[key] = value

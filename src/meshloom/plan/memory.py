@@ -37,6 +37,7 @@ from meshloom.plan.moe import (
     ffn_tokens,
     load_factor,
 )
+from meshloom.plan.stages import rank_layers, stage_layers
 from meshloom.plan.step_kernels import ATTENTION_GEMMS, block_gemms
 
 # The CUDA context plus library workspaces (cuBLAS, NCCL) per GPU, outside the allocator's
@@ -69,13 +70,15 @@ def rank_params(shape: ModelShape, lay: Layout, rank: int) -> float:
     return dense + experts
 
 
-def rank_param_split(shape: ModelShape, lay: Layout, rank: int) -> tuple[float, float]:
+def rank_param_split(shape: ModelShape, lay: Layout, rank: int, layers: int | None = None
+                     ) -> tuple[float, float]:
     """`rank_params` as (dense, routed experts): the first part ZeRO shards over dp_shard, the
-    second over the expert shard degree (moe.expert_shard); 0 experts for a dense model."""
+    second over the expert shard degree (moe.expert_shard); 0 experts for a dense model.
+    `layers`: the blocks this rank holds (plan/stages.py); by default the even split's most."""
     t = lay.tp
     split = shape.tp_split_params
     small = shape.layer_params - split - shape.expert_layer_params
-    layers = layers_on_rank(shape, lay.pp)
+    layers = layers_on_rank(shape, lay.pp) if layers is None else layers
     n = layers * (split / t + small)
     table = shape.vocab * shape.hidden
     if rank == 0:
@@ -87,10 +90,11 @@ def rank_param_split(shape: ModelShape, lay: Layout, rank: int) -> tuple[float, 
     return n, layers * shape.expert_layer_params / lay.ep
 
 
-def rank_model_states(shape: ModelShape, lay: Layout, rank: int, prec) -> dict[str, float]:
+def rank_model_states(shape: ModelShape, lay: Layout, rank: int, prec,
+                      layers: int | None = None) -> dict[str, float]:
     """Per-GPU bytes of params, grads and optimizer state: the dense part sharded by ZeRO over
     dp_shard, the routed experts (already split over ep) over the expert shard degree."""
-    dense, experts = rank_param_split(shape, lay, rank)
+    dense, experts = rank_param_split(shape, lay, rank, layers)
     states = model_state_bytes(dense, lay.dp_shard, lay.zero, prec)
     if experts:
         more = model_state_bytes(experts, expert_shard(lay), lay.zero, prec)
@@ -403,7 +407,7 @@ def final_norm_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype: str,
 
 
 def weight_copy_bytes(shape: ModelShape, lay: Layout, rank: int, dtype: str,
-                      impl: Implementation | None) -> float:
+                      impl: Implementation | None, layers: int | None = None) -> float:
     """autocast's bf16 copies of the fp32 weight matrices, which the matmuls save for backward
     (meshloom's block without recompute: with recompute the copies die with the forward). Not
     with ZeRO, whose working parameters are bf16 already. An MoE block's grouped GEMMs save
@@ -411,10 +415,10 @@ def weight_copy_bytes(shape: ModelShape, lay: Layout, rank: int, dtype: str,
     if (not uses_meshloom_block(shape, dtype, impl) or lay.recompute != "none"
             or lay.zero):
         return 0.0
-    n = layers_on_rank(shape, lay.pp) * shape.tp_split_params / lay.tp
+    layers = layers_on_rank(shape, lay.pp) if layers is None else layers
+    n = layers * shape.tp_split_params / lay.tp
     if shape.is_moe:  # the router, shared expert and this rank's experts (whole on every tp rank)
-        n += layers_on_rank(shape, lay.pp) * (shape.moe_dense_ffn_params
-                                              + shape.expert_layer_params / lay.ep)
+        n += layers * (shape.moe_dense_ffn_params + shape.expert_layer_params / lay.ep)
     if rank == lay.pp - 1:
         n += shape.vocab * shape.hidden / lay.tp
     return 2 * n
@@ -423,24 +427,35 @@ def weight_copy_bytes(shape: ModelShape, lay: Layout, rank: int, dtype: str,
 @lru_cache(maxsize=4096)
 def in_flight(schedule: str, pp: int, m: int, v: int) -> tuple[float, float]:
     """For the first and the last pipeline rank, the most micro-batch x chunk activations
-    alive at once, in units of one rank's whole share of layers (a chunk counts 1/v). Walked on
-    the schedule's action lists: a forward adds its chunk, the backward that consumes it (W for
-    zero-bubble, which still needs the inputs) removes it."""
+    alive at once, in units of one rank's whole share of layers (a chunk counts 1/v)."""
     if pp == 1:
         return (1.0,)
+    peaks = alive_layers(schedule, pp, m, v, (1,) * (pp * v), (0, pp - 1))
+    return tuple(peak / v for peak in peaks)
+
+
+@lru_cache(maxsize=4096)
+def alive_layers(schedule: str, pp: int, m: int, v: int, stages: tuple[int, ...],
+                 ranks: tuple[int, ...]) -> tuple[int, ...]:
+    """For each of `ranks`, the most layer x micro-batch activations alive at once, the stages
+    holding `stages` blocks each. Walked on the schedule's action lists: a forward adds its
+    stage's blocks, the backward that consumes them (W for zero-bubble, which still needs the
+    inputs) removes them."""
+    if pp == 1:
+        return (stages[0],) * len(ranks)
     if schedule != "gpipe":  # the peak is reached within the warm-up; more changes nothing
         rounds = -(-(3 * pp + v * pp) // (v * pp))
         m = min(m, rounds * pp)
     peaks = []
-    for acts in compute_lists(schedule, pp, m, v, ranks=(0, pp - 1)):
+    for acts in compute_lists(schedule, pp, m, v, ranks=ranks):
         alive = peak = 0
         for act in acts:
             if act.kind == "F":
-                alive += 1
+                alive += stages[act.stage]
             elif act.kind in ("B", "W"):
-                alive -= 1
+                alive -= stages[act.stage]
             peak = max(peak, alive)
-        peaks.append(peak / v)
+        peaks.append(peak)
     return tuple(peaks)
 
 
@@ -497,10 +512,13 @@ class Memory:
 
 def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
                    dtype: str = "bf16", flash: bool = True,
-                   impl: Implementation = MESHLOOM) -> Memory:
+                   impl: Implementation = MESHLOOM,
+                   stages: tuple[int, ...] | None = None) -> Memory:
     """Peak bytes on the fullest GPU of the layout, run as `impl` says. Gradients count unless
     the loop frees them between steps (`grad_clip` off) and one micro-batch on one stage makes
-    the step's peak fall at the start of the backward, before any gradient is written."""
+    the step's peak fall at the start of the backward, before any gradient is written.
+    `stages`: blocks per pipeline stage, if the run fixes them (`parallel.pp_layers`); else
+    the implementation's split (plan/stages.py)."""
     if impl.meshloom_block and not flash:
         # meshloom's blocks always call SDPA: a plan with eager attention is another stack's,
         # counted Korthikanti's way throughout (block, loss, final norm, no autocast copies).
@@ -509,29 +527,33 @@ def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
     if impl.meshloom_block and lay.zero == 0:
         prec = FP32  # unsharded, meshloom's parameters are the fp32 masters (autocast computes)
     s, b, m = seq // lay.cp, lay.micro_batch, lay.microbatches(global_batch)
-    flight = in_flight(lay.schedule if lay.pp > 1 else "1f1b", lay.pp, m, lay.v)
-    first, last = flight[0], flight[-1]
+    if stages is None:
+        stages = stage_layers(shape, lay.pp, lay.v, seq, impl.pp_split)
+    held = rank_layers(stages, lay.pp)
+    # Middle ranks hold no embedding or head and at most the first rank's micro-batches in
+    # flight, so the fullest GPU is the first or last pipeline rank, or one holding more
+    # blocks than the first.
+    ranks = tuple(sorted({0, lay.pp - 1} | {r for r in range(lay.pp) if held[r] > held[0]}))
+    alive = dict(zip(ranks, alive_layers(lay.schedule if lay.pp > 1 else "1f1b", lay.pp, m,
+                                         lay.v, stages, ranks), strict=True))
     per_layer = layer_activation_bytes(shape, s, b, lay, dtype, flash, impl=impl)
     working = (layer_activation_bytes(shape, s, b, lay, dtype, flash, recompute="none",
                                       impl=impl)
                if lay.recompute == "full" else 0.0)  # one layer recomputed during backward
     grads_at_peak = impl.grad_clip or m > 1 or lay.pp > 1
     best = None
-    # Middle ranks hold no embedding or head and at most the first rank's micro-batches in
-    # flight, so the fullest GPU is on the first or the last pipeline rank.
-    for rank in sorted({0, lay.pp - 1}):
-        states = rank_model_states(shape, lay, rank, prec)
-        alive = first if rank == 0 else last
-        acts = alive * layers_on_rank(shape, lay.pp) * per_layer
+    for rank in ranks:
+        states = rank_model_states(shape, lay, rank, prec, held[rank])
+        acts = alive[rank] * per_layer
         if rank == 0 and shape.has_dropout:  # the embedding dropout's 1-byte mask; the
             # embedding's output itself is the first block's input, counted there (SP: a slice)
-            acts += alive * s * b * shape.hidden / (lay.tp if lay.sp else 1)
+            acts += (alive[rank] / held[0]) * s * b * shape.hidden / (lay.tp if lay.sp else 1)
         # The loss's backward is over before the last block's recompute starts: the rank's peak
         # holds one or the other.
         loss = (logits_bytes(shape, s, b, lay, dtype, impl)
                 + final_norm_bytes(shape, s, b, lay, dtype, impl)) if rank == lay.pp - 1 else 0.0
         acts += max(loss, working)
-        acts += weight_copy_bytes(shape, lay, rank, dtype, impl)
+        acts += weight_copy_bytes(shape, lay, rank, dtype, impl, held[rank])
         buffers = _buffers(shape, lay, s, b, dtype)
         mem = Memory(states["params"], states["grads"] if grads_at_peak else 0.0,
                      states["optimizer"], acts, buffers, CONTEXT_BYTES, rank,
@@ -589,4 +611,4 @@ def predict_run_memory(llama_cfg, cfg, dims, micro_batch: int) -> Memory:
         shape = from_llama_config(llama_cfg, "run")
     impl = Implementation(compile=bool(getattr(cfg.train, "compile", False)))
     return memory_per_gpu(shape, lay, cfg.data.seq_len, cfg.train.global_batch, dtype,
-                          impl=impl)
+                          impl=impl, stages=tuple(p.pp_layers) or None)

@@ -53,6 +53,7 @@ from meshloom.plan.moe import (
     load_factor,
 )
 from meshloom.plan.reruns import dispatch_reruns, ring_reruns, tp_reruns
+from meshloom.plan.stages import rank_layers, stage_layers
 
 SIMULATE_LIMIT = 6000  # GPipe: micro-batches x stages simulated directly before extrapolating
 # Cluster.action_cv > 0: the expected span is the mean of this many seeded simulations (the
@@ -164,22 +165,28 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     tp_only = tp_f + tp_b
     tp_f, tp_b = tp_f + ep_f, tp_b + ep_b  # priced like TP's: on the critical path
 
-    layers = layers_on_rank(shape, p)
+    # Blocks per stage as the training code cuts them (plan/stages.py); stage s on rank s % p.
+    stages = stage_layers(shape, p, v, seq, impl.pp_split)
+    held = rank_layers(stages, p)
     head_f, head_b = head_cost(shape, lay, rates, seq, impl)
-    chunk_layers = layers / v
-    f_chunk = chunk_layers * (f_layer + tp_f + cp_f)
-    b_chunk = chunk_layers * (b_layer + tp_b + cp_b)
     n_stages = p * v
 
     def cost(a: Action, comm: bool = True) -> float:
-        last = a.stage == n_stages - 1
+        last, n = a.stage == n_stages - 1, stages[a.stage]
         if a.kind == "F":
-            c = chunk_layers * (f_layer + (tp_f + cp_f) * comm) + (head_f if last else 0.0)
+            c = n * (f_layer + (tp_f + cp_f) * comm) + (head_f if last else 0.0)
         else:
-            c = chunk_layers * (b_layer + (tp_b + cp_b) * comm) + (head_b if last else 0.0)
+            c = n * (b_layer + (tp_b + cp_b) * comm) + (head_b if last else 0.0)
             if a.kind in ("I", "W"):  # zero-bubble halves: I carries the comm
-                c = c / 2 if a.kind == "W" else c / 2 + chunk_layers * (tp_b + cp_b) * comm / 2
+                c = c / 2 if a.kind == "W" else c / 2 + n * (tp_b + cp_b) * comm / 2
         return c
+
+    def work(r: int) -> float:  # one micro-batch's compute and comm on pipeline rank r
+        return held[r] * (f_layer + tp_f + cp_f + b_layer + tp_b + cp_b) + (
+            head_f + head_b if r == p - 1 else 0.0)
+
+    busiest = max(range(p), key=lambda r: (work(r), r))  # a tie goes to the last (the head)
+    layers = held[busiest]
 
     hop_pp = 0.0
     if p > 1:
@@ -187,8 +194,7 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
         act = tokens * shape.hidden * e / (t if lay.sp else 1)
         hop_pp = act / cluster.link_bandwidth(2, stride)
 
-    # Busiest rank: the last (it also runs the head).
-    busy_mb = v * (f_chunk + b_chunk) + head_f + head_b
+    busy_mb = work(busiest)
     comm_mb = layers * (tp_f + tp_b + cp_f + cp_b)
     ep_total = m * layers * (ep_f + ep_b)
     tp_total = m * layers * tp_only
@@ -216,18 +222,14 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     kinds = ("F", "I", "W") if lay.schedule == "zb_h1" else ("F", "B")
     mean_busy = m * sum(cost(Action(k, st, 0)) for st in range(n_stages) for k in kinds) / p
 
-    dp = _dp_time(shape, lay, cluster, dtype, m, v * f_chunk, v * b_chunk, impl)
-    dense, experts = rank_param_split(shape, lay, p - 1)
-    opt_params = dense / (lay.dp_shard if lay.zero else 1)
-    if experts:
-        opt_params += experts / (expert_shard(lay) if lay.zero else 1)
-    clip_params = opt_params if lay.zero >= 2 else dense + experts  # ZeRO-2/3 keep a shard
-    optimizer = optimizer_seconds(opt_params, clip_params if impl.grad_clip else 0.0, rates)
-    additions = 0 if impl.fused_grad_accumulation else m if impl.grad_clip else m - 1
-    # meshloom's own ZeRO-1 keeps whole bf16 gradients; other trainers accumulate in fp32.
-    bf16_grads = impl.meshloom_block and lay.zero == 1 and dtype == "bf16"
-    accumulate = accumulate_seconds(clip_params, additions, rates, 2 if bf16_grads else 4)
-    optimizer += accumulate
+    # After the pipeline drains, each rank reduces and steps its own parameters: the step ends
+    # with the slowest, the last rank (the head's) or the one holding the most blocks.
+    dp, optimizer, accumulate = max(
+        (_after_backward(shape, lay, cluster, dtype, m, r, held[r],
+                         held[r] * (f_layer + tp_f + cp_f), held[r] * (b_layer + tp_b + cp_b),
+                         rates, impl)
+         for r in sorted({p - 1, held.index(max(held))}, reverse=True)),
+        key=lambda d: d[0]["exposed"] + d[1])
 
     total = span + dp["exposed"] + optimizer
     mf = model_flops(shape, seq, global_batch)
@@ -254,8 +256,28 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
                   hw, ep_total, shape.is_moe, detail)
 
 
+def _after_backward(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: int,
+                    rank: int, layers: int, f_mb: float, b_mb: float, rates,
+                    impl: Implementation) -> tuple[dict, float, float]:
+    """Pipeline rank `rank`'s data-parallel communication (`_dp_time`), and its optimizer step
+    with the gradient accumulation passes (seconds; the second includes the third)."""
+    dp = _dp_time(shape, lay, cluster, dtype, m, f_mb, b_mb, impl, rank, layers)
+    dense, experts = rank_param_split(shape, lay, rank, layers)
+    opt_params = dense / (lay.dp_shard if lay.zero else 1)
+    if experts:
+        opt_params += experts / (expert_shard(lay) if lay.zero else 1)
+    clip_params = opt_params if lay.zero >= 2 else dense + experts  # ZeRO-2/3 keep a shard
+    optimizer = optimizer_seconds(opt_params, clip_params if impl.grad_clip else 0.0, rates)
+    additions = 0 if impl.fused_grad_accumulation else m if impl.grad_clip else m - 1
+    # meshloom's own ZeRO-1 keeps whole bf16 gradients; other trainers accumulate in fp32.
+    bf16_grads = impl.meshloom_block and lay.zero == 1 and dtype == "bf16"
+    accumulate = accumulate_seconds(clip_params, additions, rates, 2 if bf16_grads else 4)
+    return dp, optimizer + accumulate, accumulate
+
+
 def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: int,
-             f_mb: float, b_mb: float, impl: Implementation = MESHLOOM) -> dict:
+             f_mb: float, b_mb: float, impl: Implementation = MESHLOOM,
+             rank: int | None = None, layers: int | None = None) -> dict:
     """Data-parallel communication per step: {"exposed", "total", "ops"} seconds, as the
     implementation runs it. meshloom: DDP all-reduces in buckets during the last micro-batch's
     backward (hidden up to that backward's length), over dp x cp ranks; ZeRO-1 reduce-scatters
@@ -272,7 +294,9 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     ranks apart) and all-reduces the shard over dp_replicate; cp is inside edp_shard, so no cp
     average."""
     none = {"exposed": 0.0, "total": 0.0, "ops": {}}
-    dense, experts = rank_param_split(shape, lay, lay.pp - 1)
+    rank = lay.pp - 1 if rank is None else rank
+    layers = layers_on_rank(shape, lay.pp) if layers is None else layers
+    dense, experts = rank_param_split(shape, lay, rank, layers)
     if lay.ep == 1:  # no expert groups: the experts are ordinary parameters
         dense, experts = dense + experts, 0.0
     if lay.dp <= 1 and not experts:
@@ -312,7 +336,7 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
         else:
             out += m * _exposed(rs, b_mb) + ag
     else:
-        units = max(1, layers_on_rank(shape, lay.pp))
+        units = max(1, layers)
         ops = {"all_gather": 2 * m * ag, "reduce_scatter": m * rs}
         if impl.fsdp_prefetch:
             out += m * (_exposed(ag, f_mb) + _exposed(ag + rs, b_mb) + ag / units)
