@@ -35,7 +35,7 @@ from meshloom.plan.layout import RECOMPUTE, Layout
 from meshloom.plan.memory import Memory, act_elem_bytes, memory_per_gpu, rank_param_split
 from meshloom.plan.models import ModelShape
 from meshloom.plan.moe import summary as moe_summary
-from meshloom.plan.stages import stage_layers
+from meshloom.plan.stages import rank_layers, stage_layers
 from meshloom.plan.timing import Timing, step_time
 from meshloom.validation import layout_problem
 
@@ -189,8 +189,8 @@ def evaluate(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global_
                     impl=impl)
     moe = None
     if shape.is_moe:
-        last = stage_layers(shape, lay.pp, lay.v, seq, impl.pp_split)[lay.pp - 1::lay.pp]
-        dense, experts = rank_param_split(shape, lay, lay.pp - 1, sum(last))
+        held = rank_layers(stage_layers(shape, lay.pp, lay.v, seq, impl.pp_split), lay.pp)
+        dense, experts = rank_param_split(shape, lay, lay.pp - 1, held[-1])
         moe = moe_summary(shape, lay, cluster, seq, lay.microbatches(global_batch),
                           act_elem_bytes(dtype), dense, experts, tim.ep, impl)
     return Candidate(lay, mem, tim, cluster.gpu.memory_gb * 1e9, cluster.n_gpus,

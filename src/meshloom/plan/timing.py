@@ -39,7 +39,7 @@ from meshloom.plan.compute import (
 from meshloom.plan.hardware import OVERLAP_SLOWDOWN, Cluster, ring_time
 from meshloom.plan.implementation import MESHLOOM, Implementation
 from meshloom.plan.layout import Layout
-from meshloom.plan.memory import act_elem_bytes, layers_on_rank, precision, rank_param_split
+from meshloom.plan.memory import act_elem_bytes, precision, rank_param_split
 from meshloom.plan.models import ModelShape
 from meshloom.plan.moe import (
     A2A_FORWARD,
@@ -276,8 +276,7 @@ def _after_backward(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str
 
 
 def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: int,
-             f_mb: float, b_mb: float, impl: Implementation = MESHLOOM,
-             rank: int | None = None, layers: int | None = None) -> dict:
+             f_mb: float, b_mb: float, impl: Implementation, rank: int, layers: int) -> dict:
     """Data-parallel communication per step: {"exposed", "total", "ops"} seconds, as the
     implementation runs it. meshloom: DDP all-reduces in buckets during the last micro-batch's
     backward (hidden up to that backward's length), over dp x cp ranks; ZeRO-1 reduce-scatters
@@ -294,8 +293,6 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     ranks apart) and all-reduces the shard over dp_replicate; cp is inside edp_shard, so no cp
     average."""
     none = {"exposed": 0.0, "total": 0.0, "ops": {}}
-    rank = lay.pp - 1 if rank is None else rank
-    layers = layers_on_rank(shape, lay.pp) if layers is None else layers
     dense, experts = rank_param_split(shape, lay, rank, layers)
     if lay.ep == 1:  # no expert groups: the experts are ordinary parameters
         dense, experts = dense + experts, 0.0
