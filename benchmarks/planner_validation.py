@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+import textwrap
 from pathlib import Path
 
 from meshloom.plan import kernel_table
@@ -39,6 +40,8 @@ RUNS = HERE / "published" / "runs.json"
 H100_RUNS = HERE / "measured" / "h100-2026-11-22"
 DOC = HERE.parent / "docs" / "plan.md"
 BEGIN, END = "<!-- validation:begin -->", "<!-- validation:end -->"
+README = HERE.parent / "README.md"
+README_BEGIN, README_END = "<!-- planner-accuracy:begin -->", "<!-- planner-accuracy:end -->"
 GOAL_MEAN, GOAL_MAX = 0.08, 0.20
 
 # How each public trainer runs (plan/implementation.py keys), matched on the start of the
@@ -260,10 +263,59 @@ def render(result: dict) -> str:
     return "\n".join(lines)
 
 
-def write_doc(result: dict, doc: Path = DOC) -> None:
-    text = doc.read_text()
-    start, end = text.index(BEGIN), text.index(END) + len(END)
-    doc.write_text(text[:start] + render(result) + text[end:])
+def _signed_mean(rows: list[dict]) -> float:
+    return statistics.mean(r["error"] for r in rows)
+
+
+def render_readme(result: dict) -> str:
+    """The README's accuracy sentence, every figure read from the result file, so the front
+    page cannot drift from validation.json (DESIGN principle 7)."""
+    rows, summ = result["rows"], result["summary"]
+    own, meg = summ["meshloom-h100"], summ["megatron-2021-a100"]
+    nemo = summ["published-h100 / nemo"]
+    a100 = {k: v for k, v in summ.items()
+            if k.startswith(("published-a100-80g / ", "published-a100-40g / "))}
+    low = min(v["mean_abs_error"] for v in a100.values())
+    high = max(v["mean_abs_error"] for v in a100.values())
+    a80 = summ["published-a100-80g"]
+    worst80 = max((r for r in rows if r["set"] == "published-a100-80g"),
+                  key=lambda r: abs(r["error"]))
+    foundry = [r for r in rows if r["set"] == "published-h100" and r["trainer"] == "llm-foundry"]
+    titan = [r for r in rows if r["set"] == "published-h100-96gb-500w"]
+    fit = all(v["all_fit"] for k, v in summ.items() if k != "meshloom-h100")
+
+    def bias(sel: list[dict]) -> str:
+        m = _signed_mean(sel)
+        return f"{abs(m):.0%} {'optimistic' if m > 0 else 'pessimistic'}"
+
+    fits = "every" if fit else "NOT every"
+    text = (
+        f"Against {len(rows)} measured or published runs "
+        "([benchmarks/results/planner/validation.json](benchmarks/results/planner/validation.json)"
+        f"): our own 1B runs on one H100 within {own['max_abs_error']:.1%} in step time "
+        f"(mean {own['mean_abs_error']:.1%}) and {own['memory_max_abs_error']:.1%} in peak "
+        f"memory; Megatron-LM Table 1 (A100) mean {meg['mean_abs_error']:.1%}, worst "
+        f"{meg['max_abs_error']:.1%}; NeMo's H100 runs (Llama 3.1 8B/70B, GPT-3 175B) mean "
+        f"{nemo['mean_abs_error']:.1%}, worst {nemo['max_abs_error']:.1%}; other trainers' A100 "
+        f"runs mean {low:.1%}-{high:.1%} per trainer (the A100 80GB set "
+        f"{a80['mean_abs_error']:.1%}, worst {a80['max_abs_error']:.1%}, a "
+        f"{worst80['trainer']} run); {fits} published layout that trained is predicted to fit; "
+        f"published H100 FSDP runs from 2023 (llm-foundry) are still {bias(foundry)} on "
+        f"average, torchtitan's runs on 500 W H100s {bias(titan)} (see "
+        "[docs/plan.md](docs/plan.md), \"Known gaps\").")
+    text = textwrap.fill(text, width=100, break_long_words=False, break_on_hyphens=False)
+    return f"{README_BEGIN}\n{text}\n{README_END}"
+
+
+def _replace(path: Path, begin: str, end: str, block: str) -> None:
+    text = path.read_text()
+    start, stop = text.index(begin), text.index(end) + len(end)
+    path.write_text(text[:start] + block + text[stop:])
+
+
+def write_doc(result: dict, doc: Path = DOC, readme: Path = README) -> None:
+    _replace(doc, BEGIN, END, render(result))
+    _replace(readme, README_BEGIN, README_END, render_readme(result))
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -87,6 +87,24 @@ def test_docs_validation_tables_are_rendered_from_the_data():
     assert section == pv.render(committed)
 
 
+def test_readme_accuracy_figures_are_rendered_from_the_data():
+    """The README's planner-accuracy sentence is written from validation.json, so its figures
+    cannot drift from the committed result (DESIGN principle 7)."""
+    pv = _validation()
+    committed = json.loads(pv.DEFAULT_OUT.read_text())
+    text = pv.README.read_text()
+    block = text[text.index(pv.README_BEGIN):text.index(pv.README_END) + len(pv.README_END)]
+    assert block == pv.render_readme(committed), (
+        "README.md's planner accuracy differs from validation.json: run "
+        "python benchmarks/planner_validation.py")
+    own = committed["summary"]["meshloom-h100"]
+    assert f"within {own['max_abs_error']:.1%} in step time" in block
+    # a changed figure is caught
+    worse = json.loads(json.dumps(committed))
+    worse["summary"]["megatron-2021-a100"]["max_abs_error"] += 0.01
+    assert pv.render_readme(worse) != block
+
+
 # Runs that trained but that the planner predicts not to fit: open gaps, each with its reason
 # (docs/plan.md "Known gaps"). A run that starts to fit must leave this list, and any other
 # run that stops fitting fails the test.
