@@ -120,3 +120,29 @@ def test_bloom_row_uses_its_scripts_split():
     row = next(r for r in rows if r["id"] == bloom["id"])
     assert "pp_split=even_ends" in row["fix"]
     assert all("pp_split=even" in r["fix"] for r in rows if r["set"] == "megatron-2021-a100")
+
+
+@pytest.mark.parametrize("schedule, v", [("gpipe", 1), ("1f1b", 1), ("zb_h1", 1),
+                                         ("interleaved_1f1b", 2), ("interleaved_1f1b", 3)])
+def test_alive_layers_is_the_walk_of_every_action(schedule, v):
+    """The memory peak per rank, with its shortcuts (GPipe's peak as m times one micro-batch's,
+    the other schedules' walk cut after the warm-up), equals walking every action of the full
+    schedule with uneven stages."""
+    import random
+
+    from meshloom.parallel.pipeline_schedule import compute_lists
+    from meshloom.plan.memory import alive_layers
+
+    rng = random.Random(7)
+    for pp in (2, 3, 4, 6):
+        for m in sorted({pp, 2 * pp, 5 * pp, 12 * pp}):
+            stages = tuple(rng.randint(0, 4) for _ in range(pp * v))
+            ranks = tuple(range(pp))
+            want = []
+            for acts in compute_lists(schedule, pp, m, v, ranks=ranks):
+                alive = peak = 0
+                for act in acts:
+                    alive += {"F": 1, "B": -1, "W": -1}.get(act.kind, 0) * stages[act.stage]
+                    peak = max(peak, alive)
+                want.append(peak)
+            assert alive_layers(schedule, pp, m, v, stages, ranks) == tuple(want), (pp, m)

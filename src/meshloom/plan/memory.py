@@ -443,20 +443,30 @@ def alive_layers(schedule: str, pp: int, m: int, v: int, stages: tuple[int, ...]
     inputs) removes them."""
     if pp == 1:
         return (stages[0],) * len(ranks)
+    # GPipe runs every forward before any backward: the peak is m times one micro-batch's.
+    scale, m = (m, 1) if schedule == "gpipe" else (1, m)
+    peaks = []
+    for walk in _stage_walks(schedule, pp, m, v, ranks):
+        alive = peak = 0
+        for stage, sign in walk:
+            alive += sign * stages[stage]
+            peak = max(peak, alive)
+        peaks.append(scale * peak)
+    return tuple(peaks)
+
+
+@lru_cache(maxsize=1024)
+def _stage_walks(schedule: str, pp: int, m: int, v: int, ranks: tuple[int, ...]
+                 ) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Each rank's compute actions as (stage, +1 for a forward, -1 for the backward that frees
+    its inputs): what `alive_layers` walks, kept apart from the blocks per stage so that the
+    planner's many splits of one schedule share it."""
     if schedule != "gpipe":  # the peak is reached within the warm-up; more changes nothing
         rounds = -(-(3 * pp + v * pp) // (v * pp))
         m = min(m, rounds * pp)
-    peaks = []
-    for acts in compute_lists(schedule, pp, m, v, ranks=ranks):
-        alive = peak = 0
-        for act in acts:
-            if act.kind == "F":
-                alive += stages[act.stage]
-            elif act.kind in ("B", "W"):
-                alive -= stages[act.stage]
-            peak = max(peak, alive)
-        peaks.append(peak)
-    return tuple(peaks)
+    sign = {"F": 1, "B": -1, "W": -1}
+    return tuple(tuple((act.stage, sign[act.kind]) for act in acts if act.kind in sign)
+                 for acts in compute_lists(schedule, pp, m, v, ranks=ranks))
 
 
 def _accounting(shape: ModelShape, lay: Layout, dtype: str, flash: bool,
@@ -541,6 +551,8 @@ def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
                                       impl=impl)
                if lay.recompute == "full" else 0.0)  # one layer recomputed during backward
     grads_at_peak = impl.grad_clip or m > 1 or lay.pp > 1
+    buffers = _buffers(shape, lay, s, b, dtype)
+    counted_as = activation_accounting(shape, lay, dtype, flash, impl)
     best = None
     for rank in ranks:
         states = rank_model_states(shape, lay, rank, prec, held[rank])
@@ -554,10 +566,8 @@ def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
                 + final_norm_bytes(shape, s, b, lay, dtype, impl)) if rank == lay.pp - 1 else 0.0
         acts += max(loss, working)
         acts += weight_copy_bytes(shape, lay, rank, dtype, impl, held[rank])
-        buffers = _buffers(shape, lay, s, b, dtype)
         mem = Memory(states["params"], states["grads"] if grads_at_peak else 0.0,
-                     states["optimizer"], acts, buffers, CONTEXT_BYTES, rank,
-                     activation_accounting(shape, lay, dtype, flash, impl))
+                     states["optimizer"], acts, buffers, CONTEXT_BYTES, rank, counted_as)
         if best is None or mem.total > best.total:
             best = mem
     return best
