@@ -54,6 +54,11 @@ GOAL_MEAN, GOAL_MAX = 0.08, 0.20
 # 189 TFLOP/s headline is the FlashAttention column of the FlashAttention-2 paper's Table 1).
 # Both kernels' rates are published for the A100 only, so on other GPUs such rows keep
 # FlashAttention-2's rate and say so (`unpriced`).
+# Megatron-LM 2021 (Table 1) waited on every pipeline send and receive and synchronized the
+# device (p2p_communication._communicate), each tp rank sending 1/tp of the activation
+# (--scatter-gather-tensors-in-pipeline, on by default); DeepSpeed's pipeline engine (BLOOM's
+# Megatron-DeepSpeed) sends synchronously (runtime/pipe/p2p.py) and partitions a stage's
+# output over the tensor-parallel group (is_pipe_partitioned = is_model_parallel).
 # NeMo's recipes set gradient_accumulation_fusion (the weight-gradient GEMM adds into the fp32
 # main gradient); Megatron-LM 2021's paper lists no such fusion, so its rows pay the pass.
 TRAINER_IMPL = {
@@ -62,7 +67,8 @@ TRAINER_IMPL = {
     "nemo": {"compile": True, "tp_overlap": True, "dp_overlap": True,
              "selective_elementwise": False, "fused_grad_accumulation": True,
              "pp_split": "even"},
-    "megatron-deepspeed": {"compile": True, "selective_elementwise": False},
+    "megatron-deepspeed": {"compile": True, "selective_elementwise": False,
+                           "p2p_blocking": True, "pp_scatter_gather": True},
     "flash-attention": {"compile": True, "attention_kernel": "fa1"},
     "tinyllama": {"compile": True},
     "llm-foundry": {"compile": False, "attention_kernel": "triton"},
@@ -138,6 +144,7 @@ def megatron_rows() -> list[dict]:
         fixed = {"tp": row["tp"], "pp": row["pp"], "dp": row["gpus"] // (row["tp"] * row["pp"]),
                  "cp": 1, "micro_batch": 1, "zero": 0, "recompute": "full", "sp": False,
                  "compile": True, "meshloom_block": False, "pp_split": "even",
+                 "p2p_blocking": True, "pp_scatter_gather": True,
                  **({"schedule": "interleaved_1f1b"} if row["pp"] > 1 else {})}
         shape = PRESETS[row["name"]]
         # Table 1 quotes hardware TFLOP/s (recompute included): as throughput, tokens/s/GPU.

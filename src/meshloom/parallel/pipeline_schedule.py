@@ -248,11 +248,14 @@ def unit_cost(a: Action) -> float:
     return 1.0
 
 
-def simulate(lists: list[list[Action]], cost: Cost = unit_cost, latency: float = 0.0
-             ) -> Timeline:
+def simulate(lists: list[list[Action]], cost: Cost = unit_cost, latency: float = 0.0,
+             blocking_sends: bool = False) -> Timeline:
     """Run each rank's list in order on a clock: an action starts when its rank is free and the
-    actions it depends on have finished (plus `latency` across ranks). Sends cost nothing (they
-    are asynchronous). Raises ValueError naming the stuck actions if the lists deadlock."""
+    actions it depends on have finished (plus `latency` across ranks). Sends cost their rank
+    nothing (they are asynchronous, meshloom's), or with `blocking_sends` hold it for the
+    transfer's `latency`, the receiver getting the data when the send ends (a trainer that
+    waits on every send before computing on). Raises ValueError naming the stuck actions if the
+    lists deadlock."""
     pp = len(lists)
     done: dict[Action, float] = {}
     free = [0.0] * pp
@@ -260,6 +263,7 @@ def simulate(lists: list[list[Action]], cost: Cost = unit_cost, latency: float =
     spans: list[list[tuple[float, float, Action]]] = [[] for _ in range(pp)]
     n_stages = 1 + max((a.stage for acts in lists for a in acts), default=0)
     split = any(a.kind == "I" for acts in lists for a in acts)
+    hop = 0.0 if blocking_sends else latency  # a blocking send has already spent it
     remaining = sum(len(acts) for acts in lists)
     while remaining:
         progressed = False
@@ -269,9 +273,10 @@ def simulate(lists: list[list[Action]], cost: Cost = unit_cost, latency: float =
                 deps = _deps(a, n_stages, split)
                 if not all(d in done for d in deps):
                     break
-                start = max([free[r]] + [done[d] + (latency if d.kind.startswith("SEND")
+                start = max([free[r]] + [done[d] + (hop if d.kind.startswith("SEND")
                                                     else 0.0) for d in deps])
-                end = start + (cost(a) if a.kind in COMPUTE else 0.0)
+                end = start + (cost(a) if a.kind in COMPUTE else
+                               latency if blocking_sends and a.kind.startswith("SEND") else 0.0)
                 done[a] = end
                 free[r] = end
                 if a.kind in COMPUTE:

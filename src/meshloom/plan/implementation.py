@@ -40,6 +40,14 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
 - `pp_split`: how the blocks are cut into pipeline stages (plan/stages.py): `balanced`
   (meshloom: stages of equal training FLOPs, the head counted on the last) or `even` (the same
   number of blocks per stage, the remainder to the first: Megatron-LM, DeepSpeed).
+- `p2p_blocking`: each pipeline send holds its rank until the transfer is over (Megatron-LM
+  2021's `_communicate` waits on its batched sends and receives and synchronizes the device;
+  DeepSpeed's pipeline engine sends with a synchronous `dist.send`). Off (meshloom): sends are
+  issued and the rank computes on; only the receiver waits for the data.
+- `pp_scatter_gather`: without sequence parallelism, each tensor-parallel rank sends 1/tp of a
+  stage's output and the receiving ranks all-gather it over tp (Megatron-LM's
+  `--scatter-gather-tensors-in-pipeline`, on by default there). Off (meshloom): every tp rank
+  sends the whole activation (with SP each sends its sequence slice either way).
 - `meshloom_block`: a Llama or GPT-2 block's activation memory is what meshloom's own block
   keeps in bf16, counted tensor by tensor from its autograd graph: unsharded, under autocast
   with fp32 parameters (fp32 residual stream and norm internals, one bf16 copy of a norm's
@@ -71,6 +79,8 @@ class Implementation:
     fused_grad_accumulation: bool = False
     attention_kernel: str = "fa2"
     pp_split: str = "balanced"
+    p2p_blocking: bool = False
+    pp_scatter_gather: bool = False
 
     @property
     def elementwise(self) -> str:

@@ -191,8 +191,14 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     hop_pp = 0.0
     if p > 1:
         stride = lay.dp * lay.cp * t
-        act = tokens * shape.hidden * e / (t if lay.sp else 1)
-        hop_pp = act / cluster.link_bandwidth(2, stride)
+        act = tokens * shape.hidden * e
+        if lay.sp:  # each tp rank holds, and sends, its sequence slice
+            hop_pp = act / t / cluster.link_bandwidth(2, stride)
+        elif impl.pp_scatter_gather and t > 1:  # a 1/t piece each, gathered over tp on arrival
+            hop_pp = (act / t / cluster.link_bandwidth(2, stride)
+                      + ring_time("all_gather", act, t, tp_bw))
+        else:  # every tp rank sends the whole activation
+            hop_pp = act / cluster.link_bandwidth(2, stride)
 
     busy_mb = work(busiest)
     comm_mb = layers * (tp_f + tp_b + cp_f + cp_b)
@@ -205,13 +211,15 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
         sched = lay.schedule
         key, cv = _cost_key(cost, n_stages, v), cluster.action_cv
         span_nolat = _makespan(sched, p, m, v, key, 0.0, cv)
-        span = _makespan(sched, p, m, v, key, hop_pp, cv)
+        span = _makespan(sched, p, m, v, key, hop_pp, cv, impl.p2p_blocking)
     else:
         frac = (p - 1) / ((v if lay.schedule == "interleaved_1f1b" else 1) * m + p - 1)
         if lay.schedule == "zb_h1":
             frac = (p - 1) / (3 * m + p - 1)
         span_nolat = m * busy_mb / (1 - frac)
         span = span_nolat + 2 * (p - 1) * hop_pp
+        if impl.p2p_blocking:  # the busiest rank also waits out each of its own sends
+            span += 2 * m * v * hop_pp
     bubble = max(0.0, span_nolat - m * busy_mb)
     pp_comm = max(0.0, span - span_nolat)
     # The bubble fraction as a measured timeline counts it (Timeline.bubble, meshloom report):
@@ -367,24 +375,24 @@ def _cost_key(cost, n_stages: int, v: int) -> tuple:
 
 
 def _makespan(schedule: str, p: int, m: int, v: int, key: tuple, latency: float,
-              cv: float = 0.0) -> float:
+              cv: float = 0.0, blocking: bool = False) -> float:
     """Simulated step span. From 2p micro-batches on, a 1F1B-type schedule is in its steady
     state, where every further round of p micro-batches adds the same time: simulate 2p and 3p
     and extrapolate linearly (tests check this against direct simulation)."""
     step = p  # one round of micro-batches through every stage (interleaving needs m % p == 0)
     m1, m2 = 2 * p, 3 * p
     if m <= m2 or schedule == "gpipe" and m * p <= 2 * SIMULATE_LIMIT:
-        return _simulate(schedule, p, m, v, key, latency, cv)
+        return _simulate(schedule, p, m, v, key, latency, cv, blocking)
     if schedule == "gpipe":  # all forwards, then all backwards: linear in m from the start
         m1, m2 = step, 2 * step
-    s1 = _simulate(schedule, p, m1, v, key, latency, cv)
-    s2 = _simulate(schedule, p, m2, v, key, latency, cv)
+    s1 = _simulate(schedule, p, m1, v, key, latency, cv, blocking)
+    s2 = _simulate(schedule, p, m2, v, key, latency, cv, blocking)
     return s1 + (m - m1) * (s2 - s1) / (m2 - m1)
 
 
 @lru_cache(maxsize=8192)
 def _simulate(schedule: str, p: int, m: int, v: int, key: tuple, latency: float,
-              cv: float = 0.0) -> float:
+              cv: float = 0.0, blocking: bool = False) -> float:
     """Makespan of the schedule; with action_cv > 0 the mean over JITTER_SAMPLES runs in which
     every action's time is its nominal time times an independent normal factor (mean 1, sd cv,
     floored at JITTER_FLOOR), seeded, so the same inputs always give the same prediction."""
@@ -392,12 +400,12 @@ def _simulate(schedule: str, p: int, m: int, v: int, key: tuple, latency: float,
     table = {(kinds[i % 4], i // 4): c for i, c in enumerate(key)}
     lists = build_schedule(schedule, p, m, v)
     if cv <= 0:
-        return simulate(lists, lambda a: table[(a.kind, a.stage)], latency).makespan
+        return simulate(lists, lambda a: table[(a.kind, a.stage)], latency, blocking).makespan
     spans = []
     for seed in range(JITTER_SAMPLES):
         rng = random.Random(seed)
         factors = {a: max(JITTER_FLOOR, rng.gauss(1.0, cv)) for actions in lists for a in actions}
-        spans.append(simulate(lists, _scaled(table, factors), latency).makespan)
+        spans.append(simulate(lists, _scaled(table, factors), latency, blocking).makespan)
     return sum(spans) / len(spans)
 
 

@@ -1,0 +1,72 @@
+"""Pipeline sends as trainers issue them: asynchronous (meshloom) or blocking (Megatron-LM
+2021, DeepSpeed), whole or split over the tensor-parallel ranks (`p2p_blocking`,
+`pp_scatter_gather`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshloom.parallel.pipeline_schedule import build_schedule, simulate
+from meshloom.plan.hardware import make_cluster, ring_time
+from meshloom.plan.implementation import Implementation
+from meshloom.plan.layout import Layout, parse_fix
+from meshloom.plan.models import PRESETS
+from meshloom.plan.timing import step_time
+
+
+def test_a_blocking_send_holds_its_rank():
+    """1F1B on 2 ranks, 2 micro-batches, F = 1, B = 2, a transfer of 0.5, worked by hand.
+    Asynchronous: rank 0 runs both forwards back to back and the last backward starts at 8
+    (rank 1's send at 7.5 plus the transfer): span 10. Blocking: every send holds its rank
+    for 0.5, so rank 1's second forward waits for its own send to end (5), its last send ends
+    at 8.5: span 10.5."""
+    lists = build_schedule("1f1b", 2, 2)
+
+    def cost(a):
+        return 1.0 if a.kind == "F" else 2.0
+
+    assert simulate(lists, cost, 0.5).makespan == 10.0
+    assert simulate(lists, cost, 0.5, blocking_sends=True).makespan == 10.5
+    # no transfer time, nothing to wait for: both the same
+    assert simulate(lists, cost, 0.0, blocking_sends=True).makespan == \
+        simulate(lists, cost, 0.0).makespan
+
+
+def _timing(lay: Layout, batch: int = 256, **impl) -> object:
+    shape = PRESETS["megatron-18.4b"]
+    return step_time(shape, lay, make_cluster("a100-80g", lay.tp * lay.pp * lay.dp), 2048,
+                     batch, flash=False, impl=Implementation(compile=True, **impl))
+
+
+@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_blocking_sends_cost_time_on_the_critical_path(schedule, v):
+    lay = Layout(tp=8, pp=4, dp=2, micro_batch=1, recompute="full", schedule=schedule, v=v)
+    free, held = _timing(lay), _timing(lay, p2p_blocking=True)
+    assert held.pp > free.pp and held.step_time_s > free.step_time_s
+    # only the pipeline's transfers change
+    assert (held.compute, held.tp, held.dp, held.bubble) == (free.compute, free.tp, free.dp,
+                                                             free.bubble)
+
+
+def test_scatter_gather_sends_a_tp_slice_and_gathers_it():
+    """One micro-batch through GPipe crosses 2(p - 1) stage boundaries in a row, so the
+    pipeline's exposed transfer time is exactly 2(p - 1) hops. Without SP a hop is the whole
+    activation over the network link (every tp rank sends it); split, the 1/tp piece over the
+    link plus the all-gather of the whole over tp. With SP the ranks already send their
+    sequence slices: the option changes nothing."""
+    lay = Layout(tp=8, pp=4, dp=2, micro_batch=1, recompute="full", schedule="gpipe")
+    cl = make_cluster("a100-80g", 64)
+    act, link = 2048 * PRESETS["megatron-18.4b"].hidden * 2, cl.link_bandwidth(2, 2 * 8)
+    whole, split = _timing(lay, batch=2), _timing(lay, batch=2, pp_scatter_gather=True)
+    assert whole.pp == pytest.approx(6 * act / link, rel=1e-9)
+    gather = ring_time("all_gather", act, 8, cl.bus_bandwidth(8, 1))
+    assert split.pp == pytest.approx(6 * (act / 8 / link + gather), rel=1e-9)
+    sp = Layout(tp=8, pp=4, dp=2, micro_batch=1, recompute="full", schedule="1f1b", sp=True)
+    assert _timing(sp, pp_scatter_gather=True).step_time_s == _timing(sp).step_time_s
+
+
+def test_the_options_are_fix_keys():
+    assert parse_fix("p2p_blocking=true,pp_scatter_gather=yes") == {
+        "p2p_blocking": True, "pp_scatter_gather": True}
+    assert Implementation().p2p_blocking is False  # meshloom's sends are asynchronous
+    assert Implementation(p2p_blocking=True).short() == "p2p_blocking=true"
