@@ -56,9 +56,11 @@ GOAL_MEAN, GOAL_MAX = 0.08, 0.20
 # FlashAttention-2's rate and say so (`unpriced`).
 # Megatron-LM 2021 (Table 1) waited on every pipeline send and receive and synchronized the
 # device (p2p_communication._communicate), each tp rank sending 1/tp of the activation
-# (--scatter-gather-tensors-in-pipeline, on by default); DeepSpeed's pipeline engine (BLOOM's
-# Megatron-DeepSpeed) sends synchronously (runtime/pipe/p2p.py) and partitions a stage's
-# output over the tensor-parallel group (is_pipe_partitioned = is_model_parallel).
+# (--scatter-gather-tensors-in-pipeline, on by default), and all-reduced the gradients after
+# the whole forward-backward schedule (default --DDP-impl local: allreduce_gradients());
+# DeepSpeed's pipeline engine (BLOOM's Megatron-DeepSpeed) sends synchronously
+# (runtime/pipe/p2p.py) and partitions a stage's output over the tensor-parallel group
+# (is_pipe_partitioned = is_model_parallel).
 # NeMo's recipes set gradient_accumulation_fusion (the weight-gradient GEMM adds into the fp32
 # main gradient); Megatron-LM 2021's paper lists no such fusion, so its rows pay the pass.
 TRAINER_IMPL = {
@@ -144,7 +146,7 @@ def megatron_rows() -> list[dict]:
         fixed = {"tp": row["tp"], "pp": row["pp"], "dp": row["gpus"] // (row["tp"] * row["pp"]),
                  "cp": 1, "micro_batch": 1, "zero": 0, "recompute": "full", "sp": False,
                  "compile": True, "meshloom_block": False, "pp_split": "even",
-                 "p2p_blocking": True, "pp_scatter_gather": True,
+                 "p2p_blocking": True, "pp_scatter_gather": True, "ddp_overlap": False,
                  **({"schedule": "interleaved_1f1b"} if row["pp"] > 1 else {})}
         shape = PRESETS[row["name"]]
         # Table 1 quotes hardware TFLOP/s (recompute included): as throughput, tokens/s/GPU.

@@ -312,6 +312,13 @@ def test_overlap_options_hide_communication():
     ops = pre.timing.detail["comm_s"]["dp"]["ops"]
     assert nopre.timing.dp == pytest.approx(sum(ops.values()))
     assert pre.timing.dp < nopre.timing.dp
+    # DDP: meshloom's all-reduce runs under the last backward; Megatron-LM 2021's after it
+    ddp = {"tp": 1, "pp": 1, "cp": 1, "zero": 0, "micro_batch": 1, "recompute": "full"}
+    under, after = _one(shape, ddp), _one(shape, {**ddp, "ddp_overlap": False})
+    reduce = after.timing.detail["comm_s"]["dp"]["ops"]["all_reduce"]
+    assert after.timing.dp == reduce > under.timing.dp
+    assert after.timing.step_time_s == pytest.approx(
+        under.timing.step_time_s - under.timing.dp + reduce, rel=1e-12)
 
 
 def test_sequence_parallel_does_not_charge_the_embedding_output_again():

@@ -12,6 +12,10 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   micro-batch's backward and all-gather the updated parameters during the next forward
   (Megatron's distributed optimizer with `--overlap-grad-reduce --overlap-param-gather`).
   meshloom reduce-scatters after the backward and gathers after the step.
+- `ddp_overlap`: DDP (no ZeRO) all-reduces its gradient buckets during the last micro-batch's
+  backward (meshloom, PyTorch DDP). Off: one all-reduce after the whole backward, exposed
+  (Megatron-LM 2021's default `--DDP-impl local`, whose `allreduce_gradients()` runs after the
+  forward-backward schedule).
 - `fsdp_prefetch`: ZeRO-3 gathers the next unit while the current one computes (meshloom does;
   off, every gather and reduce-scatter waits).
 - `grad_clip`: the training loop clips the gradients by their global norm and keeps them
@@ -71,6 +75,7 @@ class Implementation:
     compile: bool = False
     tp_overlap: bool = False
     dp_overlap: bool = False
+    ddp_overlap: bool = True
     fsdp_prefetch: bool = True
     grad_clip: bool = True
     selective_elementwise: bool = True

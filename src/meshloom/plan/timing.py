@@ -287,7 +287,8 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
              f_mb: float, b_mb: float, impl: Implementation, rank: int, layers: int) -> dict:
     """Data-parallel communication per step: {"exposed", "total", "ops"} seconds, as the
     implementation runs it. meshloom: DDP all-reduces in buckets during the last micro-batch's
-    backward (hidden up to that backward's length), over dp x cp ranks; ZeRO-1 reduce-scatters
+    backward (hidden up to that backward's length; `ddp_overlap` off: after it), over dp x cp
+    ranks; ZeRO-1 reduce-scatters
     once after the last backward; ZeRO-2 reduce-scatters after every micro-batch behind its
     backward; ZeRO-1/2 all-gather the updated parameters after the step (exposed); ZeRO-3
     gathers every unit for forward and backward and reduce-scatters its gradient, prefetched
@@ -325,7 +326,8 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
             reduce += ring_time("all_reduce", x_grad, xr,
                                 cluster.bus_bandwidth(xr, lay.ep * lay.tp))
         ops["all_reduce"] = reduce
-        return {"exposed": _exposed(reduce, b_mb), "total": reduce, "ops": ops}
+        exposed = _exposed(reduce, b_mb) if impl.ddp_overlap else reduce
+        return {"exposed": exposed, "total": reduce, "ops": ops}
     out = 0.0
     ag = ring_time("all_gather", param_b, n, bw)
     rs = ring_time("reduce_scatter", grad_b, n, bw)
