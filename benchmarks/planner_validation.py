@@ -61,12 +61,15 @@ GOAL_MEAN, GOAL_MAX = 0.08, 0.20
 # DeepSpeed's pipeline engine (BLOOM's Megatron-DeepSpeed) sends synchronously
 # (runtime/pipe/p2p.py) and partitions a stage's output over the tensor-parallel group
 # (is_pipe_partitioned = is_model_parallel).
+# Megatron-Core and NeMo overlap tensor-parallel communication with TransformerEngine's
+# userbuffers (`ub_tp_comm_overlap` / `tp_comm_overlap` in NeMo's recipes), which runs the
+# overlapped GEMMs in pieces (tp_overlap_chunks).
 # NeMo's recipes set gradient_accumulation_fusion (the weight-gradient GEMM adds into the fp32
 # main gradient); Megatron-LM 2021's paper lists no such fusion, so its rows pay the pass.
 TRAINER_IMPL = {
-    "megatron-lm": {"compile": True, "tp_overlap": True, "dp_overlap": True,
-                    "selective_elementwise": False, "pp_split": "even"},
-    "nemo": {"compile": True, "tp_overlap": True, "dp_overlap": True,
+    "megatron-lm": {"compile": True, "tp_overlap": True, "tp_overlap_chunks": True,
+                    "dp_overlap": True, "selective_elementwise": False, "pp_split": "even"},
+    "nemo": {"compile": True, "tp_overlap": True, "tp_overlap_chunks": True, "dp_overlap": True,
              "selective_elementwise": False, "fused_grad_accumulation": True,
              "pp_split": "even"},
     "megatron-deepspeed": {"compile": True, "selective_elementwise": False,

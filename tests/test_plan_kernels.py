@@ -321,6 +321,48 @@ def test_overlap_options_hide_communication():
         under.timing.step_time_s - under.timing.dp + reduce, rel=1e-12)
 
 
+def test_userbuffers_overlap_runs_the_overlapped_gemms_in_pieces():
+    """TransformerEngine's comm-GEMM overlap (`tp_overlap_chunks`): forward, the GEMMs reading
+    the gathered sequence in tp chunks and the row-parallel ones in 4 splits; backward, only the
+    row-parallel input gradients in tp chunks. tp 2, so the two piece counts differ."""
+    from meshloom.plan.compute import Gemm
+
+    rates = rates_for(make_cluster("h100", 8))
+    tokens, t = 2048, 2
+    for shape in (from_dims("gpt", 12288, 96, 96, 50688), PRESETS["llama3-8b"]):
+        lay = Layout(tp=t, sp=True, micro_batch=1)
+        on = Implementation(compile=True, tp_overlap=True, tp_overlap_chunks=True)
+        got = block_cost(shape, lay, rates, tokens, 2, True, on)
+        gemms = block_gemms(shape, tokens, t)
+        rows = {"qkv": t, "fc1": t, "wq": t, "wk": t, "wv": t, "w1": t, "w3": t,
+                "proj": 4, "fc2": 4, "wo": 4, "w2": 4}
+
+        def pieces(g: Gemm, n: int) -> float:  # n launches of 1/n of the rows
+            return n * rates.gemm(Gemm(g.name, g.m // n, g.n, g.k))
+
+        assert got.fwd.gemm == pytest.approx(sum(pieces(g, rows[g.name]) for g in gemms),
+                                             rel=1e-12)
+        bwd = 0.0
+        for g in gemms:
+            dgrad, wgrad = g.backward()
+            split = g.name in ("proj", "fc2", "wo", "w2")
+            bwd += (pieces(dgrad, t) if split else rates.gemm(dgrad)) + rates.gemm(wgrad)
+        assert got.bwd.gemm == pytest.approx(bwd, rel=1e-12)
+        whole = block_cost(shape, lay, rates, tokens, 2, True,
+                           Implementation(compile=True, tp_overlap=True))
+        assert got.fwd.gemm > whole.fwd.gemm and got.bwd.gemm > whole.bwd.gemm
+        # A no-op without SP, without the overlap, or on one GPU.
+        for lay_off, impl_off in ((Layout(tp=t, micro_batch=1), on),
+                                  (lay, Implementation(compile=True, tp_overlap_chunks=True)),
+                                  (Layout(micro_batch=1), on)):
+            a = block_cost(shape, lay_off, rates, tokens, 2, True, impl_off)
+            b = block_cost(shape, lay_off, rates, tokens, 2, True,
+                           replace(impl_off, tp_overlap_chunks=False))
+            assert (a.fwd.gemm, a.bwd.gemm) == (b.fwd.gemm, b.bwd.gemm)
+    fixed, impl = split_fix(parse_fix("tp_overlap=true,tp_overlap_chunks=true"))
+    assert impl.tp_overlap and impl.tp_overlap_chunks and not fixed
+
+
 def test_sequence_parallel_does_not_charge_the_embedding_output_again():
     """The embedding's output is the first block's input (counted there, a 1/t slice under SP);
     only GPT's embedding dropout keeps a mask of its own."""

@@ -60,6 +60,33 @@ CLIP_BYTES_PER_PARAM = 16.0
 ACCUMULATE_BYTES_PER_PARAM = 12.0
 
 
+# TransformerEngine's comm-GEMM overlap (Implementation.tp_overlap_chunks): forward, the GEMMs
+# that read the all-gathered sequence run in tp ring-exchange chunks and the row-parallel ones
+# in RS_SPLITS pipelined splits ahead of their reduce-scatter; backward, the row-parallel ones'
+# input gradients read an all-gathered output gradient in tp chunks. The other backward GEMMs
+# run whole beside a bulk collective.
+_GATHERED = frozenset({"qkv", "fc1", "wq", "wk", "wv", "w1", "w3"})
+_ROW_PARALLEL = frozenset({"proj", "fc2", "wo", "w2"})
+RS_SPLITS = 4
+
+
+def _pieces(g: Gemm, n: int) -> Gemm:
+    """`g` run as n GEMMs of 1/n of its rows each."""
+    return Gemm(g.name, g.m / n, g.n, g.k, g.count * n)
+
+
+def overlap_pieces(gemms: list[Gemm], tp: int) -> tuple[list[Gemm], list[Gemm]]:
+    """(forward GEMMs, backward GEMMs) of a block as TransformerEngine's userbuffers overlap
+    runs them on a tp group with SP."""
+    fwd = [_pieces(g, tp) if g.name in _GATHERED
+           else _pieces(g, RS_SPLITS) if g.name in _ROW_PARALLEL else g for g in gemms]
+    bwd = []
+    for g in gemms:
+        dgrad, wgrad = g.backward()
+        bwd += [_pieces(dgrad, tp) if g.name in _ROW_PARALLEL else dgrad, wgrad]
+    return fwd, bwd
+
+
 @dataclass(frozen=True)
 class Rates:
     """What one GPU's kernels run at: its kernel table (or None) and the figures used without."""
@@ -154,8 +181,12 @@ def block_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, e: int, f
         local = shape.n_experts // lay.ep
         rows = moe_tokens * shape.top_k * load_factor(shape, lay) * lay.ep / shape.n_experts
     gemms = block_gemms(shape, tokens, t, rows, local, moe_tokens)
-    fwd = PassCost(gemm=sum(rates.gemm(g) for g in gemms))
-    bwd = PassCost(gemm=sum(rates.gemm(b) for g in gemms for b in g.backward()))
+    if impl.tp_overlap and impl.tp_overlap_chunks and lay.sp and t > 1:
+        run_fwd, run_bwd = overlap_pieces(gemms, t)
+    else:
+        run_fwd, run_bwd = gemms, [b for g in gemms for b in g.backward()]
+    fwd = PassCost(gemm=sum(rates.gemm(g) for g in run_fwd))
+    bwd = PassCost(gemm=sum(rates.gemm(b) for b in run_bwd))
 
     # Attention core: heads over tp; this rank's s queries against the keys they see.
     bh = lay.micro_batch * shape.heads / t
@@ -189,7 +220,7 @@ def block_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, e: int, f
         bwd = bwd + fwd
     elif lay.recompute == "selective" and impl.op_sac and not shape.is_moe:
         # every second matmul and every elementwise op; attention's outputs were kept
-        bwd = bwd + PassCost(gemm=sum(rates.gemm(g) for g in gemms[1::2]),
+        bwd = bwd + PassCost(gemm=sum(rates.gemm(g) for g in run_fwd[1::2]),
                              elementwise=fwd.elementwise - att.elementwise)
     elif lay.recompute == "selective":
         bwd = bwd + att

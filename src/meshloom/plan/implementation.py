@@ -8,6 +8,14 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   PyTorch, one kernel per operation (plan/step_kernels.py counts both).
 - `tp_overlap`: tensor-parallel all-gathers / reduce-scatters run under the neighbouring GEMMs
   (Megatron's `--tp-comm-overlap`). meshloom issues them on the critical path.
+- `tp_overlap_chunks`: with `tp_overlap` and SP, the overlapped GEMMs run in pieces, each at
+  its piece's rate, as TransformerEngine's userbuffers overlap runs them (Megatron-Core and
+  NeMo with `tp_comm_overlap`): the GEMMs that read an all-gathered input (the projections to
+  q/k/v and the feed-forward's first ones) forward, and the input-gradient GEMMs of the two
+  row-parallel projections backward, in tp ring-exchange chunks of 1/tp of the tokens; the
+  row-parallel projections forward in 4 pipelined splits before their reduce-scatter
+  (`split_overlap_ag` / `split_overlap_rs`, TE's default `num_splits` 4). Off: each GEMM
+  whole, as meshloom runs them. A no-op without `tp_overlap`, SP, or with tp = 1.
 - `dp_overlap`: ZeRO-1/2 reduce-scatter the gradients bucket by bucket during the last
   micro-batch's backward and all-gather the updated parameters during the next forward
   (Megatron's distributed optimizer with `--overlap-grad-reduce --overlap-param-gather`).
@@ -74,6 +82,7 @@ from meshloom.plan import PlanError
 class Implementation:
     compile: bool = False
     tp_overlap: bool = False
+    tp_overlap_chunks: bool = False
     dp_overlap: bool = False
     ddp_overlap: bool = True
     fsdp_prefetch: bool = True
