@@ -86,6 +86,41 @@ def test_another_attention_kernel_runs_at_its_published_ratio_to_flashattention2
         parse(TABLE).attention_tflops(1024, 128, True, "fwd", "triton")
 
 
+def test_a_head_width_a_kernel_was_not_compiled_for_runs_padded():
+    """A kernel runs a model's heads at the next width it was compiled for and does that
+    width's FLOPs: FlashAttention-2 a multiple of 32 (64 beyond 128), FlashAttention 1 its
+    32/64/128 kernels, the Triton kernel the next power of two. The rate in the model's FLOPs
+    is the padded width's times head_dim / padded; a width the table measured is as measured."""
+    from meshloom.plan.kernel_table import padded_head_dim
+
+    assert [padded_head_dim(d, "fa2") for d in (40, 64, 80, 96, 112, 128, 160)] == \
+        [64, 64, 96, 96, 128, 128, 192]
+    assert [padded_head_dim(d, "fa1") for d in (24, 40, 80, 96, 112, 128)] == \
+        [32, 64, 128, 128, 128, 128]
+    assert [padded_head_dim(d, "triton") for d in (8, 40, 80, 96, 112, 128)] == \
+        [16, 64, 128, 128, 128, 128]
+    t = parse({**TABLE, "attention": TABLE["attention"] + TRITON})
+    assert t.attention_tflops(1024, 112, True, "fwd") == pytest.approx(200.0 * 112 / 128)
+    assert t.attention_tflops(1024, 80, True, "fwd") == pytest.approx(200.0 * 80 / 96)
+    assert t.attention_tflops(1024, 80, True, "fwd", "triton") == pytest.approx(
+        200.0 * 0.4 * 80 / 128)
+    assert t.attention_tflops(1024, 96, True, "fwd", "triton") == pytest.approx(
+        200.0 * 0.4 * 96 / 128)
+    # Measured at the model's own width (a `meshloom bench kernels` table): as measured.
+    own = parse({**TABLE, "attention": TABLE["attention"] + [
+        {"seq": 1024, "head_dim": 80, "causal": True, "direction": "fwd", "tflops": 150.0}]})
+    assert own.attention_tflops(1024, 80, True, "fwd") == 150.0
+    # Through the planner: a GPT block of 96-wide heads under FlashAttention 1 (128 kernel)
+    # takes 128/96 the attention time of one whose kernel had a 96-wide build.
+    rates = rates_for(make_cluster("a100-80g", 8))
+    shape = from_dims("gpt", 1536, 2, 16, 50257)
+    lay = Layout(dp=8, micro_batch=1)
+    fa1 = block_cost(shape, lay, rates, 2048, 2, True, Implementation(attention_kernel="fa1"))
+    padded = rates.table.attention_tflops(2048, 128, True, "fwd", "fa1")
+    flops = attention_flops(lay.micro_batch * shape.heads, 2048, 2048, 96, True, "fwd")
+    assert fa1.fwd.attention == pytest.approx(flops / (padded * 96 / 128 * 1e12))
+
+
 def test_the_triton_kernel_is_an_implementation_option_where_a_table_publishes_it():
     """`--fix attention_kernel=triton` (or fa1) slows the attention of an A100 plan by the
     published ratio to FlashAttention-2 and nothing else; on an H100 (no published Triton rate)

@@ -26,6 +26,10 @@ A shape measured by several sources is one point, their mean. Lookups between po
   FlashAttention-2 in the nearest series it was published for (head width, mask, direction),
   at the asked sequence length: the shape dependence the table knows, scaled by what the
   benchmark showed between the two kernels.
+- Head width: each kernel is compiled for a few head widths and runs a model's head padded up to
+  the next one, doing that width's FLOPs (`padded_head_dim`). A width the table measured is
+  answered as measured; any other is looked up at its padded width, and the rate in the model's
+  FLOPs is that times head_dim / padded.
 """
 
 from __future__ import annotations
@@ -42,6 +46,24 @@ TABLE_DIR = Path(__file__).resolve().parent / "kernels"
 GEMM_NEIGHBOURS = 4
 DIRECTIONS = ("fwd", "bwd", "fwd_bwd")
 ATTENTION_KERNELS = ("fa2", "fa1", "triton")  # "fa2": FlashAttention-2 class (SDPA's flash)
+# The head widths each kernel is compiled for. FlashAttention-2 rounds a head up to a multiple
+# of 32 up to 128 and of 64 beyond (flash_api.cpp `head_size_rounded`; releases before 2.5
+# used 32 throughout, the same at the widths up to 128); FlashAttention 1 runs its 32-, 64- or
+# 128-wide kernel (fmha_api.cpp `run_fmha_fwd`); the Triton FlashAttention (flash-attn's
+# flash_attn_triton.py, copied into llm-foundry) pads to the next power of two, at least 16
+# (`BLOCK_HEADDIM`).
+
+
+def padded_head_dim(head_dim: int, kernel: str) -> int:
+    """The head width `kernel` runs a model's `head_dim` heads at."""
+    if kernel == "fa1":
+        return next((w for w in (32, 64, 128) if head_dim <= w), head_dim)
+    if kernel == "triton":
+        return max(16, 1 << (head_dim - 1).bit_length())
+    step = 32 if head_dim <= 128 else 64
+    return -(-head_dim // step) * step
+
+
 # FlashAttention's FLOP convention (per direction, relative to one forward).
 ATTENTION_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
 
@@ -79,16 +101,19 @@ class KernelTable:
                          kernel: str = "fa2") -> float:
         """TF/s of a fused attention kernel, FlashAttention's FLOP convention."""
         seq, head_dim, causal = int(seq), int(head_dim), bool(causal)
-        rate = _attention_rate(self.attention, seq, head_dim, causal, direction)
+        measured = kernel == "fa2" and any(p[1] == head_dim for p in self.attention)
+        width = head_dim if measured else padded_head_dim(head_dim, kernel)
+        useful = head_dim / width
+        rate = _attention_rate(self.attention, seq, width, causal, direction)
         if kernel == "fa2":
-            return rate
+            return rate * useful
         rows = self.other_attention.get(kernel)
         if not rows:
             raise PlanError(f"kernel table {self.gpu}: no '{kernel}' attention rows (published "
                             f"for {', '.join(_tables_with(kernel)) or 'no GPU'})")
-        d, c, direction_of = _nearest_series(rows, head_dim, causal, direction)
-        return rate * (_series_rate(rows, seq, d, c, direction_of)
-                       / _series_rate(self.attention, seq, d, c, direction_of))
+        d, c, direction_of = _nearest_series(rows, width, causal, direction)
+        return rate * useful * (_series_rate(rows, seq, d, c, direction_of)
+                                / _series_rate(self.attention, seq, d, c, direction_of))
 
     @property
     def has_attention(self) -> bool:
