@@ -47,8 +47,8 @@ GEMM_NEIGHBOURS = 4
 DIRECTIONS = ("fwd", "bwd", "fwd_bwd")
 ATTENTION_KERNELS = ("fa2", "fa1", "triton")  # "fa2": FlashAttention-2 class (SDPA's flash)
 # The head widths each kernel is compiled for. FlashAttention-2 rounds a head up to a multiple
-# of 32 up to 128 and of 64 beyond (flash_api.cpp `head_size_rounded`; releases before 2.5
-# used 32 throughout, the same at the widths up to 128); FlashAttention 1 runs its 32-, 64- or
+# of 32 up to 128 and of 64 beyond (flash_api.cpp `head_size_rounded`; its releases differ
+# above 128, not up to it); FlashAttention 1 runs its 32-, 64- or
 # 128-wide kernel (fmha_api.cpp `run_fmha_fwd`); the Triton FlashAttention (flash-attn's
 # flash_attn_triton.py, copied into llm-foundry) pads to the next power of two, at least 16
 # (`BLOCK_HEADDIM`).
