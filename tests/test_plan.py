@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -13,6 +14,7 @@ from meshloom.config import load_config
 from meshloom.parallel.pipeline_schedule import build_schedule, simulate
 from meshloom.plan import PlanError
 from meshloom.plan.hardware import make_cluster, ring_time
+from meshloom.plan.implementation import Implementation
 from meshloom.plan.layout import Layout, parse_fix
 from meshloom.plan.memory import in_flight, layer_activation_bytes
 from meshloom.plan.models import PRESETS
@@ -43,6 +45,30 @@ def test_flash_attention_drops_the_score_terms():
     eager = layer_activation_bytes(shape, 4096, 1, Layout(), "bf16", flash=False)
     flash = layer_activation_bytes(shape, 4096, 1, Layout(), "bf16", flash=True)
     assert eager - flash == pytest.approx(4096 * shape.heads * 4096 * 2 - 4096 * shape.heads * 4)
+
+
+def test_fused_swiglu_keeps_one_feed_forward_tensor_less():
+    """Megatron-Core's fused SwiGLU saves only gate and up (the second GEMM keeps the product):
+    per token of a tp rank, F/t values fewer than eager's gate, up, silu(gate) and product.
+    Nothing changes for a GeLU block, under recompute, or for meshloom's own block."""
+    llama, gpt = PRESETS["llama3-8b"], PRESETS["megatron-7.5b"]
+    s, b, t = 4096, 1, 4
+    fused = Implementation(meshloom_block=False, fused_swiglu=True)
+    eager = Implementation(meshloom_block=False)
+
+    def count(shape, impl, rec="none", sp=True):
+        return layer_activation_bytes(shape, s, b, Layout(tp=t, sp=sp, recompute=rec), "bf16",
+                                      impl=impl)
+
+    assert count(llama, eager) - count(llama, fused) == s * b * llama.ffn_hidden * 2 / t
+    assert count(llama, eager, sp=False) - count(llama, fused, sp=False) == (
+        s * b * llama.ffn_hidden * 2 / t)
+    assert count(gpt, eager) == count(gpt, fused)
+    for rec in ("selective", "full"):
+        assert count(llama, eager, rec) == count(llama, fused, rec)
+    ours = Implementation()
+    assert count(llama, ours) == count(llama, replace(ours, fused_swiglu=True))
+    assert parse_fix("fused_swiglu=true")["fused_swiglu"] is True
 
 
 def test_in_flight_per_schedule():

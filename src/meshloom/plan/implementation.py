@@ -37,6 +37,12 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   gradients (Megatron's `--gradient-accumulation-fusion`, TransformerEngine), so no micro-batch
   pays a separate accumulation pass. Off (meshloom, PyTorch autograd): a backward that finds a
   gradient already there adds into it in place, a read-modify-write per micro-batch.
+- `fused_swiglu`: a SwiGLU's activation is one autograd function that saves only its input
+  (the first GEMM's gate and up outputs) and recomputes silu in its backward (Megatron-Core's
+  `bias_swiglu_impl` under `bias_activation_fusion`, on in NeMo's recipes), so a block keeps
+  3F values per token for its feed-forward (gate, up, and the product the second GEMM reads)
+  where eager PyTorch keeps 4F (silu's output too). Memory only; a no-op for GeLU models,
+  under recompute, and for meshloom's own block (counted from its autograd graph).
 - `op_sac`: selective recompute is torchtitan's per-op policy (`selective_ac_option = "op"`):
   of a block's matmuls, in the order they run, it keeps the outputs of the 1st, 3rd, 5th, ...
   and reruns the others (a Llama block keeps wq, wv, w1, w2 and reruns wk, wo, w3), keeps the
@@ -91,6 +97,7 @@ class Implementation:
     meshloom_block: bool = True
     op_sac: bool = False
     fused_grad_accumulation: bool = False
+    fused_swiglu: bool = False
     attention_kernel: str = "fa2"
     pp_split: str = "balanced"
     p2p_blocking: bool = False

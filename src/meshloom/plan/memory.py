@@ -346,7 +346,8 @@ def layer_activation_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype
     - whole on every TP rank (split by SP): the two norm inputs and the two matmul-block inputs
       (4h), plus for GPT two 1-byte dropout masks (Korthikanti's 10 = 8 + 2);
     - split over tp: Q, O (2h), K, V (2 kv_dim), and the MLP's tensors: GeLU keeps its input and
-      output (2F), SwiGLU keeps gate, up, silu(gate) and their product (4F);
+      output (2F), SwiGLU keeps gate, up, silu(gate) and their product (4F; 3F fused,
+      `impl.fused_swiglu`);
     - the attention core: GPT eager keeps softmax, dropout mask and output (5as, Korthikanti);
       Llama eager keeps the softmax (a s); FlashAttention keeps only the log-sum-exp (fp32).
     With 2-byte elements and GPT's shape this is Korthikanti's sbh(34 + 5as/h) at t = 1.
@@ -364,7 +365,12 @@ def layer_activation_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype
         return sb * h * e / (t if lay.sp else 1)
     gpt, drop = shape.arch == "gpt", shape.has_dropout
     whole = 4 * h * e + (2 * h if drop else 0)  # two 1-byte dropout masks
-    mlp_tensors = 2 if gpt else (2 if rec == "selective" else 4)  # selective recomputes silu*up
+    # SwiGLU keeps gate, up, silu(gate) and their product; a fused SwiGLU (impl.fused_swiglu)
+    # recomputes silu from gate; selective recompute reruns silu*up as well.
+    if gpt or rec == "selective":
+        mlp_tensors = 2
+    else:
+        mlp_tensors = 3 if impl is not None and impl.fused_swiglu else 4
     if shape.is_moe:  # the feed-forward is not split over tp (plan/moe.py)
         split = (2 * h + 2 * shape.kv_dim) * e
         moe = ffn_tokens(lay, sb) * activation_bytes_per_token(shape, lay, e, rec)
