@@ -177,7 +177,8 @@ def published_rows(path: Path = RUNS) -> list[dict]:
                           kv_heads=m.get("kv_heads"), ffn_hidden=m.get("ffn_hidden"),
                           name=m.get("name", run["id"]), tied=m.get("tied_embeddings"),
                           positions=m.get("positions", 0 if m["arch"] == "llama" else None),
-                          dropout=m.get("dropout"))
+                          dropout=m.get("dropout"),
+                          linear_bias=m.get("linear_bias") if m["arch"] == "gpt" else None)
         fixed = {k: lay[k] for k in ("tp", "pp", "cp", "dp", "zero", "dp_replicate",
                                      "recompute", "sp", "v") if lay.get(k) is not None}
         if lay.get("schedule"):
@@ -310,8 +311,9 @@ def render_readme(result: dict) -> str:
         f"): our own 1B runs on one H100 within {own['max_abs_error']:.1%} in step time "
         f"(mean {own['mean_abs_error']:.1%}) and {own['memory_max_abs_error']:.1%} in peak "
         f"memory; Megatron-LM Table 1 (A100) mean {meg['mean_abs_error']:.1%}, worst "
-        f"{meg['max_abs_error']:.1%}; NeMo's H100 runs (Llama 3.1 8B/70B/405B, GPT-3 175B) mean "
-        f"{nemo['mean_abs_error']:.1%}, worst {nemo['max_abs_error']:.1%}; other trainers' A100 "
+        f"{meg['max_abs_error']:.1%}; NeMo's H100 runs (Llama 3.1 8B/70B/405B, GPT-3 175B, "
+        f"Nemotron-4 340B) mean {nemo['mean_abs_error']:.1%}, worst "
+        f"{nemo['max_abs_error']:.1%}; other trainers' A100 "
         f"runs mean {low:.1%}-{high:.1%} per trainer (the A100 80GB set "
         f"{a80['mean_abs_error']:.1%}, worst {a80['max_abs_error']:.1%}, a "
         f"{worst80['trainer']} run); {fits} published layout that trained is predicted to fit; "

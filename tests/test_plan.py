@@ -71,6 +71,33 @@ def test_fused_swiglu_keeps_one_feed_forward_tensor_less():
     assert parse_fix("fused_swiglu=true")["fused_swiglu"] is True
 
 
+def test_optimizer_state_bytes_per_parameter():
+    """fp32 master + moments 12 bytes per parameter, apex's remainders 10, bf16 moments 4, all
+    sharded over dp_shard under ZeRO; parameters and gradients unchanged; fp32 training and
+    meshloom's unsharded block (fp32 masters are the parameters) unaffected."""
+    from meshloom.plan.memory import memory_per_gpu, rank_params
+    shape = PRESETS["llama3-8b"]
+    lay = Layout(tp=2, dp=4, zero=1, micro_batch=1)
+    psi = rank_params(shape, lay, 0)
+    base = Implementation(meshloom_block=False)
+    got = {k: memory_per_gpu(shape, lay, 4096, 4, impl=replace(base, optimizer_state=k))
+           for k in ("fp32", "fp32_remainders", "bf16")}
+    for state, per in (("fp32", 12), ("fp32_remainders", 10), ("bf16", 4)):
+        assert got[state].optimizer == pytest.approx(per * psi / 4)
+        assert (got[state].params, got[state].grads) == (got["fp32"].params, got["fp32"].grads)
+    for k in ("fp32_remainders", "bf16"):
+        impl = replace(base, optimizer_state=k)
+        assert memory_per_gpu(shape, lay, 4096, 4, "fp32", impl=impl).optimizer == \
+            memory_per_gpu(shape, lay, 4096, 4, "fp32", impl=base).optimizer
+        ddp, ours = Layout(tp=2, dp=4, micro_batch=1), replace(Implementation(), optimizer_state=k)
+        assert memory_per_gpu(shape, ddp, 4096, 4, impl=ours).optimizer == \
+            memory_per_gpu(shape, ddp, 4096, 4, impl=Implementation()).optimizer
+    assert parse_fix("optimizer_state=fp32_remainders")["optimizer_state"] == "fp32_remainders"
+    with pytest.raises(PlanError, match="optimizer_state=fp16 must be one of fp32, "
+                                        "fp32_remainders, bf16"):
+        parse_fix("optimizer_state=fp16")
+
+
 def test_in_flight_per_schedule():
     p, m = 4, 16
     assert in_flight("1f1b", p, m, 1) == (p, 1)  # first stage p, last stage 1 (Narayanan)

@@ -275,10 +275,80 @@ def test_heads_not_divisible_by_kv_heads():
     assert "heads=4" in message and "kv_heads=3" in message and "divisible" in message
 
 
-def test_bad_arch_and_gpt_gqa():
+def test_bad_arch_and_bad_bias_option():
     assert "unknown arch 'bert'" in _error(from_dims, "bert", 64, 2, 4, 100)
-    assert "kv_heads=2" in _error(from_dims, "gpt", 64, 2, 4, 100, kv_heads=2)
     assert "positions=16" in _error(from_dims, "llama", 64, 2, 4, 100, positions=16)
+    assert "qkv_bias, not linear_bias" in _error(from_dims, "llama", 64, 2, 4, 100,
+                                                  linear_bias=True)
+    assert "linear_bias='yes'" in _error(from_dims, "gpt", 64, 2, 4, 100, linear_bias="yes")
+
+
+# --- GPT-style blocks meshloom does not build: GQA, no biases, RoPE (Nemotron-4) ------------
+
+def test_gqa_gpt_block_counts_and_gemms():
+    """A gpt block with 2 of 8 heads' k and v and no biases: its q/k/v projection is q + 2kv
+    wide, its parameters are the four matrices and two LayerNorms, and it is not meshloom's
+    GPT-2 (so its activations get the per-tensor count)."""
+    from meshloom.plan.implementation import MESHLOOM
+    from meshloom.plan.memory import uses_meshloom_block
+    from meshloom.plan.step_kernels import block_gemms
+    h, heads, kv, f = 64, 8, 2, 256
+    shape = from_dims("gpt", h, 3, heads, 100, kv_heads=kv, ffn_hidden=f, positions=0,
+                      tied=False, linear_bias=False)
+    d = h // heads
+    assert shape.layer_matmul_params == h * h + 2 * h * kv * d + h * h + 2 * h * f
+    assert shape.layer_params == shape.layer_matmul_params + 4 * h
+    assert shape.params == 3 * shape.layer_params + 2 * 100 * h + 2 * h
+    biased = from_dims("gpt", h, 3, heads, 100, kv_heads=kv, ffn_hidden=f, positions=0,
+                       tied=False)
+    assert biased.layer_params - shape.layer_params == (h + 2 * kv * d) + h + f + h
+    qkv = {g.name: g for g in block_gemms(shape, 16, 2)}["qkv"]
+    assert (qkv.m, qkv.n, qkv.k) == (16, (h + 2 * kv * d) // 2, h)
+    assert not shape.is_gpt2_block and PRESETS["gpt2"].is_gpt2_block
+    assert not uses_meshloom_block(shape, "bf16", MESHLOOM)
+    assert uses_meshloom_block(PRESETS["gpt2"], "bf16", MESHLOOM)
+    assert "linear_bias" not in PRESETS["gpt2"].to_dict()
+    assert shape.to_dict()["linear_bias"] is False
+
+
+def test_gqa_gpt_block_has_no_meshloom_config():
+    from meshloom.plan.layout import Layout, config_toml
+    shape = from_dims("gpt", 64, 2, 8, 100, kv_heads=2, positions=0)
+    with pytest.raises(PlanError, match="builds gpt blocks only as GPT-2"):
+        config_toml(Layout(), shape, 64, 8, "bf16")
+
+
+def test_nemotron_hf_config_matches_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "NemotronConfig"):
+        pytest.skip("this transformers has no Nemotron")
+    config = transformers.NemotronConfig(hidden_size=64, intermediate_size=192,
+                                         num_hidden_layers=2, num_attention_heads=8,
+                                         num_key_value_heads=2, vocab_size=100,
+                                         max_position_embeddings=64)
+    model = transformers.NemotronForCausalLM(config)
+    model.save_pretrained(tmp_path / "tiny-nemotron")
+    shape = from_hf_config(tmp_path / "tiny-nemotron")
+    assert (shape.arch, shape.kv_heads, shape.positions, shape.tied) == ("gpt", 2, 0, False)
+    assert shape.has_linear_bias is False and not shape.is_gpt2_block
+    assert shape.params == model.num_parameters()
+    block = sum(p.numel() for p in model.model.layers[0].parameters())
+    assert shape.layer_params == block
+
+
+def test_nemotron4_340b_size():
+    """The dgxc recipe's Nemotron-4 340B dimensions give the published 341B."""
+    shape = from_dims("gpt", 18432, 96, 96, 256000, kv_heads=8, ffn_hidden=73728, positions=0,
+                      tied=False, linear_bias=False)
+    assert round(shape.params / 1e9) == 341
+
+
+def test_nemotron_with_biases_on_attention_only_is_refused(tmp_path):
+    data = {"model_type": "nemotron", "hidden_size": 64, "num_attention_heads": 8,
+            "num_hidden_layers": 2, "intermediate_size": 192, "vocab_size": 100,
+            "attention_bias": True, "mlp_bias": False}
+    with pytest.raises(PlanError, match="attention_bias=true with mlp_bias=false"):
+        from_hf_config(_write_config(tmp_path, data))
 
 
 def test_shape_is_frozen():

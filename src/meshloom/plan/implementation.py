@@ -43,6 +43,15 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   3F values per token for its feed-forward (gate, up, and the product the second GEMM reads)
   where eager PyTorch keeps 4F (silu's output too). Memory only; a no-op for GeLU models,
   under recompute, and for meshloom's own block (counted from its autograd graph).
+- `optimizer_state`: what the optimizer keeps per parameter beside bf16 parameters and
+  gradients (OPTIMIZER_STATES, bytes per parameter, sharded as ZeRO shards them): `fp32`
+  (meshloom, Megatron's distributed optimizer, ZeRO: an fp32 master copy and fp32 Adam
+  moments, 12), `fp32_remainders` (apex's `DistributedFusedAdam` with `store_param_remainders`,
+  which NeMo's `distributed_fused_adam` sets for a bf16 model with fp32 state: the 16 low bits
+  an fp32 master has beyond the bf16 parameter, and fp32 moments, 10) or `bf16` (bf16 moments
+  and no master copy, the parameters updated in place: NeMo's `distributed_fused_adam` with
+  `optim.dtype: bf16`, 4). Memory only; a no-op in fp32 and for meshloom's unsharded block,
+  whose parameters are the fp32 masters.
 - `op_sac`: selective recompute is torchtitan's per-op policy (`selective_ac_option = "op"`):
   of a block's matmuls, in the order they run, it keeps the outputs of the 1st, 3rd, 5th, ...
   and reruns the others (a Llama block keeps wq, wv, w1, w2 and reruns wk, wo, w3), keeps the
@@ -98,6 +107,7 @@ class Implementation:
     op_sac: bool = False
     fused_grad_accumulation: bool = False
     fused_swiglu: bool = False
+    optimizer_state: str = "fp32"
     attention_kernel: str = "fa2"
     pp_split: str = "balanced"
     p2p_blocking: bool = False
@@ -127,7 +137,9 @@ def parse_bool(key: str, value: str) -> bool:
     return v in TRUE
 
 
-STR_IMPL_KEYS = ("attention_kernel", "pp_split")
+STR_IMPL_KEYS = ("attention_kernel", "pp_split", "optimizer_state")
+# Bytes per parameter beside the bf16 parameter and gradient: (master copy, Adam moments).
+OPTIMIZER_STATES = {"fp32": (4, 8), "fp32_remainders": (2, 8), "bf16": (0, 4)}
 
 
 def split_fix(fixed: dict) -> tuple[dict, Implementation]:

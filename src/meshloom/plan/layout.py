@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, fields
 
 from meshloom.parallel.pipeline_schedule import SCHEDULES
 from meshloom.plan import PlanError
-from meshloom.plan.implementation import IMPL_KEYS, STR_IMPL_KEYS, parse_bool
+from meshloom.plan.implementation import IMPL_KEYS, OPTIMIZER_STATES, STR_IMPL_KEYS, parse_bool
 from meshloom.plan.kernel_table import ATTENTION_KERNELS
 from meshloom.plan.stages import PP_SPLITS
 
@@ -87,7 +87,8 @@ def parse_fix(text: str) -> dict:
             out[key] = parse_bool(key, value)
         else:
             options = {"recompute": RECOMPUTE, "attention_kernel": ATTENTION_KERNELS,
-                       "pp_split": PP_SPLITS}.get(key, SCHEDULES)
+                       "pp_split": PP_SPLITS,
+                       "optimizer_state": tuple(OPTIMIZER_STATES)}.get(key, SCHEDULES)
             if value not in options:
                 raise PlanError(f"--fix: {key}={value} must be one of {', '.join(options)}")
             out[key] = value
@@ -141,6 +142,10 @@ def config_toml(layout: Layout, shape, seq: int, global_batch: int, dtype: str) 
 def _gpt_model(shape, seq: int) -> list[str]:
     """The [model] lines of a GPT shape: meshloom's GPT-2 family (models/gpt2.py)."""
     from meshloom.models.gpt2 import PRESETS as GPT2_PRESETS
+    if not shape.is_gpt2_block:
+        raise PlanError(f"model {shape.name!r}: meshloom builds gpt blocks only as GPT-2 "
+                        "(every head its own k and v, biased linears, learned positions), so "
+                        "there is no meshloom config to write; plan it without --write-config")
     positions = max(shape.positions, seq)  # the learned table must cover the sequence
     preset = GPT2_PRESETS.get(shape.name)
     if preset is not None and preset["vocab_size"] == shape.vocab and shape.tied \

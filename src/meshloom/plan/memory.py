@@ -27,7 +27,7 @@ from functools import lru_cache
 from meshloom.parallel.pipeline_schedule import compute_lists
 from meshloom.plan import PlanError
 from meshloom.plan.formulas import FP32, MIXED, model_state_bytes
-from meshloom.plan.implementation import MESHLOOM, Implementation
+from meshloom.plan.implementation import MESHLOOM, OPTIMIZER_STATES, Implementation
 from meshloom.plan.layout import Layout
 from meshloom.plan.models import ModelShape
 from meshloom.plan.moe import (
@@ -104,8 +104,10 @@ def rank_model_states(shape: ModelShape, lay: Layout, rank: int, prec,
 
 def uses_meshloom_block(shape: ModelShape, dtype: str, impl: Implementation | None) -> bool:
     """Whether the activations are meshloom's own block's census: a Llama or GPT-2 block in
-    bf16, with an MoE feed-forward too, eager or compiled (`meshloom_block_bytes`)."""
-    meshloom_arch = shape.arch in ("llama", "gpt")
+    bf16, with an MoE feed-forward too, eager or compiled (`meshloom_block_bytes`). A gpt shape
+    meshloom does not build (grouped-query attention, no biases, RoPE) gets the per-tensor
+    count."""
+    meshloom_arch = shape.arch == "llama" or shape.is_gpt2_block
     return impl is not None and impl.meshloom_block and dtype == "bf16" and meshloom_arch
 
 
@@ -542,6 +544,9 @@ def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
     prec = precision(dtype)
     if impl.meshloom_block and lay.zero == 0:
         prec = FP32  # unsharded, meshloom's parameters are the fp32 masters (autocast computes)
+    elif prec.master_bytes:
+        master, moments = OPTIMIZER_STATES[impl.optimizer_state]
+        prec = replace(prec, master_bytes=master, optim_bytes=moments)
     s, b, m = seq // lay.cp, lay.micro_batch, lay.microbatches(global_batch)
     if stages is None:
         stages = stage_layers(shape, lay.pp, lay.v, seq, impl.pp_split)

@@ -9,6 +9,12 @@ Two block families are modelled:
 
 * ``"gpt"``: the GPT-2 / Megatron-LM block. LayerNorm with bias, biases in every linear, a 4h
   GeLU MLP (two matrices), learned position embeddings, output head tied to the token table.
+  Its options cover the GPT-style blocks built like it (a two-matrix MLP, LayerNorm): grouped-
+  query attention (``kv_heads`` < ``heads``; Starcoder2, Nemotron-4), no linear biases
+  (``linear_bias`` false; Nemotron-4), RoPE in place of the position table (``positions`` 0)
+  and any width of MLP. The MLP's activation (GeLU, squared ReLU) changes no count here.
+  meshloom builds only the GPT-2 form (``is_gpt2_block``: every head its own k and v, biases);
+  the others are planned with Korthikanti et al.'s per-tensor activation count.
 * ``"llama"``: the Llama block as in ``meshloom.models.llama``. RMSNorm, no biases, SwiGLU MLP of
   width ``ffn_hidden`` (three matrices), grouped-query attention with ``kv_heads``, RoPE (so no
   position table), head tied or not. Its options cover the families built on it
@@ -46,7 +52,7 @@ ARCHS = ("gpt", "llama")
 DEFAULT_IMBALANCE = 1.25  # the busiest expert rank's tokens over the mean (docs/plan.md)
 # HF model types whose parameter layout is exactly one of ours (with the llama options).
 _HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral")
-_HF_GPT_TYPES = ("gpt2",)
+_HF_GPT_TYPES = ("gpt2", "nemotron")
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,9 @@ class ModelShape:
     # Dropout in training (GPT's embedding, attention and residual dropout keep 1-byte masks).
     # None: the arch's usual recipe (GPT-2 and Megatron's GPT use 0.1; Llama none).
     dropout: bool | None = None
+    # Biases on a gpt block's four linears (None: the arch's own, gpt's on). Llama's q/k/v
+    # biases are ``qkv_bias``.
+    linear_bias: bool | None = None
 
     def __post_init__(self) -> None:
         # Checked here so that every way of building a shape (preset, HF file, flags) is covered.
@@ -115,9 +124,11 @@ class ModelShape:
         if self.heads % self.kv_heads:
             raise PlanError(f"model {self.name!r}: heads={self.heads} is not divisible by "
                             f"kv_heads={self.kv_heads}")
-        if self.arch == "gpt" and self.kv_heads != self.heads:
-            raise PlanError(f"model {self.name!r}: gpt blocks have no grouped-query attention; "
-                            f"kv_heads={self.kv_heads} must equal heads={self.heads}")
+        if self.linear_bias is not None and not isinstance(self.linear_bias, bool):
+            raise PlanError(f"model {self.name!r}: linear_bias={self.linear_bias!r} must be true "
+                            "or false (or unset)")
+        if self.arch == "llama" and self.linear_bias:
+            raise PlanError(f"model {self.name!r}: llama blocks take qkv_bias, not linear_bias")
         llama_options = (self.explicit_head_dim, self.sliding_window, self.qkv_bias or None,
                          self.qk_norm or None)
         if self.arch == "gpt" and any(o is not None for o in llama_options):
@@ -171,6 +182,17 @@ class ModelShape:
         return self.n_experts > 0
 
     @property
+    def has_linear_bias(self) -> bool:
+        return self.arch == "gpt" if self.linear_bias is None else self.linear_bias
+
+    @property
+    def is_gpt2_block(self) -> bool:
+        """A gpt shape meshloom's GPT-2 (models/gpt2.py) builds: every head with its own k and
+        v, biased linears, a learned position table."""
+        return self.arch == "gpt" and self.kv_heads == self.heads and self.has_linear_bias \
+            and self.positions > 0
+
+    @property
     def expert_layer_params(self) -> int:
         """The routed experts' weights of one block (all of them; expert parallel splits these
         over ep). 0 for a dense block."""
@@ -217,7 +239,7 @@ class ModelShape:
         With experts: the router, the shared expert and top_k routed experts (the active ones)."""
         h, f = self.hidden, self.ffn_hidden
         if self.arch == "gpt":
-            return 4 * h * h + 2 * h * f
+            return 2 * h * self.q_dim + 2 * h * self.kv_dim + 2 * h * f
         if self.is_moe:
             return (self.attention_matmul_params + self.moe_dense_ffn_params
                     + 3 * h * self.moe_hidden * self.top_k)
@@ -228,7 +250,8 @@ class ModelShape:
         """Every parameter of one block, norms and biases included: what memory scales with."""
         h, f = self.hidden, self.ffn_hidden
         if self.arch == "gpt":
-            biases = 3 * h + h + f + h  # qkv, proj, fc1, fc2
+            # qkv, proj, fc1, fc2
+            biases = self.q_dim + 2 * self.kv_dim + h + f + h if self.has_linear_bias else 0
             norms = 2 * 2 * h  # two LayerNorms, weight and bias each
             return self.layer_matmul_params + biases + norms
         n = self.layer_matmul_params + 2 * h  # two RMSNorm weights
@@ -282,6 +305,8 @@ class ModelShape:
         else:
             for key in moe_keys:
                 del out[key]
+        if self.linear_bias is None:  # the arch's own: records stay as they were
+            del out["linear_bias"]
         return out
 
 
@@ -302,6 +327,7 @@ def from_dims(
     positions: int | None = None,
     tied: bool | None = None,
     dropout: bool | None = None,
+    linear_bias: bool | None = None,
 ) -> ModelShape:
     """Shape from explicit dimensions, filling the rest with each family's usual defaults.
 
@@ -324,7 +350,7 @@ def from_dims(
         tied = False if tied is None else tied
     return ModelShape(name=name, arch=arch, hidden=hidden, layers=layers, heads=heads,
                       kv_heads=kv_heads, ffn_hidden=ffn_hidden, vocab=vocab, tied=tied,
-                      positions=positions, dropout=dropout)
+                      positions=positions, dropout=dropout, linear_bias=linear_bias)
 
 
 def from_llama_config(cfg: _llama.LlamaConfig, name: str = "custom") -> ModelShape:
@@ -416,9 +442,10 @@ def from_hf_config(path: str | Path) -> ModelShape:
     """Shape from a Hugging Face ``config.json`` (or a directory holding one).
 
     Accepts the model types whose parameters we count exactly (llama, mistral, qwen2, qwen3,
-    mixtral, gpt2) and refuses anything that would be miscounted or that meshloom cannot run (e.g. a
-    llama head_dim that does not tile hidden, biased llama projections, Qwen's layer-dependent
-    sliding window) rather than guess.
+    mixtral, gpt2, nemotron) and refuses anything that would be miscounted or that meshloom
+    cannot run (e.g. a llama head_dim that does not tile hidden, biased llama projections,
+    Qwen's layer-dependent sliding window) rather than guess. Nemotron is planned, not run:
+    meshloom has no GPT block with grouped-query attention.
     """
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
@@ -429,6 +456,8 @@ def from_hf_config(path: str | Path) -> ModelShape:
     model_type = _require(data, "model_type", file)
     if model_type in _HF_LLAMA_TYPES:
         return _llama_shape(data, file, name, model_type)
+    if model_type == "nemotron":
+        return _nemotron_shape(data, file, name)
     if model_type in _HF_GPT_TYPES:
         if data.get("add_cross_attention"):
             raise PlanError(f"model config {file}: add_cross_attention=true is not supported")
@@ -446,6 +475,32 @@ def from_hf_config(path: str | Path) -> ModelShape:
         )
     supported = ", ".join(_HF_LLAMA_TYPES + _HF_GPT_TYPES)
     raise PlanError(f"unsupported model_type {model_type!r} in {file}; supported: {supported}")
+
+
+def _nemotron_shape(data: dict[str, Any], file: Path, name: str) -> ModelShape:
+    """Nemotron-4 and Minitron (transformers' NemotronConfig): a gpt block with grouped-query
+    attention, squared-ReLU two-matrix MLP, LayerNorm (``layernorm1p``, weight and bias), RoPE
+    on part of each head, untied head by default, linear biases only if asked for."""
+    hidden = _require(data, "hidden_size", file)
+    heads = _require(data, "num_attention_heads", file)
+    head_dim = data.get("head_dim")
+    if head_dim is not None and _is_int(heads) and head_dim * heads != hidden:
+        raise PlanError(f"model config {file}: head_dim={head_dim} x num_attention_heads="
+                        f"{heads} != hidden_size={hidden} is not supported")
+    attention_bias, mlp_bias = bool(data.get("attention_bias")), bool(data.get("mlp_bias"))
+    if attention_bias != mlp_bias:
+        raise PlanError(f"model config {file}: attention_bias={str(attention_bias).lower()} "
+                        f"with mlp_bias={str(mlp_bias).lower()} is not supported (biases on "
+                        "every linear or on none)")
+    kv_heads = data.get("num_key_value_heads")
+    return ModelShape(
+        name=name, arch="gpt", hidden=hidden, layers=_require(data, "num_hidden_layers", file),
+        heads=heads, kv_heads=heads if kv_heads is None else kv_heads,
+        ffn_hidden=_require(data, "intermediate_size", file),
+        vocab=_require(data, "vocab_size", file),
+        tied=bool(data.get("tie_word_embeddings", False)), positions=0,
+        dropout=bool(data.get("attention_dropout", 0.0)), linear_bias=attention_bias,
+    )
 
 
 def _llama_shape(data: dict[str, Any], file: Path, name: str, model_type: str) -> ModelShape:

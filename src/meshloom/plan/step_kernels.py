@@ -63,11 +63,11 @@ def block_gemms(shape: ModelShape, tokens: int, tp: int, expert_rows: float = 0.
     (the feed-forward is not split over tp: plan/moe.py), its router and shared expert on
     `ffn_tokens` (default `tokens`; the rank's slice under SP)."""
     h, t = shape.hidden, tp
-    if shape.arch == "gpt":
-        f = shape.ffn_hidden
-        return [_linear("qkv", tokens, 3 * h // t, h), _linear("proj", tokens, h, h // t),
-                _linear("fc1", tokens, f // t, h), _linear("fc2", tokens, h, f // t)]
     q, kv = shape.q_dim // t, shape.kv_dim // t
+    if shape.arch == "gpt":  # one fused q/k/v projection (narrower k and v under GQA)
+        f = shape.ffn_hidden
+        return [_linear("qkv", tokens, q + 2 * kv, h), _linear("proj", tokens, h, q),
+                _linear("fc1", tokens, f // t, h), _linear("fc2", tokens, h, f // t)]
     out = [_linear("wq", tokens, q, h), _linear("wk", tokens, kv, h),
            _linear("wv", tokens, kv, h), _linear("wo", tokens, h, q)]
     if not shape.is_moe:
@@ -116,9 +116,11 @@ def elementwise_bytes_per_token(shape: ModelShape, tp: int, sp: bool, e: int, im
         if impl == "fused":
             return (4 * h * e + 2 * (3 * h * e + mask)) / whole + 2 * f * e
         # eager: LayerNorm read+write, dropout (read, write, mask) then add (read 2, write 1)
-        # twice, bias add and GeLU as separate passes over 4h/t.
+        # twice, bias add and GeLU as separate passes over 4h/t (no bias: the GeLU's only).
+        # A RoPE gpt block's rotary pass is not counted (fused in the trainers that run one).
         drop = 2 * h * e + mask if shape.has_dropout else 0
-        return (2 * 2 * h * e + 2 * (drop + 3 * h * e)) / whole + 2 * 2 * f * e
+        mlp_passes = 2 if shape.has_linear_bias else 1
+        return (2 * 2 * h * e + 2 * (drop + 3 * h * e)) / whole + mlp_passes * 2 * f * e
     mlp = 3 * shape.ffn_hidden / t if ffn_elems is None else ffn_elems
     if impl == "fused":
         return (4 * h + 2 * 3 * h) * e / whole + mlp * e
