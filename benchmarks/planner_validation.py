@@ -203,6 +203,10 @@ def published_rows(path: Path = RUNS) -> list[dict]:
         if fixed.get("attention_kernel", "fa2") != "fa2":  # what FlashAttention-2 would give
             row["error_fa2_attention"] = _published_row(
                 run, shape, {**fixed, "attention_kernel": "fa2"}, {})["error"]
+        if fixed.get("optimizer_state", "fp32") != "fp32":  # with the default 12 bytes
+            default = _published_row(run, shape, {**fixed, "optimizer_state": "fp32"}, {})
+            row["memory_gb_fp32_optimizer_state"] = default["memory_gb"]
+            row["fits_fp32_optimizer_state"] = default["fits"]
         rows.append(row)
     return rows
 
