@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -281,6 +282,10 @@ def test_bad_arch_and_bad_bias_option():
     assert "qkv_bias, not linear_bias" in _error(from_dims, "llama", 64, 2, 4, 100,
                                                   linear_bias=True)
     assert "linear_bias='yes'" in _error(from_dims, "gpt", 64, 2, 4, 100, linear_bias="yes")
+    gpt = from_dims("gpt", 64, 2, 4, 100)
+    for option in (dict(qkv_bias=True), dict(qk_norm=True)):
+        with pytest.raises(PlanError, match="gpt blocks take linear_bias, not the llama"):
+            replace(gpt, **option)
 
 
 # --- GPT-style blocks meshloom does not build: GQA, no biases, RoPE (Nemotron-4) ------------
@@ -318,22 +323,82 @@ def test_gqa_gpt_block_has_no_meshloom_config():
         config_toml(Layout(), shape, 64, 8, "bf16")
 
 
-def test_nemotron_hf_config_matches_transformers(tmp_path):
+def _tiny_hf(tmp_path: Path, family: str, **dims):
+    """A tiny transformers model of `family` (e.g. "Nemotron"), saved and read back as a shape:
+    (its shape, the model)."""
     transformers = pytest.importorskip("transformers")
-    if not hasattr(transformers, "NemotronConfig"):
-        pytest.skip("this transformers has no Nemotron")
-    config = transformers.NemotronConfig(hidden_size=64, intermediate_size=192,
-                                         num_hidden_layers=2, num_attention_heads=8,
-                                         num_key_value_heads=2, vocab_size=100,
-                                         max_position_embeddings=64)
-    model = transformers.NemotronForCausalLM(config)
-    model.save_pretrained(tmp_path / "tiny-nemotron")
-    shape = from_hf_config(tmp_path / "tiny-nemotron")
+    if not hasattr(transformers, f"{family}Config"):
+        pytest.skip(f"this transformers has no {family}")
+    config = getattr(transformers, f"{family}Config")(
+        hidden_size=64, intermediate_size=192, num_hidden_layers=2, vocab_size=100,
+        max_position_embeddings=64, **dims)
+    model = getattr(transformers, f"{family}ForCausalLM")(config)
+    model.save_pretrained(tmp_path / family)
+    return from_hf_config(tmp_path / family), model
+
+
+def test_nemotron_hf_config_matches_transformers(tmp_path):
+    shape, model = _tiny_hf(tmp_path, "Nemotron", num_attention_heads=8, num_key_value_heads=2)
     assert (shape.arch, shape.kv_heads, shape.positions, shape.tied) == ("gpt", 2, 0, False)
     assert shape.has_linear_bias is False and not shape.is_gpt2_block
     assert shape.params == model.num_parameters()
     block = sum(p.numel() for p in model.model.layers[0].parameters())
     assert shape.layer_params == block
+
+
+def test_nemotron_head_dim_of_its_own_matches_transformers(tmp_path):
+    """Minitron 8B's heads are 128 wide on a hidden of 4096 with 48 of them: q is 6144 wide.
+    The count, the q/k/v GEMM and the per-tensor activation count all use q's own width."""
+    from meshloom.plan.implementation import Implementation
+    from meshloom.plan.layout import Layout
+    from meshloom.plan.memory import layer_activation_bytes
+    from meshloom.plan.step_kernels import block_gemms
+    shape, model = _tiny_hf(tmp_path, "Nemotron", num_attention_heads=6, num_key_value_heads=2,
+                            head_dim=16)
+    assert (shape.head_dim, shape.q_dim, shape.kv_dim) == (16, 96, 32)
+    assert shape.params == model.num_parameters()
+    assert shape.layer_params == sum(p.numel() for p in model.model.layers[0].parameters())
+    assert not shape.is_gpt2_block
+    gemms = {g.name: g for g in block_gemms(shape, 8, 1)}
+    assert (gemms["qkv"].n, gemms["proj"].k) == (96 + 2 * 32, 96)
+    # Q and the attention output are 96 wide, not 64: 2 x 32 more values per token, 2 bytes.
+    tiling = replace(shape, explicit_head_dim=None, heads=4)  # q 64, k and v 32 as before
+    lay, eager = Layout(), Implementation(meshloom_block=False)
+    wide = layer_activation_bytes(shape, 16, 1, lay, "bf16", impl=eager)
+    narrow = layer_activation_bytes(tiling, 16, 1, lay, "bf16", impl=eager)
+    assert wide - narrow == 16 * 2 * (96 - 64) * 2 + 16 * 4 * (6 - 4)  # and an lse per head
+    # Per token: the four h-wide inputs, Q, O, K, V and GeLU's input and output (2 bytes),
+    # the fp32 log-sum-exp per head.
+    assert wide == 16 * (4 * 64 * 2 + (2 * 96 + 2 * 32 + 2 * 192) * 2 + 4 * 6)
+
+
+def test_starcoder2_hf_config_matches_transformers(tmp_path):
+    """Starcoder2: GQA, biases on every linear, LayerNorm, RoPE, tied head, a window on every
+    layer. Counted exactly; planned (the window shortens attention, context parallel is
+    refused as for Mistral), never written as a meshloom config."""
+    from meshloom.plan.hardware import make_cluster
+    from meshloom.plan.layout import Layout, config_toml
+    from meshloom.plan.search import evaluate
+    shape, model = _tiny_hf(tmp_path, "Starcoder2", num_attention_heads=8,
+                            num_key_value_heads=2, sliding_window=16, bos_token_id=0,
+                            eos_token_id=0)
+    assert (shape.arch, shape.kv_heads, shape.positions, shape.tied) == ("gpt", 2, 0, True)
+    assert (shape.sliding_window, shape.has_linear_bias, shape.has_dropout) == (16, True, False)
+    assert shape.params == model.num_parameters()
+    assert shape.layer_params == sum(p.numel() for p in model.model.layers[0].parameters())
+    assert not shape.is_gpt2_block
+    with pytest.raises(PlanError, match="builds gpt blocks only as GPT-2"):
+        config_toml(Layout(), shape, 64, 8, "bf16")
+    cluster = make_cluster("h100", 2)
+    full = replace(shape, sliding_window=None)
+
+    def step(s, seq=64):
+        return evaluate(s, Layout(dp=2), cluster, seq, 2).timing.step_time_s
+
+    assert step(shape) < step(full)  # 64 queries see at most 16 keys
+    assert step(shape, seq=16) == step(full, seq=16)  # the window covers the sequence
+    with pytest.raises(PlanError, match="sliding_window"):
+        evaluate(shape, Layout(cp=2), cluster, 64, 2)
 
 
 def test_nemotron4_340b_size():

@@ -110,6 +110,12 @@ def test_moe_activations_per_token_by_hand():
         40 + 2 * (2 * 64 + 4 * 64) * 2
     assert activation_bytes_per_token(TINY, Layout(dp=8, ep=2), 2, "selective") == \
         40 + 1.25 * 2 * (2 * 64 + 2 * 64) * 2
+    # A fused SwiGLU (Megatron-Core's grouped experts) keeps gate, up and the product: 3 tensors.
+    assert activation_bytes_per_token(TINY, Layout(dp=8, ep=2), 2, "none", fused_swiglu=True) \
+        == 40 + 1.25 * 2 * (2 * 64 + 3 * 64) * 2
+    assert activation_bytes_per_token(TINY, Layout(dp=8, ep=2), 2, "selective",
+                                      fused_swiglu=True) == \
+        activation_bytes_per_token(TINY, Layout(dp=8, ep=2), 2, "selective")
     allowance = replace(TINY, moe_imbalance=2.0)
     assert activation_bytes_per_token(allowance, Layout(dp=8, ep=2), 2, "none") == \
         40 + 2.0 * 2 * (2 * 64 + 4 * 64) * 2
@@ -118,6 +124,11 @@ def test_moe_activations_per_token_by_hand():
     lay = Layout(dp=8, ep=2)
     moe = 40 + 1.25 * 2 * (2 * 64 + 4 * 64) * 2
     assert layer_activation_bytes(TINY, 64, 1, lay, "bf16") == 64 * (512 + 384 + 16 + moe)
+    # ... and the block passes a trainer's fused SwiGLU on to its experts: 64 routed values
+    # less per copy.
+    fused = Implementation(meshloom_block=False, fused_swiglu=True)
+    assert layer_activation_bytes(TINY, 64, 1, lay, "bf16", impl=fused) == \
+        64 * (512 + 384 + 16 + moe - 1.25 * 2 * 64 * 2)
 
 
 H100 = make_cluster("h100", 8)

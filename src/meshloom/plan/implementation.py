@@ -41,8 +41,9 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   (the first GEMM's gate and up outputs) and recomputes silu in its backward (Megatron-Core's
   `bias_swiglu_impl` under `bias_activation_fusion`, on in NeMo's recipes), so a block keeps
   3F values per token for its feed-forward (gate, up, and the product the second GEMM reads)
-  where eager PyTorch keeps 4F (silu's output too). Memory only; a no-op for GeLU models,
-  under recompute, and for meshloom's own block (counted from its autograd graph).
+  where eager PyTorch keeps 4F (silu's output too); an MoE block's routed and shared experts
+  likewise (Megatron-Core's grouped experts take the same path). Memory only; a no-op for GeLU
+  models, under recompute, and for meshloom's own block (counted from its autograd graph).
 - `optimizer_state`: what the optimizer keeps per parameter beside bf16 parameters and
   gradients (OPTIMIZER_STATES, bytes per parameter, sharded as ZeRO shards them): `fp32`
   (meshloom, Megatron's distributed optimizer, ZeRO: an fp32 master copy and fp32 Adam

@@ -11,10 +11,12 @@ Two block families are modelled:
   GeLU MLP (two matrices), learned position embeddings, output head tied to the token table.
   Its options cover the GPT-style blocks built like it (a two-matrix MLP, LayerNorm): grouped-
   query attention (``kv_heads`` < ``heads``; Starcoder2, Nemotron-4), no linear biases
-  (``linear_bias`` false; Nemotron-4), RoPE in place of the position table (``positions`` 0)
-  and any width of MLP. The MLP's activation (GeLU, squared ReLU) changes no count here.
-  meshloom builds only the GPT-2 form (``is_gpt2_block``: every head its own k and v, biases);
-  the others are planned with Korthikanti et al.'s per-tensor activation count.
+  (``linear_bias`` false; Nemotron-4), RoPE in place of the position table (``positions`` 0),
+  a head width set apart from hidden / heads (``explicit_head_dim``; Minitron 8B), a sliding
+  window on every layer (``sliding_window``; Starcoder2) and any width of MLP. The MLP's
+  activation (GeLU, squared ReLU) changes no count here. meshloom builds only the GPT-2 form
+  (``is_gpt2_block``: every head its own k and v, biases, a position table, no window); the
+  others are planned with Korthikanti et al.'s per-tensor activation count.
 * ``"llama"``: the Llama block as in ``meshloom.models.llama``. RMSNorm, no biases, SwiGLU MLP of
   width ``ffn_hidden`` (three matrices), grouped-query attention with ``kv_heads``, RoPE (so no
   position table), head tied or not. Its options cover the families built on it
@@ -33,7 +35,8 @@ weights renormalised or not (``router_norm``), which changes only what it keeps 
 that many times the mean number of tokens (plan/moe.py).
 
 The parameter counts are exact for every option; the activation and time formulas (memory.py,
-timing.py) take the attention width to be ``hidden`` even where q is wider (Qwen3).
+compute.py) take q and the attention output at their own width, ``q_dim`` (wider than
+``hidden`` in Qwen3 and Minitron 8B).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ ARCHS = ("gpt", "llama")
 DEFAULT_IMBALANCE = 1.25  # the busiest expert rank's tokens over the mean (docs/plan.md)
 # HF model types whose parameter layout is exactly one of ours (with the llama options).
 _HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral")
-_HF_GPT_TYPES = ("gpt2", "nemotron")
+_HF_GPT_TYPES = ("gpt2", "nemotron", "starcoder2")
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,7 @@ class ModelShape:
     vocab: int
     tied: bool
     positions: int  # rows of the learned position table (0 for llama: RoPE has none)
-    # The llama options (all off for gpt): see the module's docstring.
+    # The llama options (qkv_bias and qk_norm off for gpt): see the module's docstring.
     explicit_head_dim: int | None = None  # None: hidden // heads
     qkv_bias: bool = False
     qk_norm: bool = False
@@ -129,11 +132,9 @@ class ModelShape:
                             "or false (or unset)")
         if self.arch == "llama" and self.linear_bias:
             raise PlanError(f"model {self.name!r}: llama blocks take qkv_bias, not linear_bias")
-        llama_options = (self.explicit_head_dim, self.sliding_window, self.qkv_bias or None,
-                         self.qk_norm or None)
-        if self.arch == "gpt" and any(o is not None for o in llama_options):
-            raise PlanError(f"model {self.name!r}: gpt blocks take none of the llama options "
-                            "(explicit_head_dim, qkv_bias, qk_norm, sliding_window)")
+        if self.arch == "gpt" and (self.qkv_bias or self.qk_norm):
+            raise PlanError(f"model {self.name!r}: gpt blocks take linear_bias, not the llama "
+                            "options qkv_bias and qk_norm")
         self._check_moe()
         if self.arch == "llama" and self.positions:
             raise PlanError(f"model {self.name!r}: llama uses RoPE and has no position table; "
@@ -188,9 +189,10 @@ class ModelShape:
     @property
     def is_gpt2_block(self) -> bool:
         """A gpt shape meshloom's GPT-2 (models/gpt2.py) builds: every head with its own k and
-        v, biased linears, a learned position table."""
+        v of width hidden / heads, biased linears, a learned position table, full attention."""
         return self.arch == "gpt" and self.kv_heads == self.heads and self.has_linear_bias \
-            and self.positions > 0
+            and self.positions > 0 and self.explicit_head_dim is None \
+            and self.sliding_window is None
 
     @property
     def expert_layer_params(self) -> int:
@@ -328,11 +330,16 @@ def from_dims(
     tied: bool | None = None,
     dropout: bool | None = None,
     linear_bias: bool | None = None,
+    head_dim: int | None = None,
+    sliding_window: int | None = None,
+    qkv_bias: bool = False,
+    qk_norm: bool = False,
 ) -> ModelShape:
     """Shape from explicit dimensions, filling the rest with each family's usual defaults.
 
     gpt: ffn_hidden 4h, tied head, 2048 learned positions. llama: ffn_hidden by meshloom's
     ``LlamaConfig.hidden`` rule (so plans match the model meshloom would build), untied head.
+    ``head_dim`` equal to hidden / heads is the default width and is not kept as an option.
     """
     if arch not in ARCHS:
         raise PlanError(f"unknown arch {arch!r}; choose one of: {', '.join(ARCHS)}")
@@ -348,9 +355,13 @@ def from_dims(
             ffn_hidden = _llama.LlamaConfig(dim=hidden).hidden
         positions = 0 if positions is None else positions
         tied = False if tied is None else tied
+    if head_dim is not None and _is_int(heads) and head_dim * heads == hidden:
+        head_dim = None
     return ModelShape(name=name, arch=arch, hidden=hidden, layers=layers, heads=heads,
                       kv_heads=kv_heads, ffn_hidden=ffn_hidden, vocab=vocab, tied=tied,
-                      positions=positions, dropout=dropout, linear_bias=linear_bias)
+                      positions=positions, dropout=dropout, linear_bias=linear_bias,
+                      explicit_head_dim=head_dim, sliding_window=sliding_window,
+                      qkv_bias=qkv_bias, qk_norm=qk_norm)
 
 
 def from_llama_config(cfg: _llama.LlamaConfig, name: str = "custom") -> ModelShape:
@@ -442,10 +453,10 @@ def from_hf_config(path: str | Path) -> ModelShape:
     """Shape from a Hugging Face ``config.json`` (or a directory holding one).
 
     Accepts the model types whose parameters we count exactly (llama, mistral, qwen2, qwen3,
-    mixtral, gpt2, nemotron) and refuses anything that would be miscounted or that meshloom
-    cannot run (e.g. a llama head_dim that does not tile hidden, biased llama projections,
-    Qwen's layer-dependent sliding window) rather than guess. Nemotron is planned, not run:
-    meshloom has no GPT block with grouped-query attention.
+    mixtral, gpt2, nemotron, starcoder2) and refuses anything that would be miscounted or that
+    meshloom cannot run (e.g. a llama head_dim that does not tile hidden, biased llama
+    projections, Qwen's layer-dependent sliding window) rather than guess. Nemotron and
+    Starcoder2 are planned, not run: meshloom has no GPT block with grouped-query attention.
     """
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
@@ -458,6 +469,8 @@ def from_hf_config(path: str | Path) -> ModelShape:
         return _llama_shape(data, file, name, model_type)
     if model_type == "nemotron":
         return _nemotron_shape(data, file, name)
+    if model_type == "starcoder2":
+        return _starcoder2_shape(data, file, name)
     if model_type in _HF_GPT_TYPES:
         if data.get("add_cross_attention"):
             raise PlanError(f"model config {file}: add_cross_attention=true is not supported")
@@ -480,13 +493,12 @@ def from_hf_config(path: str | Path) -> ModelShape:
 def _nemotron_shape(data: dict[str, Any], file: Path, name: str) -> ModelShape:
     """Nemotron-4 and Minitron (transformers' NemotronConfig): a gpt block with grouped-query
     attention, squared-ReLU two-matrix MLP, LayerNorm (``layernorm1p``, weight and bias), RoPE
-    on part of each head, untied head by default, linear biases only if asked for."""
+    on part of each head, untied head by default, linear biases only if asked for, and a head
+    width of its own where ``head_dim`` x heads is not hidden (Minitron 8B: 48 x 128 on 4096)."""
     hidden = _require(data, "hidden_size", file)
     heads = _require(data, "num_attention_heads", file)
     head_dim = data.get("head_dim")
-    if head_dim is not None and _is_int(heads) and head_dim * heads != hidden:
-        raise PlanError(f"model config {file}: head_dim={head_dim} x num_attention_heads="
-                        f"{heads} != hidden_size={hidden} is not supported")
+    tiles = head_dim is None or (_is_int(heads) and head_dim * heads == hidden)
     attention_bias, mlp_bias = bool(data.get("attention_bias")), bool(data.get("mlp_bias"))
     if attention_bias != mlp_bias:
         raise PlanError(f"model config {file}: attention_bias={str(attention_bias).lower()} "
@@ -500,6 +512,26 @@ def _nemotron_shape(data: dict[str, Any], file: Path, name: str) -> ModelShape:
         vocab=_require(data, "vocab_size", file),
         tied=bool(data.get("tie_word_embeddings", False)), positions=0,
         dropout=bool(data.get("attention_dropout", 0.0)), linear_bias=attention_bias,
+        explicit_head_dim=None if tiles else head_dim,
+    )
+
+
+def _starcoder2_shape(data: dict[str, Any], file: Path, name: str) -> ModelShape:
+    """Starcoder2 (transformers' Starcoder2Config): a gpt block with grouped-query attention,
+    a two-matrix GeLU MLP, LayerNorm with bias, biases on every linear (``use_bias``), RoPE,
+    the head tied by default, and a sliding window on every layer."""
+    heads = _require(data, "num_attention_heads", file)
+    kv_heads = data.get("num_key_value_heads")
+    dropout = any(data.get(k, 0.0) for k in ("attention_dropout", "residual_dropout",
+                                               "embedding_dropout"))
+    return ModelShape(
+        name=name, arch="gpt", hidden=_require(data, "hidden_size", file),
+        layers=_require(data, "num_hidden_layers", file), heads=heads,
+        kv_heads=heads if kv_heads is None else kv_heads,
+        ffn_hidden=_require(data, "intermediate_size", file),
+        vocab=_require(data, "vocab_size", file),
+        tied=bool(data.get("tie_word_embeddings", True)), positions=0, dropout=dropout,
+        linear_bias=bool(data.get("use_bias", True)), sliding_window=data.get("sliding_window"),
     )
 
 

@@ -85,15 +85,17 @@ def all_to_all_time(payload: float, ep: int, bandwidth: float, load: float = 1.0
 
 
 def activation_bytes_per_token(shape: ModelShape, lay: Layout, elem_bytes: int,
-                               recompute: str) -> float:
+                               recompute: str, fused_swiglu: bool = False) -> float:
     """What an MoE feed-forward keeps for backward per local token (beyond the block input,
     which the dense accounting already counts): the router's fp32 scores over the experts and
     its top_k weights; per routed copy (top_k of them, times the load factor) the dispatched
     input and the expert output (the combine's weight gradient reads it) and the SwiGLU tensors
-    (gate, up, silu(gate), product: 4 x moe_hidden; selective recompute keeps gate and up); the
-    shared expert's SwiGLU tensors and its gate's output."""
+    (gate, up, silu(gate), product: 4 x moe_hidden; 3 with a fused SwiGLU, which recomputes
+    silu from gate, as Megatron-Core's grouped experts do under `bias_activation_fusion`;
+    selective recompute keeps gate and up); the shared expert's SwiGLU tensors and its gate's
+    output."""
     e, h = elem_bytes, shape.hidden
-    swiglu = 2 if recompute == "selective" else 4
+    swiglu = 2 if recompute == "selective" else 3 if fused_swiglu else 4
     router = (shape.n_experts + shape.top_k) * ROUTER_BYTES
     routed = load_factor(shape, lay) * shape.top_k * (2 * h + swiglu * shape.moe_hidden) * e
     shared = swiglu * shape.shared_hidden * e + (e if shape.shared_gate else 0)
