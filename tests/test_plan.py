@@ -230,12 +230,39 @@ def test_cli_hf_config_and_explicit_dims(tmp_path):
     (["--model", "tiny", "--fix", "tp=3"], "does not divide"),
     (["--model", "gpt2", "--write-config", "/nonexistent/x.toml"], "does not exist"),
     (["--model", "tiny", "--write-config", "/nonexistent/x.toml"], "does not exist"),
+    (["--model", "tiny", "--head-dim", "16"], "(--head-dim with --model tiny)"),
+    (["--arch", "gpt", "--hidden", "64", "--layers", "2", "--heads", "4", "--vocab", "100",
+      "--qk-norm"], "gpt blocks take linear_bias, not the llama options"),
+    (["--arch", "llama", "--hidden", "64", "--layers", "2", "--heads", "4", "--vocab", "100",
+      "--sliding-window", "0"], "sliding_window=0 must be a positive integer"),
 ])
 def test_cli_bad_input_one_line_exit_2(args, msg, capsys):
     from meshloom.commands import main
     assert main(["plan", *args]) == 2
     err = capsys.readouterr().err
     assert msg in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_cli_dimensions_state_every_shape_option(capsys):
+    """A shape given by flags takes every option an HF config can: the Nemotron-style block of
+    tests/test_plan_models.py (6 heads of 16 on 64, 2 k/v heads, no biases, RoPE, untied, no
+    dropout) counts the 95,360 parameters transformers' NemotronForCausalLM has, and a head
+    width equal to hidden / heads is the default, not an option."""
+    from meshloom.commands import main
+    flags = ["--arch", "gpt", "--hidden", "64", "--layers", "2", "--heads", "6", "--kv-heads",
+             "2", "--head-dim", "16", "--ffn-hidden", "192", "--vocab", "100", "--positions",
+             "0", "--no-tied", "--no-linear-bias", "--no-dropout", "--sliding-window", "32"]
+    run = ["plan", "--gpus", "2", "--seq", "64", "--global-batch", "4", "--top", "1", "--json"]
+    assert main([*run, *flags]) == 0
+    model = json.loads(capsys.readouterr().out)["model"]
+    assert model["params"] == 95_360
+    assert (model["q_dim"], model["kv_dim"], model["sliding_window"]) == (96, 32, 32)
+    assert (model["linear_bias"], model["tied"], model["positions"], model["dropout"]) == (
+        False, False, 0, False)
+    assert main([*run, "--arch", "llama", "--hidden", "64", "--layers", "2", "--heads", "4",
+                 "--vocab", "100", "--head-dim", "16", "--qkv-bias", "--qk-norm"]) == 0
+    model = json.loads(capsys.readouterr().out)["model"]
+    assert model["explicit_head_dim"] is None and model["qkv_bias"] and model["qk_norm"]
 
 
 def test_action_variability_lengthens_the_pipeline():

@@ -39,6 +39,21 @@ def add_parser(sub) -> None:
     m.add_argument("--arch", choices=ARCHS)
     for flag in ("--hidden", "--layers", "--heads", "--kv-heads", "--ffn-hidden", "--vocab"):
         m.add_argument(flag, type=int)
+    # The rest of a shape given by dimensions (Megatron's --kv-channels, --num-query-groups,
+    # --disable-bias-linear, --position-embedding-type rope, --untie-embeddings-and-output-weights
+    # name the same things); each defaults to the arch's own.
+    m.add_argument("--head-dim", type=int, help="width of a head (default hidden / heads)")
+    m.add_argument("--sliding-window", type=int, help="keys each query sees (default: all)")
+    m.add_argument("--positions", type=int,
+                   help="learned position rows (gpt default 2048; 0: RoPE, llama's only value)")
+    m.add_argument("--tied", action=argparse.BooleanOptionalAction,
+                   help="output head tied to the token table (gpt default yes, llama no)")
+    m.add_argument("--linear-bias", action=argparse.BooleanOptionalAction,
+                   help="gpt: biases on the four linears (default yes)")
+    m.add_argument("--dropout", action=argparse.BooleanOptionalAction,
+                   help="dropout in training (gpt default yes, llama no)")
+    m.add_argument("--qkv-bias", action="store_true", help="llama: biases on q, k, v (Qwen2)")
+    m.add_argument("--qk-norm", action="store_true", help="llama: per-head q/k norms (Qwen3)")
     m.add_argument("--moe-imbalance", type=float, help="experts: the busiest expert rank's "
                    "tokens over the mean (default 1.25, or the model's capacity factor)")
     c = p.add_argument_group("cluster")
@@ -78,10 +93,13 @@ def _model(args) -> ModelShape:
     from meshloom.plan.models import from_dims, resolve_model
     dims = {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads",
                                            "ffn_hidden", "vocab")}
-    given = [k for k, v in dims.items() if v is not None]
+    options = {k: getattr(args, k) for k in _SHAPE_OPTIONS}
+    given = [k for k, v in (dims | options).items() if v not in (None, False)]
     if args.model:
         if args.arch or given:
-            raise PlanError("give either --model or --arch with dimensions, not both")
+            raise PlanError("give either --model or --arch with dimensions, not both (--"
+                            + ", --".join(k.replace("_", "-") for k in given or ["arch"])
+                            + f" with --model {args.model})")
         return resolve_model(args.model)
     if not args.arch:
         raise PlanError("no model: give --model PRESET|config.json, or --arch with --hidden "
@@ -91,7 +109,12 @@ def _model(args) -> ModelShape:
         raise PlanError(f"--arch {args.arch} needs " + ", ".join(
             "--" + k.replace("_", "-") for k in missing))
     return from_dims(args.arch, dims["hidden"], dims["layers"], dims["heads"], dims["vocab"],
-                     kv_heads=dims["kv_heads"], ffn_hidden=dims["ffn_hidden"])
+                     kv_heads=dims["kv_heads"], ffn_hidden=dims["ffn_hidden"], **options)
+
+
+# `meshloom plan` flags that set the rest of a shape given by dimensions (from_dims' keywords).
+_SHAPE_OPTIONS = ("head_dim", "sliding_window", "positions", "tied", "linear_bias", "dropout",
+                  "qkv_bias", "qk_norm")
 
 
 def plan(args) -> tuple[ModelShape, list[Candidate], dict]:
