@@ -265,6 +265,19 @@ def test_cli_dimensions_state_every_shape_option(capsys):
     assert model["explicit_head_dim"] is None and model["qkv_bias"] and model["qk_norm"]
 
 
+def test_fix_help_names_every_key(capsys):
+    """`meshloom plan --help` lists every key --fix takes, layout and implementation alike."""
+    from meshloom.commands import main
+    from meshloom.plan.layout import FIX_KEYS
+    with pytest.raises(SystemExit) as done:
+        main(["plan", "--help"])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    fix = text.split("--fix KEY=V,...", 2)[-1].split("--top", 1)[0]
+    listed = {k.strip(" ,;.:()") for k in fix.replace(":", ",").replace(";", ",").split(",")}
+    assert set(FIX_KEYS) <= listed, set(FIX_KEYS) - listed
+
+
 def test_action_variability_lengthens_the_pipeline():
     """--action-cv: the mean span of seeded simulations with each action's time varied. It only
     adds time, grows with cv, is the same on every call, and leaves cv 0 (every GPU preset)

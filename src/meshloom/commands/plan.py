@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from meshloom.plan import PlanError
 from meshloom.plan.hardware import GPUS, make_cluster
+from meshloom.plan.implementation import IMPL_KEYS
 
 if TYPE_CHECKING:  # the cost model imports torch (model presets); the parser must not
     from meshloom.plan.models import ModelShape
@@ -79,7 +80,8 @@ def add_parser(sub) -> None:
     b.add_argument("--attention", choices=("flash", "eager"), default="flash")
     p.add_argument("--fix", default="", metavar="KEY=V,...",
                    help="pin part of the layout: tp, pp, dp, cp, dp_replicate, micro_batch, "
-                        "zero, recompute, schedule, v, sp, ep")
+                        "zero, recompute, schedule, v, sp, ep; or say how the trainer runs it "
+                        "(default: as meshloom does; docs/plan.md): " + ", ".join(IMPL_KEYS))
     p.add_argument("--top", type=int, default=10, help="rows to show")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--explain", action="store_true",
