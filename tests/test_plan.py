@@ -231,6 +231,7 @@ def test_cli_hf_config_and_explicit_dims(tmp_path):
     (["--model", "gpt2", "--write-config", "/nonexistent/x.toml"], "does not exist"),
     (["--model", "tiny", "--write-config", "/nonexistent/x.toml"], "does not exist"),
     (["--model", "tiny", "--head-dim", "16"], "(--head-dim with --model tiny)"),
+    (["--model", "tiny", "--positions", "0"], "(--positions with --model tiny)"),
     (["--arch", "gpt", "--hidden", "64", "--layers", "2", "--heads", "4", "--vocab", "100",
       "--qk-norm"], "gpt blocks take linear_bias, not the llama options"),
     (["--arch", "llama", "--hidden", "64", "--layers", "2", "--heads", "4", "--vocab", "100",

@@ -96,7 +96,8 @@ def _model(args) -> ModelShape:
     dims = {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads",
                                            "ffn_hidden", "vocab")}
     options = {k: getattr(args, k) for k in _SHAPE_OPTIONS}
-    given = [k for k, v in (dims | options).items() if v not in (None, False)]
+    # `is`, not `in`: 0 (--positions 0) is given, though 0 == False.
+    given = [k for k, v in (dims | options).items() if v is not None and v is not False]
     if args.model:
         if args.arch or given:
             raise PlanError("give either --model or --arch with dimensions, not both (--"
