@@ -128,17 +128,24 @@ def test_rng_files_load_with_weights_only(four_checkpoints):
 # ---------------------------------------------------------------- non-finite steps
 
 
-def test_nonfinite_gradients_stop_without_writing_a_checkpoint(tmp_path, token_cache):
+# "fused": the clip and the skip ride in the fused AdamW kernel (optim.guarded_step), what a
+# GPU run does; "foreach": the host decides before the step. Rank 0 alone goes bad.
+OPTIMIZERS = ["train.optimizer_impl=foreach", "train.optimizer_impl=fused"]
+
+
+@pytest.mark.parametrize("impl", OPTIMIZERS)
+def test_nonfinite_gradients_stop_without_writing_a_checkpoint(tmp_path, token_cache, impl):
     res = run_ranks(_train, 2, tmp_path, token_cache,
-                    ["train.steps=5", "run.checkpoint_every=1"], fault="nan:2")
+                    ["train.steps=5", "run.checkpoint_every=1", impl], fault="nan:2")
     for r in res:  # every rank stops, at the same step
         assert r["error"].startswith("step 3: the loss or gradients are not finite")
         assert "last checkpoint: step_0000002" in r["error"]
     assert _steps(tmp_path) == [1, 2]
 
 
-def test_nonfinite_step_skipped_by_config(tmp_path, token_cache):
-    ov = ["train.steps=4", "train.on_nonfinite=skip"]
+@pytest.mark.parametrize("impl", OPTIMIZERS)
+def test_nonfinite_step_skipped_by_config(tmp_path, token_cache, impl):
+    ov = ["train.steps=4", "train.on_nonfinite=skip", impl]
     skipped = run_ranks(_train, 2, tmp_path / "skip", token_cache, ov, fault="nan:1")[0]
     clean = run_ranks(_train, 2, tmp_path / "clean", token_cache, ov)[0]
     assert len(skipped["losses"]) == 4 and skipped["losses"][0] == clean["losses"][0]

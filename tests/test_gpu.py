@@ -194,3 +194,30 @@ def test_rank_devices_training_matches_one_gpu(tmp_path):
     for step, (x, y) in enumerate(zip(a, b, strict=True), 1):
         assert abs(x - y) <= 1e-4 * abs(x), f"step {step}: {y} vs one GPU {x}"
     assert split["final_loss"] == pytest.approx(ref["final_loss"], rel=1e-4)
+
+
+def test_clip_in_the_cuda_kernel_matches_clipping_first():
+    """optim.guarded_step on CUDA's fused AdamW (what every GPU run takes) against clip_grads
+    then a step, over steps whose norm is above and below the clip, and a skipped step."""
+    from meshloom.optim import clip_grads, grad_norm, grad_norm_tensor, guarded_step
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = [torch.nn.Parameter(torch.randn(256, 64, device="cuda", generator=g)),
+         torch.nn.Parameter(torch.randn(64, device="cuda", generator=g))]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    opt_a, opt_b = (build_optimizer(ps[:1], ps[1:], TrainConfig()) for ps in (a, b))
+    assert opt_a.defaults["fused"]
+    for step, scale in enumerate((50.0, 1e-3, 20.0)):
+        grads = [scale * torch.randn(p.shape, device="cuda", generator=g) for p in a]
+        for p, q, x in zip(a, b, grads, strict=True):
+            p.grad, q.grad = x.clone(), x.clone()
+        norm, skipped = guarded_step(opt_a, grad_norm_tensor(a), 1.0, True)()
+        assert not skipped and norm == pytest.approx(grad_norm(b), rel=1e-6)
+        clip_grads(b, 1.0, grad_norm(b))
+        opt_b.step()
+        for p, q in zip(a, b, strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=f"step {step}")
+    before = [p.detach().clone() for p in a]
+    a[0].grad.fill_(float("nan"))
+    _, skipped = guarded_step(opt_a, grad_norm_tensor(a), 1.0, True)()
+    assert skipped and all(torch.equal(p, q) for p, q in zip(a, before, strict=True))

@@ -25,6 +25,7 @@ BACKENDS = ("auto", "nccl", "gloo", "mpi")
 DTYPES = ("fp32", "bf16", "fp16")
 AC_MODES = ("none", "full", "selective")
 NONFINITE_POLICIES = ("stop", "skip")
+OPTIMIZER_IMPLS = ("auto", "fused", "foreach")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 PARALLEL_MODES = ("", "auto", "dp")
 
@@ -126,6 +127,9 @@ class TrainConfig:
     on_nonfinite: str = "stop"  # NaN/inf loss or grad norm: stop, or skip the step
     nonfinite_max_skips: int = 10  # with "skip": stop after this many such steps in a row
     compile: bool = False  # torch.compile each transformer block's forward
+    # AdamW's kernels: auto = fused when every parameter is on a GPU, else foreach. Fused, the
+    # clip factor and the non-finite guard ride in the optimizer kernel (docs/gpu.md).
+    optimizer_impl: str = "auto"  # auto | fused | foreach
     compile_backend: str = "inductor"  # torch.compile backend ("eager"/"aot_eager" to debug)
 
 
@@ -175,6 +179,8 @@ class RunConfig:
     peak_tflops: float = 0.0  # device peak for MFU; 0 = from the built-in table
     threads: int = 0  # torch threads per rank; 0 = cores / local ranks
     timeout_s: float = 600.0  # a rank with no progress this long: stop, naming the stalled rank
+    profile_start: int = 0  # profile from this step (1-based; 0 = off): RUN_DIR/profile/
+    profile_steps: int = 2  # how many steps to profile
 
 
 @dataclass
@@ -352,6 +358,10 @@ def check_ranges(cfg: Config) -> None:
     _require(t.on_nonfinite in NONFINITE_POLICIES,
              f"train.on_nonfinite: unknown policy '{t.on_nonfinite}'; one of "
              f"{', '.join(NONFINITE_POLICIES)}")
+    _require(t.optimizer_impl in OPTIMIZER_IMPLS,
+             f"train.optimizer_impl: unknown implementation '{t.optimizer_impl}'"
+             f"{closest(t.optimizer_impl, list(OPTIMIZER_IMPLS))}; one of "
+             f"{', '.join(OPTIMIZER_IMPLS)}")
     _require(t.nonfinite_max_skips >= 0,
              f"train.nonfinite_max_skips={t.nonfinite_max_skips} must be >= 0")
     _require(t.activation_checkpointing in AC_MODES,
@@ -398,6 +408,10 @@ def check_ranges(cfg: Config) -> None:
     _require(r.peak_tflops >= 0, f"run.peak_tflops={r.peak_tflops} must be >= 0")
     _require(r.threads >= 0, f"run.threads={r.threads} must be >= 0")
     _require(r.timeout_s > 0, f"run.timeout_s={r.timeout_s} must be > 0")
+    _require(r.profile_start >= 0, f"run.profile_start={r.profile_start} must be >= 0 (0 = off)")
+    _require(r.profile_steps >= 1, f"run.profile_steps={r.profile_steps} must be >= 1")
+    _require(r.profile_start <= t.steps,
+             f"run.profile_start={r.profile_start} is past the last step (train.steps={t.steps})")
 
     _require(d.seq_len >= 1, f"data.seq_len={d.seq_len} must be >= 1")
     _require(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must be in (0, 1)")

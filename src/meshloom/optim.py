@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -31,6 +31,8 @@ def build_optimizer(decay: list[torch.Tensor], no_decay: list[torch.Tensor], tcf
     groups = [{"params": decay, "weight_decay": tcfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     kwargs = {}
+    if fused is None and tcfg.optimizer_impl != "auto":
+        fused = tcfg.optimizer_impl == "fused"
     if fused is None:
         fused = all(p.is_cuda for p in decay + no_decay) and bool(decay + no_decay)
     if fused:
@@ -60,7 +62,17 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 def grad_norm(params: Iterable[nn.Parameter], mesh: Mesh | None = None,
               sharded_axes: Sequence[str] = (),
               expert_axes: Sequence[str] | None = None) -> float:
-    """Global L2 norm of the gradients.
+    """Global L2 norm of the gradients (`grad_norm_tensor` as a Python float)."""
+    norm = grad_norm_tensor(params, mesh, sharded_axes, expert_axes)
+    return 0.0 if norm is None else float(norm)
+
+
+def grad_norm_tensor(params: Iterable[nn.Parameter], mesh: Mesh | None = None,
+                     sharded_axes: Sequence[str] = (),
+                     expert_axes: Sequence[str] | None = None) -> torch.Tensor | None:
+    """Global L2 norm of the gradients, a 0-d fp32 tensor on the first gradient's device
+    (None without any gradient): nothing waits for it, so the optimizer step can be launched
+    behind it.
 
     Each rank sums the squares of the gradient elements it owns; `sharded_axes` are the mesh axes
     over which those elements are disjoint (sharded or split parameters), whose partial sums are
@@ -73,7 +85,7 @@ def grad_norm(params: Iterable[nn.Parameter], mesh: Mesh | None = None,
     # A pipeline stage's copy of a tied table is counted on the stage that owns the original.
     params = [p for p in params if p.grad is not None and not is_duplicate(p)]
     if not params:
-        return 0.0
+        return None
     groups = [(params, sharded_axes)]
     if expert_axes is not None:
         groups = [([p for p in params if ep_split(p) is None], sharded_axes),
@@ -82,16 +94,79 @@ def grad_norm(params: Iterable[nn.Parameter], mesh: Mesh | None = None,
     total = torch.zeros((), dtype=torch.float32, device=device)
     for group, axes in groups:
         tp = mesh.size("tp") if mesh is not None and "tp" in axes else 1
-        # .to(): under parallel.rank_devices a rank's gradients live on several devices.
-        sq = torch.stack([(p.grad.detach().float().pow(2).sum()
-                           / (1 if tp == 1 or tp_split(p) is not None else tp)).to(device)
-                          for p in group]).sum() if group else \
-            torch.zeros((), dtype=torch.float32, device=device)
+        split = [p for p in group if tp == 1 or tp_split(p) is not None]
+        replicated = [p for p in group if tp > 1 and tp_split(p) is None]
+        sq = _sum_squares(split, device) + _sum_squares(replicated, device) / tp
         for axis in axes:
             if mesh is not None and mesh.size(axis) > 1:
                 comm.all_reduce(sq, mesh, axis, label="all_reduce_scalars")
         total = total + sq
-    return float(total.sqrt())
+    return total.sqrt()
+
+
+def _sum_squares(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
+    """Sum of the squared gradient elements, in fp32, on `device`: one multi-tensor norm
+    kernel per (device, dtype), each gradient read once (a per-tensor pow(2).sum() writes and
+    reads a squared copy of every gradient)."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p in params:  # under parallel.rank_devices a rank's gradients live on several devices
+        by_kind.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad.detach())
+    for grads in by_kind.values():
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+        total = total + torch.stack(norms).square().sum().to(device)
+    return total
+
+
+def guards_in_kernel(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `guarded_step` can run this optimizer: a fused AdamW reads a gradient divisor
+    and a skip flag inside its kernel (the hooks PyTorch's GradScaler uses)."""
+    return bool(optimizer.defaults.get("fused")) and getattr(
+        optimizer, "_step_supports_amp_scaling", False)
+
+
+def guarded_step(optimizer: torch.optim.Optimizer, norm: torch.Tensor, max_norm: float,
+                 loss_finite: bool, agree: Callable[[torch.Tensor], object] | None = None
+                 ) -> Callable[[], tuple[float, bool]]:
+    """Queue the optimizer step clipped to `max_norm` (0 = no clipping) and skipped on the
+    device when the norm is not finite (or `loss_finite` is False), without the host waiting
+    for the norm first. `agree` (several ranks) takes the skip flag, a 0-d fp32 tensor, to a
+    maximum over every rank in place, so that a rank whose own gradients went bad makes every
+    rank skip. Returns a function that waits for the norm alone (not for the step) and gives
+    (norm, whether the step was skipped).
+
+    The fused kernel divides each gradient by max(1, norm / max_norm) as it reads it, so the
+    clip costs no pass of its own over the gradients (clip_grads multiplies them in place: a
+    read and a write of every gradient).
+    """
+    if not guards_in_kernel(optimizer):
+        raise ValueError("guarded_step needs a fused AdamW (train.optimizer_impl=fused)")
+    if loss_finite:
+        skip = (~torch.isfinite(norm)).float()
+    else:
+        skip = torch.ones((), dtype=torch.float32, device=norm.device)
+    if agree is not None:
+        agree(skip)
+    # The same 1e-6 as clip_grads: max_norm / (norm + 1e-6) is the factor it multiplies by.
+    scale = (norm + 1e-6).div(max_norm).clamp(min=1.0) if max_norm > 0 else None
+    # From a GPU into pinned memory, queued before the step: waiting for it waits for the norm.
+    host = torch.stack([norm.detach().float(), skip]).to("cpu", non_blocking=True)
+    ready = None
+    if norm.is_cuda:
+        ready = torch.cuda.Event()
+        ready.record()
+    optimizer.grad_scale, optimizer.found_inf = scale, skip
+    try:
+        optimizer.step()
+    finally:
+        optimizer.grad_scale = optimizer.found_inf = None
+
+    def wait() -> tuple[float, bool]:
+        if ready is not None:
+            ready.synchronize()
+        return float(host[0]), bool(host[1] > 0)
+
+    return wait
 
 
 def clip_grads(params: Sequence[nn.Parameter], max_norm: float, norm: float) -> None:

@@ -44,11 +44,21 @@ from meshloom.metrics import (
 from meshloom.models import families
 from meshloom.models.families import build_model
 from meshloom.models.generate import generate
-from meshloom.optim import LossScaler, build_optimizer, clip_grads, grad_norm, lr_at, set_lr
+from meshloom.optim import (
+    LossScaler,
+    build_optimizer,
+    clip_grads,
+    grad_norm_tensor,
+    guarded_step,
+    guards_in_kernel,
+    lr_at,
+    set_lr,
+)
 from meshloom.parallel import TORCH_DTYPES, PipelineSpec, parallelize, rank_devices
 from meshloom.parallel.expert import routing_metrics
 from meshloom.parallel.step import micro_batch_split
 from meshloom.plan.memory import predict_run_memory
+from meshloom.profiling import StepProfiler
 from meshloom.validation import model_config, validate
 
 
@@ -172,6 +182,10 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
     optimizer = build_optimizer(decay, no_decay, cfg.train)
 
     scaler = LossScaler(cfg.train.dtype == "fp16")
+    in_kernel_ok = guards_in_kernel(optimizer) and not scaler.enabled
+
+    def agree_skip(flag: torch.Tensor) -> None:  # every rank skips if any rank must
+        comm.all_reduce(flag, mesh, "world", op=dist.ReduceOp.MAX, label="all_reduce_scalars")
     start = 0
     if resume:
         ckpt = checkpoint.resumable_checkpoint(
@@ -208,6 +222,12 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
     preempt = faults.Preemption()
     watchdog = faults.Watchdog(counter, rank, faults.axis_groups(dims), cfg.run.timeout_s,
                                run_dir)
+    profiler = None
+    if cfg.run.profile_start and cfg.run.profile_start > start:
+        profiler = StepProfiler(run_dir, rank, device, cfg.run.profile_start,
+                                min(cfg.run.profile_steps,
+                                    cfg.train.steps - cfg.run.profile_start + 1),
+                                first_step=start + 1)
     with preempt, watchdog:
         for step in range(start, cfg.train.steps):
             watchdog.beat(step)
@@ -219,22 +239,36 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
             step_loss = par.step.forward_backward(loader.micro_batches(step), device, autocast,
                                                   scaler.scale)
             faults.gradients_ready(rank, step, params)
-            norm = grad_norm(params, mesh, par.grads.norm_axes,
-                             getattr(par.grads, "expert_norm_axes", None))
+            norm_t = grad_norm_tensor(params, mesh, par.grads.norm_axes,
+                                      getattr(par.grads, "expert_norm_axes", None))
+            # A fused AdamW clips and skips a non-finite step inside its kernel: the step is
+            # queued behind the norm, and the host waits for the norm alone (docs/gpu.md).
+            in_kernel = in_kernel_ok and norm_t is not None
+            if in_kernel:
+                norm, skipped = guarded_step(optimizer, norm_t, cfg.train.grad_clip,
+                                             math.isfinite(step_loss), agree_skip)()
+            else:
+                norm = 0.0 if norm_t is None else float(norm_t)
             done = step + 1
-            finite = math.isfinite(step_loss) and (math.isfinite(norm) or scaler.enabled)
+            local_finite = math.isfinite(step_loss) and (math.isfinite(norm) or scaler.enabled)
             # Every rank takes the same branch below and stops at the same step.
-            finite, stop = _agree(mesh, finite, preempt.requested)
+            finite, stop = _agree(mesh, local_finite, preempt.requested)
+            if in_kernel and finite == skipped:
+                # agree_skip took the same maximum on the device before the step ran.
+                raise RuntimeError(f"step {done}: the optimizer kernel "
+                                   f"{'skipped' if skipped else 'took'} a step the ranks "
+                                   f"agreed was {'finite' if finite else 'not finite'}")
             if not finite:
                 skipped_in_a_row += 1
                 _non_finite(cfg, done, step_loss, norm, skipped_in_a_row, run_dir, logger)
-            elif scaler.update(norm):
+            elif in_kernel or scaler.update(norm):
                 skipped_in_a_row = 0
-                if scaler.enabled:
-                    norm /= scaler.scale
-                    torch._foreach_mul_([p.grad for p in params], 1.0 / scaler.scale)
-                clip_grads(params, cfg.train.grad_clip, norm)
-                optimizer.step()
+                if not in_kernel:
+                    if scaler.enabled:
+                        norm /= scaler.scale
+                        torch._foreach_mul_([p.grad for p in params], 1.0 / scaler.scale)
+                    clip_grads(params, cfg.train.grad_clip, norm)
+                    optimizer.step()
                 par.grads.after_step()
                 scaler.grow()
                 if step == cfg.train.steps - 1:  # what the layout holds per rank, with grads
@@ -271,6 +305,8 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
             if done % cfg.train.log_every == 0 or last:
                 logger.log(record)
             logger.progress(done, step_loss, tps)
+            if profiler is not None:
+                profiler.step_done()
             stop = stop and not last
             if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or last \
                     or stop:
@@ -286,6 +322,8 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
                 result.summary["preempted_at_step"] = done
                 break
 
+    if profiler is not None:
+        profiler.stop()
     par.step.write_timeline(run_dir)
     sample = None
     if cfg.train.sample_tokens:

@@ -52,9 +52,19 @@ def local_batch(x: torch.Tensor, y: torch.Tensor, device: torch.device,
                 context: ContextParallel | None = None) -> LocalBatch:
     """A micro-batch on `device`; under context parallel (`context`) this rank's zigzag slice of
     its sequences, with the positions of those tokens."""
+    x, y = _to_device(x, device), _to_device(y, device)
     if context is None:
-        return x.to(device), y.to(device), None
-    return context.local(x.to(device), y.to(device))
+        return x, y, None
+    return context.local(x, y)
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch onto a GPU through pinned memory, without waiting: a copy from pageable memory
+    synchronises the stream, so the host would wait for the previous step's optimizer before
+    it could queue this step's forward."""
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def micro_share(loss: torch.Tensor, count: int) -> torch.Tensor:
@@ -138,15 +148,19 @@ class AccumulationStep(Step):
     def _forward_backward(self, batches: list[Batch], device: torch.device,
                           autocast: contextlib.AbstractContextManager,
                           loss_scale: float) -> float:
-        total = 0.0
+        total = None
         for i, (x, y) in enumerate(batches):
             last = i == len(batches) - 1
             with self.grads.no_sync() if not last else contextlib.nullcontext():
                 with autocast:
                     loss = micro_share(self._micro_loss(x, y, device), len(batches))
                 (loss * loss_scale).backward()
-            total += loss.item()
-        return total
+            # Summed on the device and read once: reading each micro-batch's loss would stall
+            # the host until that backward ends, leaving the GPU idle while the next is queued.
+            # In float64, as the Python float sum it replaces: the same value to the bit.
+            part = loss.detach().double()
+            total = part if total is None else total + part
+        return 0.0 if total is None else total.item()
 
     def _eval_sum(self, batches: list[Batch], device: torch.device) -> float:
         return sum(self._micro_loss(x, y, device).item() for x, y in batches)
