@@ -56,6 +56,21 @@ def test_quick_cpu_run_writes_a_table_answering_every_planner_shape(tmp_path, ca
     assert table.hbm_gbps > 0 and table.launch_us > 0
 
 
+def test_shapes_head_widths_and_lengths_are_measured_as_asked(tmp_path):
+    """--shapes adds GEMMs beside the models' (what validation_shapes.py writes), and the
+    attention grid follows --head-dims and --attention-seqs; the command that reproduces the
+    table names them."""
+    (tmp_path / "shapes.json").write_text("[[48, 40, 24], [8, 16, 32]]")
+    out = tmp_path / "t.json"
+    assert main(["bench", "kernels", "--quick", "--gpu-name", "test", "--out", str(out),
+                 "--shapes", str(tmp_path / "shapes.json"), "--head-dims", "16,48",
+                 "--attention-seqs", "32"]) == 0
+    raw = json.loads(out.read_text())
+    assert {(48, 40, 24), (8, 16, 32)} <= {(g["m"], g["n"], g["k"]) for g in raw["gemm"]}
+    assert {(a["seq"], a["head_dim"]) for a in raw["attention"]} == {(32, 16), (32, 48)}
+    assert "--head-dims 16,48 --attention-seqs 32" in raw["provenance"]["command"]
+
+
 def test_gemm_tflops_is_2mnk_over_the_median_time(monkeypatch):
     monkeypatch.setattr(kb, "measure_seconds", lambda fn, *a, **k: 2e-3)
     rows, skipped = kb.bench_gemms([(3, 5, 7), (8, 4, 2)], CPU, torch.float32, 1, 1)
@@ -125,9 +140,14 @@ def test_infer_gpu_name():
     (["--out", "/nonexistent/dir/t.json"], "does not exist"),
     (["--out", "{tmp}"], "is a folder"),
     (["--dtype", "fp8"], "invalid choice"),
+    (["--shapes", "{tmp}/missing.json"], "--shapes"),
+    (["--shapes", "{tmp}/bad.json"], "give a JSON list of [m, n, k] positive integers"),
+    (["--head-dims", "64,x"], "--head-dims='64,x'"),
+    (["--attention-seqs", "0"], "--attention-seqs='0'"),
 ])
 def test_bad_input_is_one_line_exit_2(args, msg, tmp_path, capsys):
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    (tmp_path / "bad.json").write_text("[[64, 64], [1, 2, 0]]")
     if "--out" not in args:
         args += ["--out", str(tmp_path / "t.json")]
     if "--gpu-name" not in args:  # an unknown GPU would be refused first

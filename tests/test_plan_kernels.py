@@ -147,6 +147,58 @@ def test_the_triton_kernel_is_an_implementation_option_where_a_table_publishes_i
                  impl=Implementation(attention_kernel="triton"))
 
 
+MEASURED_H100 = Path(__file__).resolve().parents[1] / "benchmarks" / "measured" / \
+    "h100-2026-11-26" / "h100-kernels.json"
+
+
+def test_cudnn_attention_is_priced_from_a_measured_table_that_has_it():
+    """The measured H100 table holds SDPA's FlashAttention-2 and cuDNN series at the same
+    points: `attention_kernel=cudnn` prices attention at their ratio, nothing else moves; the
+    committed (published) H100 table has no cuDNN rows and says so in one line."""
+    from meshloom.plan.kernel_table import padded_head_dim
+
+    assert [padded_head_dim(d, "cudnn") for d in (64, 80, 100, 192)] == [64, 80, 104, 192]
+    table = load(MEASURED_H100)
+    assert table.kind == "measured" and set(table.other_attention) == {"cudnn"}
+    shape, lay = PRESETS["llama3-1b"], Layout(micro_batch=8)
+    cl = make_cluster("h100", 1, kernels=str(MEASURED_H100))
+    fa2 = evaluate(shape, lay, cl, 2048, 8, impl=Implementation(compile=True))
+    cud = evaluate(shape, lay, cl, 2048, 8,
+                   impl=Implementation(compile=True, attention_kernel="cudnn"))
+    a, b = fa2.timing.detail["compute_s"], cud.timing.detail["compute_s"]
+    assert b["gemm"] == a["gemm"] and b["elementwise"] == a["elementwise"]
+    fwd = [table.attention_tflops(2048, 64, True, "fwd", k) for k in ("fa2", "cudnn")]
+    assert fwd[1] > 1.5 * fwd[0]  # measured: cuDNN's kernel is far faster on an H100
+    assert b["attention"] < a["attention"]
+    with pytest.raises(PlanError, match="h100: no 'cudnn' attention rows"):
+        evaluate(shape, lay, make_cluster("h100", 1), 2048, 8,
+                 impl=Implementation(attention_kernel="cudnn"))
+
+
+def test_the_measured_table_answers_the_validation_rows_gemms_exactly():
+    """Every GEMM shape the planner prices for the H100 validation rows was measured
+    (benchmarks/validation_shapes.py gave the bench its --shapes list)."""
+    table = load(MEASURED_H100)
+    measured = {(m, n, k) for m, n, k, _ in table.gemm}
+    asked = json.loads((MEASURED_H100.parent / "h100-validation-shapes.json").read_text())
+    assert len(asked) > 200 and {tuple(g) for g in asked} <= measured
+
+
+def test_profile_against_plan_file_is_what_the_code_says(tmp_path):
+    """benchmarks/results/planner/profile_vs_plan_llama1b.json (docs/kernel-tables.md) is the
+    committed profile set against what the planner says now."""
+    sys.path.insert(0, str(MEASURED_H100.parents[2]))
+    import profile_vs_plan
+
+    committed = json.loads(profile_vs_plan.DEFAULT_OUT.read_text())
+    got = profile_vs_plan.main(["--profile", str(MEASURED_H100.parent / "profile_kernels.json"),
+                                "--kernels", str(MEASURED_H100), "--out",
+                                str(tmp_path / "p.json")])
+    assert got["rows"] == committed["rows"]
+    gemm = next(r for r in got["rows"] if r["class"] == "gemm")
+    assert abs(gemm["ratio"] - 1) < 0.02  # the GEMMs ran at the measured table's rates
+
+
 def test_attention_flops_follow_flashattention():
     assert attention_flops(2, 1024, 1024, 128, False, "fwd") == 4 * 2 * 1024 * 1024 * 128
     assert attention_flops(2, 1024, 1024, 128, True, "fwd") == 2 * 2 * 1024 * 1024 * 128
@@ -283,6 +335,11 @@ def test_optimizer_and_clipping_traffic():
     rates = _rates()
     assert compute_mod.optimizer_seconds(1e9, 1e9, rates) == pytest.approx(44e9 / 2000e9)
     assert compute_mod.optimizer_seconds(1e9, 0, rates) == pytest.approx(28e9 / 2000e9)
+    # the clip in the fused kernel writes the gradient back (4) instead of a pass (8)
+    assert compute_mod.optimizer_seconds(1e9, 1e9, rates, clip_in_optimizer=True) == \
+        pytest.approx(40e9 / 2000e9)
+    assert compute_mod.optimizer_seconds(1e9, 1e9, rates, clip_in_optimizer=True,
+                                         zeroed=False) == pytest.approx(36e9 / 2000e9)
     assert compute_mod.accumulate_seconds(1e9, 3, rates) == pytest.approx(36e9 / 2000e9)
     assert compute_mod.accumulate_seconds(1e9, 0, rates) == 0.0
 
@@ -290,18 +347,21 @@ def test_optimizer_and_clipping_traffic():
 def test_every_micro_batch_that_finds_a_gradient_adds_into_it():
     """A loop that keeps its gradients accumulates on each of the m micro-batches, one that
     frees them on m - 1 (the first takes the fresh gradient over); a fused weight-gradient
-    GEMM on none."""
-    shape, cl = PRESETS["llama3-1b"], make_cluster("h100", 1)
-    lay = Layout(micro_batch=2)
+    GEMM on none. meshloom frees them where no data-parallel bucket holds them (one GPU),
+    and keeps its DDP buckets."""
+    shape, one_gpu, two = PRESETS["llama3-1b"], make_cluster("h100", 1), Layout(micro_batch=2)
 
-    def acc(batch, **impl):
+    def acc(batch, lay=two, cl=one_gpu, **impl):
         t = evaluate(shape, lay, cl, 2048, batch, impl=Implementation(**impl)).timing
         return t.detail["accumulate_s"]
-    one = compute_mod.accumulate_seconds(shape.params, 1, rates_for(cl))
-    assert acc(8) == pytest.approx(4 * one)
+    one = compute_mod.accumulate_seconds(shape.params, 1, rates_for(one_gpu))
+    assert acc(8, free_unbucketed_grads=False) == pytest.approx(4 * one)
+    assert acc(8) == pytest.approx(3 * one)
     assert acc(8, grad_clip=False) == pytest.approx(3 * one)
     assert acc(2, grad_clip=False) == 0.0
     assert acc(8, fused_grad_accumulation=True) == 0.0
+    ddp = Layout(dp=2, micro_batch=2)
+    assert acc(16, ddp, make_cluster("h100", 2)) == pytest.approx(4 * one)
 
 
 def test_meshloom_zero1_adds_into_bf16_gradients():

@@ -537,11 +537,15 @@ def test_compiled_keeps_less_than_eager_and_recompute_less_again():
 def test_gradients_leave_the_peak_only_for_a_loop_that_frees_them():
     shape = PRESETS["llama3-1b"]
     lay = Layout(micro_batch=8)
-    kept = memory_per_gpu(shape, lay, 2048, 8)
+    kept = memory_per_gpu(shape, lay, 2048, 8, impl=Implementation(free_unbucketed_grads=False))
     freed = memory_per_gpu(shape, lay, 2048, 8, impl=Implementation(grad_clip=False))
     assert kept.grads == 4 * shape.params and freed.grads == 0  # fp32 gradients, unsharded
     accumulating = memory_per_gpu(shape, lay, 2048, 16, impl=Implementation(grad_clip=False))
     assert accumulating.grads == kept.grads  # the second micro-batch adds into them
+    # meshloom's loop frees what no data-parallel bucket holds (one GPU), keeps its buckets
+    assert memory_per_gpu(shape, lay, 2048, 8).grads == 0
+    ddp = memory_per_gpu(shape, Layout(dp=2, micro_batch=8), 2048, 16)
+    assert ddp.grads == kept.grads
 
 
 def _census_job(world: int, axis: str, precision: str, name: str, recompute: str = "none",

@@ -37,6 +37,13 @@ def add_parser(sub) -> None:
                    help=f"sequences per micro-batch (default {DEFAULT_MICRO_BATCHES})")
     k.add_argument("--tp", metavar="N,...",
                    help=f"tensor-parallel degrees (default {DEFAULT_TPS})")
+    k.add_argument("--shapes", metavar="FILE",
+                   help="a JSON list of [m, n, k] GEMM shapes to measure beside the models' "
+                        "(benchmarks/validation_shapes.py writes the validation rows' shapes)")
+    k.add_argument("--head-dims", metavar="D,...",
+                   help="attention head widths (default 64,128; --quick 64)")
+    k.add_argument("--attention-seqs", metavar="N,...",
+                   help="attention sequence lengths (default 512,...,16384 on a GPU)")
     k.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16",
                    help="GEMM and attention inputs on a GPU (a CPU always measures fp32)")
     k.add_argument("--reps", type=int, help="timed calls per kernel (default 20; --quick 3)")
@@ -60,6 +67,22 @@ def _sizes(text: str, flag: str) -> list[int]:
     return values
 
 
+def _read_shapes(path: str) -> list[tuple[int, int, int]]:
+    import json
+
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise PlanError(f"--shapes {path}: cannot read a JSON list ({e})") from None
+    ok = isinstance(raw, list) and all(
+        isinstance(g, list) and len(g) == 3
+        and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in g)
+        for g in raw)
+    if not ok:
+        raise PlanError(f"--shapes {path}: give a JSON list of [m, n, k] positive integers")
+    return [tuple(g) for g in raw]
+
+
 def _command(args, models: list[str], seq: int, mbs: list[int], tps: list[int],
              gpu: str) -> str:
     """The command line that reproduces the measurement (without --out: where it was written
@@ -67,6 +90,10 @@ def _command(args, models: list[str], seq: int, mbs: list[int], tps: list[int],
     words = ["meshloom bench kernels", "--model", ",".join(models), "--seq", str(seq),
              "--micro-batch", ",".join(map(str, mbs)), "--tp", ",".join(map(str, tps)),
              "--dtype", args.dtype, "--gpu-name", gpu]
+    for flag, value in (("--shapes", args.shapes), ("--head-dims", args.head_dims),
+                        ("--attention-seqs", args.attention_seqs)):
+        if value:
+            words += [flag, value]
     if args.reps:
         words += ["--reps", str(args.reps)]
     return " ".join(words + (["--quick"] if args.quick else []))
@@ -91,6 +118,9 @@ def kernels(args) -> int:
     tps = _sizes(args.tp or quick_default or DEFAULT_TPS, "--tp")
     if args.reps is not None and args.reps < 1:
         raise PlanError(f"--reps={args.reps} must be at least 1")
+    extra = _read_shapes(args.shapes) if args.shapes else []
+    head_dims = _sizes(args.head_dims, "--head-dims") if args.head_dims else None
+    seqs = _sizes(args.attention_seqs, "--attention-seqs") if args.attention_seqs else None
 
     name = kb.device_name(device)
     gpu = args.gpu_name or ("cpu" if device.type == "cpu" else kb.infer_gpu_name(name))
@@ -117,7 +147,8 @@ def kernels(args) -> int:
             "pipeline only, not a GPU's rates")
     if note:
         print(f"meshloom bench kernels: {note}", file=sys.stderr)
-    plan = kb.make_plan(models, seq, mbs, tps, device.type, args.quick, args.reps)
+    plan = kb.make_plan(models, seq, mbs, tps, device.type, args.quick, args.reps,
+                        extra_gemms=extra, head_dims=head_dims, attention_seqs=seqs)
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -128,7 +159,8 @@ def kernels(args) -> int:
         raise PlanError("no GEMM shape fitted in the device's memory; nothing to write")
     command = _command(args, [n.strip() for n in names], seq, mbs, tps, gpu)
     table = kb.make_table(gpu, name, dtype_name, results,
-                          kb.provenance(device, name, command, plan, results["skipped"], note))
+                          kb.provenance(device, name, command, plan, results["skipped"], note,
+                                        results.get("attention_kernels")))
     kb.write_table(out, table)
     print(kb.format_summary(table))
     print(f"wrote {out}", file=sys.stderr)

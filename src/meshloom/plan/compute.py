@@ -47,10 +47,13 @@ CE_BYTES_PER_LOGIT = {"fused": (2.0, 4.0), "eager": (18.0, 22.0)}
 CE_KERNELS = {"fused": (1, 1), "eager": (4, 5)}
 # AdamW (fused, fp32 state) reads and writes the master weight, m and v and reads the gradient
 # (28 bytes). A training loop's gradient bookkeeping (Implementation.grad_clip): the global
-# norm reads every gradient and clipping scales it in place (read, write: 12 bytes), and
-# gradients kept allocated are zeroed each step (write 4): 16 bytes.
+# norm reads every gradient (4 bytes) and clipping scales it in place (read, write: 8), or,
+# inside a fused optimizer kernel that reads the gradient anyway, writes it back scaled (4);
+# gradients kept allocated are zeroed each step (write 4).
 OPTIMIZER_BYTES_PER_PARAM = 28.0
-CLIP_BYTES_PER_PARAM = 16.0
+NORM_BYTES_PER_PARAM = 4.0
+CLIP_BYTES_PER_PARAM = {"pass": 8.0, "in_optimizer": 4.0}
+ZERO_BYTES_PER_PARAM = 4.0
 # A backward that finds a gradient already there adds into it in place (autograd's
 # AccumulateGrad: `variable_grad += new_grad`): read the new fp32 gradient, read the kept one,
 # write it, 12 bytes. A gradient found empty is taken over as it is (no pass). So a loop that
@@ -242,9 +245,14 @@ def head_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int,
     return fwd, bwd
 
 
-def optimizer_seconds(params: float, grads: float, rates: Rates) -> float:
-    """The optimizer step on `params` parameters, after clipping `grads` gradients."""
-    return rates.stream(params * OPTIMIZER_BYTES_PER_PARAM + grads * CLIP_BYTES_PER_PARAM)
+def optimizer_seconds(params: float, grads: float, rates: Rates, *, clip_in_optimizer: bool = False,
+                      zeroed: bool = True) -> float:
+    """The optimizer step on `params` parameters, after the norm and clip of `grads` gradients
+    (0: no clipping), which are then zeroed if `zeroed` (kept between steps)."""
+    per_grad = (NORM_BYTES_PER_PARAM
+                + CLIP_BYTES_PER_PARAM["in_optimizer" if clip_in_optimizer else "pass"]
+                + (ZERO_BYTES_PER_PARAM if zeroed else 0.0))
+    return rates.stream(params * OPTIMIZER_BYTES_PER_PARAM + grads * per_grad)
 
 
 def accumulate_seconds(grads: float, additions: int, rates: Rates,

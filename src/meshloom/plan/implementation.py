@@ -27,8 +27,15 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
 - `fsdp_prefetch`: ZeRO-3 gathers the next unit while the current one computes (meshloom does;
   off, every gather and reduce-scatter waits).
 - `grad_clip`: the training loop clips the gradients by their global norm and keeps them
-  allocated between steps (zeroed, then accumulated into), as meshloom's loop, Megatron's and
-  most trainers' do; off for a bare benchmark loop that frees them.
+  allocated between steps (zeroed, then accumulated into), as Megatron's loop and most
+  trainers' do; off for a bare benchmark loop that frees them.
+- `free_unbucketed_grads`: with `grad_clip`, gradients that no data-parallel strategy holds in
+  buckets are freed between steps (set to None) instead of zeroed, so the first micro-batch's
+  backward writes them without an accumulation pass (meshloom's loop on a layout with no
+  data-parallel replica and no ZeRO: `LocalGrads`; its DDP and ZeRO keep bucket buffers).
+- `clip_in_optimizer`: the clip factor rides in the fused AdamW kernel, which writes the scaled
+  gradients back (4 bytes per parameter) instead of a separate scale pass (read and write, 8):
+  meshloom's loop with a fused optimizer (`optim.guarded_step`).
 - `selective_elementwise`: selective recompute reruns the elementwise kernels (norms,
   activations) along with the attention core, as meshloom's policy does (it saves only matmul
   outputs); off, only the attention core is rerun (Korthikanti et al.'s selective recompute,
@@ -59,10 +66,11 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   attention kernel's outputs, and reruns every elementwise op. Off: meshloom's policy (every
   matmul output kept) or, with `selective_elementwise` off, Korthikanti's.
 - `attention_kernel`: which fused attention kernel runs (kernel_table.ATTENTION_KERNELS):
-  `fa2` (FlashAttention-2 class, PyTorch SDPA's flash backend, which meshloom uses), `fa1`
-  (FlashAttention 1, 2022 trainers) or
+  `fa2` (FlashAttention-2 class, PyTorch SDPA's flash backend), `cudnn` (cuDNN's fused flash
+  attention: what SDPA picks on an H100 under PyTorch 2.11, so what meshloom ran there, and
+  Transformer Engine's on Hopper), `fa1` (FlashAttention 1, 2022 trainers) or
   `triton` (the Triton FlashAttention of 2023 trainers, flash-attn's `flash_attn_triton`,
-  llm-foundry's default `attn_impl: triton`). The last two are priced from the kernel table's
+  llm-foundry's default `attn_impl: triton`). All but `fa2` are priced from the kernel table's
   rows of that kernel: FlashAttention-2's rate times the ratio between the two kernels in the
   benchmark that ran both (plan/kernel_table.py).
 - `pp_split`: how the blocks are cut into pipeline stages (plan/stages.py): `balanced`
@@ -103,6 +111,8 @@ class Implementation:
     ddp_overlap: bool = True
     fsdp_prefetch: bool = True
     grad_clip: bool = True
+    free_unbucketed_grads: bool = True
+    clip_in_optimizer: bool = True
     selective_elementwise: bool = True
     meshloom_block: bool = True
     op_sac: bool = False
@@ -127,6 +137,13 @@ class Implementation:
 
 
 MESHLOOM = Implementation()
+
+
+def keeps_grads(impl: Implementation, lay) -> bool:
+    """Whether the loop keeps the gradients allocated between steps (zeroed, then every
+    micro-batch's backward adds into them) under layout `lay`."""
+    bucketed = lay.zero > 0 or lay.dp * lay.cp > 1
+    return impl.grad_clip and (bucketed or not impl.free_unbucketed_grads)
 IMPL_KEYS = tuple(f.name for f in fields(Implementation))
 TRUE, FALSE = ("true", "1", "on", "yes"), ("false", "0", "off", "no")
 

@@ -18,6 +18,7 @@ what a GPU's tensor cores do) only exercises the pipeline; it says nothing about
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -111,12 +112,17 @@ def attention_cases(seqs: Iterable[int], head_dims: Iterable[int], tokens: int,
 
 
 def make_plan(models: list[ModelShape], seq: int, micro_batches: list[int], tps: list[int],
-              device: str, quick: bool, reps: int | None = None) -> BenchPlan:
+              device: str, quick: bool, reps: int | None = None,
+              extra_gemms: Iterable[tuple[int, int, int]] = (),
+              head_dims: Iterable[int] | None = None,
+              attention_seqs: Iterable[int] | None = None) -> BenchPlan:
+    """`extra_gemms`: (m, n, k) measured beside the models' own (e.g. every shape the planner
+    asks for a set of validation rows); `head_dims` and `attention_seqs` replace the defaults."""
     squares = (SQUARES_QUICK if quick else SQUARES)[device]
     gemms = sorted(set(model_gemm_shapes(models, seq, micro_batches, tps))
-                   | {(s, s, s) for s in squares})
-    seqs = (ATTENTION_SEQS_QUICK if quick else ATTENTION_SEQS)[device]
-    dims = HEAD_DIMS[:1] if quick else HEAD_DIMS
+                   | {(s, s, s) for s in squares} | {tuple(g) for g in extra_gemms})
+    seqs = tuple(attention_seqs or (ATTENTION_SEQS_QUICK if quick else ATTENTION_SEQS)[device])
+    dims = tuple(head_dims or (HEAD_DIMS[:1] if quick else HEAD_DIMS))
     cases = attention_cases(seqs, dims, ATTENTION_TOKENS[device], ATTENTION_WIDTH[device])
     stream = STREAM_BYTES[device] // (4 if quick else 1)
     return BenchPlan(tuple(gemms), tuple(cases), stream, LAUNCHES, 1 if quick else 5,
@@ -192,6 +198,41 @@ def bench_gemms(shapes: Iterable[tuple[int, int, int]], device: torch.device, dt
     return rows, skipped
 
 
+# SDPA backends a GPU table measures, and the table's name for each kernel: "fa2" (the
+# FlashAttention-2 kernels PyTorch ships) is every table's base series; the others are priced
+# by their ratio to it (kernel_table.py). PyTorch 2.11 on an H100 picks cuDNN's when free to.
+ATTENTION_BACKENDS = {"flash": "fa2", "cudnn": "cudnn"}
+
+
+def _sdpa_backend(name: str):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel({"flash": SDPBackend.FLASH_ATTENTION,
+                        "cudnn": SDPBackend.CUDNN_ATTENTION}[name])
+
+
+def bench_attention_backends(cases: Iterable[AttentionCase], device: torch.device,
+                             dtype: torch.dtype, warmup: int, reps: int,
+                             backends: Iterable[str] = ("flash", "cudnn")
+                             ) -> tuple[list[dict], list[str]]:
+    """Rows per backend, each labelled with its kernel (none on CPU: PyTorch's choice there),
+    and the backends this device or build could not run."""
+    cases = list(cases)
+    if device.type != "cuda":
+        return bench_attention(cases, device, dtype, warmup, reps), []
+    rows, skipped = [], []
+    for backend in backends:
+        try:
+            with _sdpa_backend(backend):
+                got = bench_attention(cases, device, dtype, warmup, reps)
+        except RuntimeError as e:  # "No available kernel": this GPU, dtype or build lacks it
+            skipped.append(f"attention {backend}: {str(e).splitlines()[0][:160]}")
+            continue
+        kernel = ATTENTION_BACKENDS[backend]
+        rows += [r if kernel == "fa2" else {**r, "kernel": kernel} for r in got]
+    return rows, skipped
+
+
 def bench_attention(cases: Iterable[AttentionCase], device: torch.device, dtype: torch.dtype,
                     warmup: int, reps: int) -> list[dict]:
     """Forward and backward rows per case; the backward call is timed without its forward."""
@@ -224,6 +265,30 @@ def bench_attention(cases: Iterable[AttentionCase], device: torch.device, dtype:
     return rows
 
 
+def attention_kernel_names(device: torch.device, dtype: torch.dtype) -> dict[str, list[str]]:
+    """The GPU kernels one causal SDPA forward and backward launch, with PyTorch free to
+    choose (`sdpa_default`) and under each measured backend: which kernel each series is."""
+    if device.type != "cuda":
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    q, k, v = (torch.randn(1, 16, 2048, 128, device=device, dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    names = {}
+    for backend in (None, *ATTENTION_BACKENDS):
+        try:
+            with _sdpa_backend(backend) if backend else contextlib.nullcontext():
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+                    _sync(device)
+        except RuntimeError:
+            continue
+        names[backend or "sdpa_default"] = sorted(
+            {e.key[:160] for e in prof.key_averages()
+             if e.device_type == torch.autograd.DeviceType.CUDA})
+    return names
+
+
 def bench_stream(nbytes: int, device: torch.device, warmup: int, reps: int
                  ) -> tuple[float, float]:
     """(copy, add) GB/s: bytes read plus bytes written over time."""
@@ -254,12 +319,15 @@ def measure(plan: BenchPlan, device: torch.device, dtype: torch.dtype,
     log(f"GEMM: {len(plan.gemms)} shapes")
     gemm, skipped = bench_gemms(plan.gemms, device, dtype, plan.warmup, plan.reps, log)
     log(f"attention: {len(plan.attention)} cases, forward and backward")
-    attention = bench_attention(plan.attention, device, dtype, plan.warmup, plan.reps)
+    attention, unavailable = bench_attention_backends(plan.attention, device, dtype,
+                                                      plan.warmup, plan.reps)
+    skipped += unavailable
     log(f"HBM stream: {plan.stream_bytes / 2**20:.0f} MiB buffers; launch gap")
     copy_gbps, add_gbps = bench_stream(plan.stream_bytes, device, plan.warmup, plan.reps)
     launch_us = bench_launch(device, plan.launches, max(MIN_REPS, plan.reps // 4))
     return {"gemm": gemm, "attention": attention, "copy_gbps": copy_gbps,
-            "add_gbps": add_gbps, "launch_us": launch_us, "skipped": skipped}
+            "add_gbps": add_gbps, "launch_us": launch_us, "skipped": skipped,
+            "attention_kernels": attention_kernel_names(device, dtype)}
 
 
 def device_name(device: torch.device) -> str:
@@ -316,7 +384,8 @@ def make_table(gpu: str, name: str, dtype: str, results: dict, provenance: dict)
 
 
 def provenance(device: torch.device, name: str, command: str, plan: BenchPlan,
-               skipped: list[str], note: str) -> dict:
+               skipped: list[str], note: str,
+               attention_kernels: dict[str, list[str]] | None = None) -> dict:
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__, "cuda": torch.version.cuda, "device_name": name,
@@ -329,6 +398,7 @@ def provenance(device: torch.device, name: str, command: str, plan: BenchPlan,
         "l2_flush": (f"{L2_FLUSH_BYTES >> 20} MiB written before each timed GEMM and attention "
                      "call, outside its time" if device.type == "cuda" else None),
         "skipped": skipped, "note": note,
+        "attention_kernels": attention_kernels or {},
     }
 
 
@@ -359,7 +429,8 @@ def format_summary(table: dict) -> str:
         lines.append(f"  {'attention':<10}{'seq':>7}{'d':>5}{'causal':>8}{'TFLOP/s':>10}")
         for r in table["attention"]:
             lines.append(f"  {r['direction']:<10}{r['seq']:>7}{r['head_dim']:>5}"
-                         f"{'yes' if r['causal'] else 'no':>8}{r['tflops']:>10.4g}")
+                         f"{'yes' if r['causal'] else 'no':>8}{r['tflops']:>10.4g}"
+                         f"  {r.get('kernel', 'fa2')}")
     lines.append(f"  HBM copy {table['hbm_gbps']['value']:.0f} GB/s, add "
                  f"{table['hbm_gbps']['elementwise_add_gbps']:.0f} GB/s; launch gap "
                  f"{table['launch_us']['value']:.2f} us")

@@ -20,8 +20,8 @@ A shape measured by several sources is one point, their mean. Lookups between po
   A missing `bwd` row is derived from `fwd` and `fwd_bwd` at the same point (FlashAttention's
   FLOP convention: bwd = 2.5 x fwd, fwd_bwd = 3.5 x fwd, so the times subtract).
 - Other attention kernels (rows with `"kernel"`: `"fa1"`, FlashAttention 1; `"triton"`, the
-  Triton FlashAttention of 2023 trainers) are published beside FlashAttention-2 in the same
-  benchmark, for fewer shapes.
+  Triton FlashAttention of 2023 trainers; `"cudnn"`, cuDNN's fused flash attention) are
+  published or measured beside FlashAttention-2 in the same benchmark, often for fewer shapes.
   Such a kernel runs at FlashAttention-2's rate for the asked shape times its ratio to
   FlashAttention-2 in the nearest series it was published for (head width, mask, direction),
   at the asked sequence length: the shape dependence the table knows, scaled by what the
@@ -45,7 +45,9 @@ from meshloom.plan import PlanError
 TABLE_DIR = Path(__file__).resolve().parent / "kernels"
 GEMM_NEIGHBOURS = 4
 DIRECTIONS = ("fwd", "bwd", "fwd_bwd")
-ATTENTION_KERNELS = ("fa2", "fa1", "triton")  # "fa2": FlashAttention-2 class (SDPA's flash)
+# "fa2": FlashAttention-2 class (SDPA's flash backend); "cudnn": cuDNN's fused flash attention
+# (SDPA's cuDNN backend, which PyTorch 2.11 picks on an H100; Transformer Engine's on Hopper).
+ATTENTION_KERNELS = ("fa2", "fa1", "triton", "cudnn")
 # The head widths each kernel is compiled for. FlashAttention-2 rounds a head up to a multiple
 # of 32 up to 128 and of 64 beyond (flash_api.cpp `head_size_rounded`; its releases differ
 # above 128, not up to it); FlashAttention 1 runs its 32-, 64- or
@@ -60,6 +62,8 @@ def padded_head_dim(head_dim: int, kernel: str) -> int:
         return next((w for w in (32, 64, 128) if head_dim <= w), head_dim)
     if kernel == "triton":
         return max(16, 1 << (head_dim - 1).bit_length())
+    if kernel == "cudnn":  # cuDNN's SDPA takes any head width that is a multiple of 8
+        return -(-head_dim // 8) * 8
     step = 32 if head_dim <= 128 else 64
     return -(-head_dim // step) * step
 

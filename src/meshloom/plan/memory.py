@@ -27,7 +27,7 @@ from functools import lru_cache
 from meshloom.parallel.pipeline_schedule import compute_lists
 from meshloom.plan import PlanError
 from meshloom.plan.formulas import FP32, MIXED, model_state_bytes
-from meshloom.plan.implementation import MESHLOOM, OPTIMIZER_STATES, Implementation
+from meshloom.plan.implementation import MESHLOOM, OPTIMIZER_STATES, Implementation, keeps_grads
 from meshloom.plan.layout import Layout
 from meshloom.plan.models import ModelShape
 from meshloom.plan.moe import (
@@ -535,8 +535,9 @@ def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
                    impl: Implementation = MESHLOOM,
                    stages: tuple[int, ...] | None = None) -> Memory:
     """Peak bytes on the fullest GPU of the layout, run as `impl` says. Gradients count unless
-    the loop frees them between steps (`grad_clip` off) and one micro-batch on one stage makes
-    the step's peak fall at the start of the backward, before any gradient is written.
+    the loop frees them between steps (`implementation.keeps_grads`) and one micro-batch on one
+    stage makes the step's peak fall at the start of the backward, before any gradient is
+    written.
     `stages`: blocks per pipeline stage, if the run fixes them (`parallel.pp_layers`); else
     the implementation's split (plan/stages.py)."""
     if impl.meshloom_block and not flash:
@@ -563,7 +564,7 @@ def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
     working = (layer_activation_bytes(shape, s, b, lay, dtype, flash, recompute="none",
                                       impl=impl)
                if lay.recompute == "full" else 0.0)  # one layer recomputed during backward
-    grads_at_peak = impl.grad_clip or m > 1 or lay.pp > 1
+    grads_at_peak = keeps_grads(impl, lay) or m > 1 or lay.pp > 1
     buffers = _buffers(shape, lay, s, b, dtype)
     counted_as = activation_accounting(shape, lay, dtype, flash, impl)
     best = None

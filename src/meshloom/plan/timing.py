@@ -37,7 +37,7 @@ from meshloom.plan.compute import (
     rates_for,
 )
 from meshloom.plan.hardware import OVERLAP_SLOWDOWN, Cluster, ring_time
-from meshloom.plan.implementation import MESHLOOM, Implementation
+from meshloom.plan.implementation import MESHLOOM, Implementation, keeps_grads
 from meshloom.plan.layout import Layout
 from meshloom.plan.memory import act_elem_bytes, precision, rank_param_split
 from meshloom.plan.models import ModelShape
@@ -275,8 +275,10 @@ def _after_backward(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str
     if experts:
         opt_params += experts / (expert_shard(lay) if lay.zero else 1)
     clip_params = opt_params if lay.zero >= 2 else dense + experts  # ZeRO-2/3 keep a shard
-    optimizer = optimizer_seconds(opt_params, clip_params if impl.grad_clip else 0.0, rates)
-    additions = 0 if impl.fused_grad_accumulation else m if impl.grad_clip else m - 1
+    kept = keeps_grads(impl, lay)
+    optimizer = optimizer_seconds(opt_params, clip_params if impl.grad_clip else 0.0, rates,
+                                  clip_in_optimizer=impl.clip_in_optimizer, zeroed=kept)
+    additions = 0 if impl.fused_grad_accumulation else m if kept else m - 1
     # meshloom's own ZeRO-1 keeps whole bf16 gradients; other trainers accumulate in fp32.
     bf16_grads = impl.meshloom_block and lay.zero == 1 and dtype == "bf16"
     accumulate = accumulate_seconds(clip_params, additions, rates, 2 if bf16_grads else 4)
