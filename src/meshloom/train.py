@@ -340,10 +340,14 @@ def train(cfg: Config, *, resume: bool = False, keep_model: bool = False) -> Tra
         predicted = predict_run_memory(mcfg, cfg, dims, micro).to_dict()
     except (ValueError, KeyError) as e:
         predicted = {"error": str(e)}
-    if device.type == "cuda" and "total" in predicted:
-        logger.message(f"memory per GPU: peak allocated {max(peaks) / 1e9:.2f} GB, reserved "
-                       f"{max(reserved) / 1e9:.2f} GB; planner predicted "
-                       f"{predicted['total'] / 1e9:.2f} GB (allocated peak plus the CUDA context)")
+    if device.type == "cuda":
+        measured = (f"memory per GPU: peak allocated {max(peaks) / 1e9:.2f} GB, reserved "
+                    f"{max(reserved) / 1e9:.2f} GB; ")
+        # A layout the planner cannot price (parallel.rank_devices) still gets its peaks.
+        logger.message(measured + (f"planner predicted {predicted['total'] / 1e9:.2f} GB "
+                                   "(allocated peak plus the CUDA context)"
+                                   if "total" in predicted else
+                                   f"no planner prediction ({predicted['error']})"))
     total_steps = cfg.train.steps - start
     result.summary.update({
         "run_dir": str(run_dir), "steps": cfg.train.steps, "start_step": start,
