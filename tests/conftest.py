@@ -27,9 +27,12 @@ def token_cache(tmp_path_factory) -> str:
 
 
 def tiny_config(run_dir, cache_dir: str, *overrides: str) -> Config:
-    """configs/tiny.toml with a test's run folder and overrides."""
+    """configs/tiny.toml with a test's run folder and overrides, on the CPU unless an override
+    says otherwise: the ranks of a multi-rank test share one machine's cores, and on a machine
+    with one GPU `run.device=auto` would put every rank on that GPU."""
     return load_config(ROOT / "configs" / "tiny.toml",
-                       [f"run.dir={run_dir}", f"data.cache_dir={cache_dir}", *overrides])
+                       ["run.device=cpu", f"run.dir={run_dir}", f"data.cache_dir={cache_dir}",
+                        *overrides])
 
 
 def load_benchmark(name: str):
