@@ -331,6 +331,31 @@ def test_a_kernel_never_takes_less_than_its_launch_gap():
     assert slow.fwd.total > 10 * fast.fwd.total
 
 
+def test_autocast_weight_casts_are_priced_where_meshloom_keeps_fp32_weights():
+    """An unsharded meshloom layout computing in bf16 casts every weight (fp32 -> bf16, 6
+    bytes) for the forward and again for the backward; ZeRO's bf16 working copies, another
+    trainer's bf16 weights and an fp32 run cast nothing."""
+    shape, cl = PRESETS["llama3-1b"], make_cluster("h100", 2)
+    rates = rates_for(cl)
+    weights = sum(g.n * g.k for g in block_gemms(shape, 2048, 1))
+    lay = Layout(dp=2, micro_batch=1)
+
+    def elementwise(lay, e=2, **impl):
+        c = block_cost(shape, lay, rates, 2048, e, True, Implementation(**impl))
+        return c.fwd.elementwise, c.bwd.elementwise
+    f, b = elementwise(lay)
+    f0, b0 = elementwise(lay, meshloom_block=False)
+    cast = rates.stream(weights * 6, 7)
+    assert f - f0 == pytest.approx(cast) and b - b0 == pytest.approx(cast)
+    assert elementwise(Layout(dp=2, zero=1)) == (f0, b0)
+    f32, f32_other = elementwise(lay, e=4), elementwise(lay, e=4, meshloom_block=False)
+    assert f32 == f32_other
+    g = all_gemms(shape, 2048, 1)[-3]  # the head's forward
+    head = head_cost(shape, lay, rates, 2048, Implementation(), 2)
+    other = head_cost(shape, lay, rates, 2048, Implementation(meshloom_block=False), 2)
+    assert head[0] - other[0] == pytest.approx(rates.stream(g.n * g.k * 6))
+
+
 def test_optimizer_and_clipping_traffic():
     rates = _rates()
     assert compute_mod.optimizer_seconds(1e9, 1e9, rates) == pytest.approx(44e9 / 2000e9)

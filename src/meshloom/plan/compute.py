@@ -216,6 +216,10 @@ def block_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, e: int, f
     n_ew = block_kernels(shape, impl_ew, flash) - len(gemms) - (1 if flash else 4)
     fwd.elementwise = rates.stream(ew_bytes + score_bytes, n_ew)
     bwd.elementwise = rates.stream(2 * (ew_bytes + score_bytes), 2 * n_ew)
+    if casts_weights(lay, e, impl):  # recompute reruns the forward's casts too (below)
+        weights = sum(g.n * g.k * g.count for g in gemms)
+        fwd.elementwise += rates.stream(weights * (4 + e), len(gemms))
+        bwd.elementwise += rates.stream(weights * (4 + e), len(gemms))
     if not flash:  # softmax (and dropout) belong to the attention core: selective reruns them
         att.elementwise = rates.stream(score_bytes)
 
@@ -233,7 +237,7 @@ def block_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, e: int, f
 
 
 def head_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int,
-              impl: Implementation) -> tuple[float, float]:
+              impl: Implementation, e: int = 2) -> tuple[float, float]:
     """(forward, backward) seconds of the output head and the cross entropy on the last stage,
     vocabulary-parallel over tp."""
     tokens = lay.micro_batch * (seq // lay.cp)
@@ -242,7 +246,20 @@ def head_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int,
     (ce_f, ce_b), (k_f, k_b) = CE_BYTES_PER_LOGIT[impl.elementwise], CE_KERNELS[impl.elementwise]
     fwd = rates.gemm(g) + rates.stream(ce_f * logits, k_f)
     bwd = sum(rates.gemm(b) for b in g.backward()) + rates.stream(ce_b * logits, k_b)
+    if casts_weights(lay, e, impl):
+        cast = rates.stream(g.n * g.k * (4 + e))
+        fwd, bwd = fwd + cast, bwd + cast
     return fwd, bwd
+
+
+def casts_weights(lay: Layout, e: int, impl: Implementation) -> bool:
+    """Whether each micro-batch casts the weights to the compute dtype: meshloom's unsharded
+    layouts keep fp32 parameters (the masters) and compute under autocast, which casts every
+    weight for the forward and again, transposed, for the backward: read 4 bytes, write e,
+    each time (seen as `_to_copy` kernels in a profiled H100 step, 3.9 ms of the 1B model's
+    step for 0.97B block parameters: docs/kernel-tables.md). ZeRO's stages hold low-precision
+    working copies instead, and other trainers keep bf16 weights."""
+    return impl.meshloom_block and lay.zero == 0 and e < 4
 
 
 def optimizer_seconds(params: float, grads: float, rates: Rates, *, clip_in_optimizer: bool = False,

@@ -168,7 +168,7 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     # Blocks per stage as the training code cuts them (plan/stages.py); stage s on rank s % p.
     stages = stage_layers(shape, p, v, seq, impl.pp_split)
     held = rank_layers(stages, p)
-    head_f, head_b = head_cost(shape, lay, rates, seq, impl)
+    head_f, head_b = head_cost(shape, lay, rates, seq, impl, e)
     n_stages = p * v
 
     def cost(a: Action, comm: bool = True) -> float:
