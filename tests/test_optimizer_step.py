@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import WELL_CONDITIONED, tiny_config
 from dist_harness import run_ranks
 
 from meshloom.config import TrainConfig
@@ -110,8 +110,10 @@ def test_norm_of_mixed_dtypes_is_taken_in_fp32():
 
 
 def _losses(run_dir, cache, impl: str) -> list[float]:
+    # The two AdamW implementations compute in different orders: WELL_CONDITIONED bounds how
+    # much AdamW amplifies that, whatever order a machine's kernels take.
     cfg = tiny_config(run_dir, cache, "train.steps=4", "train.eval_every=0",
-                      "train.sample_tokens=0", "train.grad_clip=0.05", impl)
+                      "train.sample_tokens=0", "train.grad_clip=0.05", *WELL_CONDITIONED, impl)
     return train(cfg).losses
 
 
