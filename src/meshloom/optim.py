@@ -112,8 +112,11 @@ def _sum_squares(params: list[nn.Parameter], device: torch.device) -> torch.Tens
     by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for p in params:  # under parallel.rank_devices a rank's gradients live on several devices
         by_kind.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad.detach())
-    for grads in by_kind.values():
-        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+    for (_, dtype), grads in by_kind.items():
+        # Low-precision gradients are normed in fp32; fp32 ones need no dtype argument (which
+        # older PyTorch releases lack).
+        norms = (torch._foreach_norm(grads, 2) if dtype == torch.float32
+                 else torch._foreach_norm(grads, 2, dtype=torch.float32))
         total = total + torch.stack(norms).square().sum().to(device)
     return total
 
