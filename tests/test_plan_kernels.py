@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from conftest import load_benchmark
 
 from meshloom.plan import PlanError
 from meshloom.plan import compute as compute_mod
@@ -187,9 +188,7 @@ def test_the_measured_table_answers_the_validation_rows_gemms_exactly():
 def test_profile_against_plan_file_is_what_the_code_says(tmp_path):
     """benchmarks/results/planner/profile_vs_plan_llama1b.json (docs/kernel-tables.md) is the
     committed profile set against what the planner says now."""
-    sys.path.insert(0, str(MEASURED_H100.parents[2]))
-    import profile_vs_plan
-
+    profile_vs_plan = load_benchmark("profile_vs_plan")
     committed = json.loads(profile_vs_plan.DEFAULT_OUT.read_text())
     got = profile_vs_plan.main(["--profile", str(MEASURED_H100.parent / "profile_kernels.json"),
                                 "--kernels", str(MEASURED_H100), "--out",

@@ -4,8 +4,8 @@ Each rank writes into `RUN_DIR/profile/`:
 - `rank{R}.trace.json`: the Chrome / Perfetto trace of those steps (host ops and, on a GPU,
   every kernel on its stream);
 - `rank{R}_kernels.json`: per kernel (on a GPU) or per op (on a CPU) the count and total time
-  over the profiled steps, longest first, with the steps' wall time beside it: where a step's
-  time goes without opening the trace (docs/metrics.md).
+  over the profiled steps, longest first, and their sum: where a step's time goes without
+  opening the trace (docs/metrics.md).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from meshloom.checkpoint.files import write_json_atomic
 
 class StepProfiler:
     """Profiles steps `start` .. `start + steps - 1` (1-based, as the metrics count them) of
-    this rank's run; `step_done(step)` after each step."""
+    this rank's run; `step_done()` after each step."""
 
     def __init__(self, run_dir: Path, rank: int, device: torch.device, start: int, steps: int,
                  first_step: int = 1):
