@@ -72,19 +72,23 @@ GOAL_MEAN, GOAL_MAX = 0.08, 0.20
 # main gradient); Megatron-LM 2021's paper lists no such fusion, so its rows pay the pass.
 # Both run a SwiGLU through Megatron-Core's fused bias_swiglu_impl (bias_activation_fusion, on
 # in NeMo's recipes and Megatron-LM's defaults), which keeps only the first GEMM's output.
+# Under grouped-query attention, Megatron-Core and NeMo hand the shared K/V heads to
+# TransformerEngine's attention (`num_gqa_groups`) and TinyLlama to flash-attn 2 (lit_gpt/
+# model.py: "we do not need to do this as flash attention 2 already support GQA"), so neither
+# copies them out per head (`expand_kv` off); torchtitan's Llama does (`repeat_kv`).
 # What every other trainer's loop does unlike meshloom's (implementation.py).
 OTHER_LOOP = {"meshloom_block": False, "free_unbucketed_grads": False, "clip_in_optimizer": False}
 TRAINER_IMPL = {
     "megatron-lm": {"compile": True, "tp_overlap": True, "tp_overlap_chunks": True,
                     "dp_overlap": True, "selective_elementwise": False, "pp_split": "even",
-                    "fused_swiglu": True},
+                    "fused_swiglu": True, "expand_kv": False},
     "nemo": {"compile": True, "tp_overlap": True, "tp_overlap_chunks": True, "dp_overlap": True,
              "selective_elementwise": False, "fused_grad_accumulation": True,
-             "pp_split": "even", "fused_swiglu": True},
+             "pp_split": "even", "fused_swiglu": True, "expand_kv": False},
     "megatron-deepspeed": {"compile": True, "selective_elementwise": False,
                            "p2p_blocking": True, "pp_scatter_gather": True},
     "flash-attention": {"compile": True, "attention_kernel": "fa1"},
-    "tinyllama": {"compile": True},
+    "tinyllama": {"compile": True, "expand_kv": False},
     "llm-foundry": {"compile": False, "attention_kernel": "triton"},
     "torchtitan": {"compile": False, "op_sac": True},
 }
@@ -203,7 +207,8 @@ def published_rows(path: Path = RUNS) -> list[dict]:
                           name=m.get("name", run["id"]), tied=m.get("tied_embeddings"),
                           positions=m.get("positions", 0 if m["arch"] == "llama" else None),
                           dropout=m.get("dropout"),
-                          linear_bias=m.get("linear_bias") if m["arch"] == "gpt" else None)
+                          linear_bias=m.get("linear_bias") if m["arch"] == "gpt" else None,
+                          rotary=m.get("rotary"))
         fixed = {k: lay[k] for k in ("tp", "pp", "cp", "dp", "zero", "dp_replicate",
                                      "recompute", "sp", "v") if lay.get(k) is not None}
         if lay.get("schedule"):

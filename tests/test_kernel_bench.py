@@ -53,7 +53,7 @@ def test_quick_cpu_run_writes_a_table_answering_every_planner_shape(tmp_path, ca
     got = {(r["seq"], r["head_dim"], r["causal"], r["direction"]) for r in raw["attention"]}
     assert got == {(s, 64, c, d) for s in kb.ATTENTION_SEQS_QUICK[DEVICE]
                    for c in (True, False) for d in ("fwd", "bwd")}
-    assert table.hbm_gbps > 0 and table.launch_us > 0
+    assert table.hbm_gbps > 0 and table.launch_us > 0 and table.optimizer_gbps > 0
 
 
 def test_shapes_head_widths_and_lengths_are_measured_as_asked(tmp_path):

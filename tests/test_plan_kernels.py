@@ -18,7 +18,7 @@ from meshloom.plan import PlanError
 from meshloom.plan import compute as compute_mod
 from meshloom.plan.compute import Rates, block_cost, head_cost, rates_for
 from meshloom.plan.hardware import make_cluster
-from meshloom.plan.implementation import Implementation, split_fix
+from meshloom.plan.implementation import MESHLOOM, Implementation, split_fix
 from meshloom.plan.kernel_table import attention_flops, available, for_gpu, load, parse
 from meshloom.plan.layout import Layout, parse_fix
 from meshloom.plan.memory import memory_per_gpu
@@ -214,6 +214,7 @@ def test_attention_flops_follow_flashattention():
     (lambda d: d["attention"].append({**TRITON[0], "head_dim": 64}),
      "need FlashAttention-2 rows of the same head width"),
     (lambda d: d.update(hbm_gbps={"value": "fast"}), "hbm_gbps"),
+    (lambda d: d.update(optimizer_gbps={"value": -1.0}), "optimizer_gbps"),
     (lambda d: d.update(compute_from="h100"), "both compute_from and its own gemm"),
     (lambda d: (d.pop("gemm"), d.pop("attention"), d.update(compute_from="h1000")),
      "no readable committed table h1000.json"),
@@ -257,10 +258,10 @@ def test_block_gemms_are_the_models_linear_layers():
     assert len(all_gemms(shape, 4096, 2)) == 3 * (len(fwd) + 1)  # + the head
 
 
-def _rates(launch_us=0.0, hbm=2000.0) -> Rates:
+def _rates(launch_us=0.0, hbm=2000.0, optimizer_gbps=0.0) -> Rates:
     raw = json.loads(json.dumps(TABLE))
     raw["launch_us"] = {"value": launch_us} if launch_us else None
-    return Rates(parse(raw), 989.0, hbm, launch_us * 1e-6, 1.0, "test")
+    return Rates(parse(raw), 989.0, hbm, launch_us * 1e-6, 1.0, "test", optimizer_gbps)
 
 
 def test_backward_costs_its_two_gemms_and_recompute_adds_the_forward():
@@ -366,6 +367,85 @@ def test_optimizer_and_clipping_traffic():
                                          zeroed=False) == pytest.approx(36e9 / 2000e9)
     assert compute_mod.accumulate_seconds(1e9, 3, rates) == pytest.approx(36e9 / 2000e9)
     assert compute_mod.accumulate_seconds(1e9, 0, rates) == 0.0
+
+
+def test_the_adamw_kernel_runs_at_the_tables_optimizer_rate():
+    """A table's measured AdamW rate prices the optimizer kernel's 28 bytes per parameter and
+    the clip it carries (4); the norm, a separate clip pass and the zeroing stream at the copy
+    rate. Without one the kernel streams at the copy rate too."""
+    rates = _rates(hbm=2000.0, optimizer_gbps=1000.0)
+    assert compute_mod.optimizer_seconds(1e9, 1e9, rates, clip_in_optimizer=True) == \
+        pytest.approx(32e9 / 1000e9 + 8e9 / 2000e9)
+    assert compute_mod.optimizer_seconds(1e9, 1e9, rates) == \
+        pytest.approx(28e9 / 1000e9 + 16e9 / 2000e9)
+    assert _rates(hbm=2000.0).optimizer_gbps == 2000.0
+    raw = json.loads(json.dumps(TABLE))
+    raw["optimizer_gbps"] = {"value": 1234.0, "what": "test"}
+    assert parse(raw).optimizer_gbps == 1234.0 and parse(TABLE).optimizer_gbps is None
+    measured = load(MEASURED_H100)  # the H100 table's rate: step_overheads.json's AdamW step
+    overheads = json.loads((MEASURED_H100.parent / "step_overheads.json").read_text())
+    assert measured.optimizer_gbps == pytest.approx(
+        28 * overheads["parameters"] / overheads["rows"]["adamw_fused_step_ms"] / 1e6, rel=1e-4)
+    cl = make_cluster("h100", 1, kernels=str(MEASURED_H100))
+    assert rates_for(cl).optimizer_gbps == measured.optimizer_gbps < rates_for(cl).hbm_gbps
+
+
+def test_rope_and_the_kv_copies_are_counted_as_they_run():
+    """A fused block reads and writes q and k once for RoPE; under GQA a block that copies K
+    and V out to every head (meshloom's, torchtitan's) reads 2kv and writes 2q more, forward,
+    and launches two more kernels; a GPT block with a position table, or with ALiBi, has no
+    rotary pass."""
+    from meshloom.plan.step_kernels import block_kernels, elementwise_bytes_per_token
+    shape = PRESETS["llama3-1b"]
+    h, q, kv, f = shape.hidden, shape.q_dim, shape.kv_dim, shape.ffn_hidden
+    assert kv < q  # grouped-query attention
+    native = elementwise_bytes_per_token(shape, 1, False, 2, "fused", expand_kv=False)
+    assert native == (4 * h + 6 * h + 3 * f + 2 * (q + kv)) * 2
+    for impl in ("fused", "eager"):
+        copied = elementwise_bytes_per_token(shape, 1, False, 2, impl, expand_kv=True)
+        kept = elementwise_bytes_per_token(shape, 1, False, 2, impl, expand_kv=False)
+        assert copied - kept == 2 * (q + kv) * 2
+        assert block_kernels(shape, impl, True, True) - block_kernels(shape, impl, True, False) \
+            == 2
+    mha = replace(shape, kv_heads=shape.heads)
+    assert elementwise_bytes_per_token(mha, 1, False, 2, "fused", expand_kv=True) == \
+        elementwise_bytes_per_token(mha, 1, False, 2, "fused", expand_kv=False)
+    learned = from_dims("gpt", 2048, 2, 16, 50304)
+    rotary = from_dims("gpt", 2048, 2, 16, 50304, positions=0)
+    alibi = from_dims("gpt", 2048, 2, 16, 50304, positions=0, rotary=False)
+    assert learned.has_rope is alibi.has_rope is False and rotary.has_rope
+    for impl in ("fused", "eager"):
+        base = elementwise_bytes_per_token(learned, 1, False, 2, impl)
+        assert elementwise_bytes_per_token(alibi, 1, False, 2, impl) == base
+        assert elementwise_bytes_per_token(rotary, 1, False, 2, impl) == base + 2 * 4096 * 2
+    with pytest.raises(PlanError, match="rotary=False does not fit positions=0"):
+        from_dims("llama", 2048, 2, 16, 32000, rotary=False)
+    with pytest.raises(PlanError, match="rotary=True does not fit positions=2048"):
+        from_dims("gpt", 2048, 2, 16, 50304, rotary=True)
+
+
+def test_a_tied_token_tables_two_gradients_are_summed_each_micro_batch():
+    """The head's and the embedding's gradients of one tied table are summed before they are
+    accumulated: read both, write one, at the parameter's dtype (fp32 for meshloom's unsharded
+    layouts, bf16 working parameters under ZeRO); not when pipeline stages hold the two, nor
+    when the weight-gradient GEMM adds into the kept gradient itself."""
+    shape, rates = PRESETS["llama3-1b"], _rates()
+    assert shape.tied
+    untied = replace(shape, tied=False)
+
+    def extra(lay, impl=MESHLOOM, e=2):
+        return head_cost(shape, lay, rates, 2048, impl, e)[1] - \
+            head_cost(untied, lay, rates, 2048, impl, e)[1]
+    table = shape.vocab * shape.hidden
+    assert extra(Layout(micro_batch=1)) == pytest.approx(rates.stream(12 * table, 1))
+    assert extra(Layout(dp=2, zero=1)) == pytest.approx(rates.stream(6 * table, 1))
+    assert extra(Layout(tp=2)) == pytest.approx(rates.stream(6 * table, 1))
+    assert extra(Layout(micro_batch=1), Implementation(meshloom_block=False)) == \
+        pytest.approx(rates.stream(6 * table, 1))
+    assert extra(Layout(pp=2)) == 0.0
+    assert extra(Layout(), Implementation(fused_grad_accumulation=True)) == 0.0
+    assert head_cost(shape, Layout(), rates, 2048, Implementation(), 2)[0] == \
+        head_cost(untied, Layout(), rates, 2048, Implementation(), 2)[0]  # backward only
 
 
 def test_every_micro_batch_that_finds_a_gradient_adds_into_it():

@@ -9,6 +9,8 @@ the GPU's kernel table (plan/kernel_table.py) and the block's kernel inventory
   unfused attention as its two batched GEMMs per direction (QK^T, PV; four in backward) plus
   the scores' trips through memory.
 - Elementwise: the bytes of plan/step_kernels.py at the table's streaming bandwidth.
+- Optimizer: a fused AdamW step's bytes at the table's measured optimizer rate (a measured table
+  has one; otherwise the streaming bandwidth).
 - Launch gaps: a kernel takes at least `launch_us` (the launch rate bounds a stream of short
   kernels), so each GEMM costs max(its time, launch) and the elementwise kernels together
   max(their bytes' time, their count x launch).
@@ -99,6 +101,11 @@ class Rates:
     launch_s: float
     scale: float  # --peak-tflops over the table GPU's datasheet peak (1 without an override)
     source: str
+    optimizer_gbps: float = 0.0  # a fused AdamW step's bytes per second (0: hbm_gbps's)
+
+    def __post_init__(self):
+        if not self.optimizer_gbps:
+            object.__setattr__(self, "optimizer_gbps", self.hbm_gbps)
 
     def gemm(self, g: Gemm) -> float:
         """Seconds of one GEMM (all its `count` instances, as one grouped launch)."""
@@ -140,11 +147,14 @@ def rates_for(cluster: Cluster) -> Rates:
     base = GPUS.get(gpu.name)
     scale = gpu.peak_tflops / base.peak_tflops if base else 1.0
     hbm = table.hbm_gbps or gpu.hbm_gbps
-    if base and gpu.hbm_gbps != base.hbm_gbps:  # an override scales the achieved figure
+    adam = table.optimizer_gbps or hbm
+    if base and gpu.hbm_gbps != base.hbm_gbps:  # an override scales the achieved figures
+        adam *= gpu.hbm_gbps / base.hbm_gbps
         hbm *= gpu.hbm_gbps / base.hbm_gbps
     launch = (table.launch_us or 0.0) * 1e-6
     return Rates(table, gpu.peak_tflops, hbm, launch, scale,
-                 f"kernel table {table.path.rsplit('/', 1)[-1]} ({table.kind}: {table.device})")
+                 f"kernel table {table.path.rsplit('/', 1)[-1]} ({table.kind}: {table.device})",
+                 adam)
 
 
 @dataclass
@@ -211,9 +221,10 @@ def block_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, e: int, f
     ffn = (ffn_elementwise_elems_per_token(shape, lay) * ffn_tokens(lay, tokens) / tokens
            if shape.is_moe else None)
     impl_ew = impl.elementwise
-    ew_bytes = tokens * elementwise_bytes_per_token(shape, t, lay.sp, e, impl_ew, ffn)
+    ew_bytes = tokens * elementwise_bytes_per_token(shape, t, lay.sp, e, impl_ew, ffn,
+                                                    impl.expand_kv)
     score_bytes = tokens * bh / lay.micro_batch * kv_len * score_bytes_per_entry(shape, e, flash)
-    n_ew = block_kernels(shape, impl_ew, flash) - len(gemms) - (1 if flash else 4)
+    n_ew = block_kernels(shape, impl_ew, flash, impl.expand_kv) - len(gemms) - (1 if flash else 4)
     fwd.elementwise = rates.stream(ew_bytes + score_bytes, n_ew)
     bwd.elementwise = rates.stream(2 * (ew_bytes + score_bytes), 2 * n_ew)
     if casts_weights(lay, e, impl):  # recompute reruns the forward's casts too (below)
@@ -246,10 +257,24 @@ def head_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int,
     (ce_f, ce_b), (k_f, k_b) = CE_BYTES_PER_LOGIT[impl.elementwise], CE_KERNELS[impl.elementwise]
     fwd = rates.gemm(g) + rates.stream(ce_f * logits, k_f)
     bwd = sum(rates.gemm(b) for b in g.backward()) + rates.stream(ce_b * logits, k_b)
-    if casts_weights(lay, e, impl):
+    casts = casts_weights(lay, e, impl)
+    if casts:
         cast = rates.stream(g.n * g.k * (4 + e))
         fwd, bwd = fwd + cast, bwd + cast
-    return fwd, bwd
+    return fwd, bwd + tied_gradient_add(shape, lay, rates, impl, 4 if casts else e)
+
+
+def tied_gradient_add(shape: ModelShape, lay: Layout, rates: Rates, impl: Implementation,
+                      grad_bytes: int) -> float:
+    """Seconds per micro-batch of summing a tied token table's two gradients (the head's and
+    the embedding's) before autograd accumulates them: read both, write one, each vocab/tp x
+    hidden at the parameter's dtype (1.16 ms of the profiled 1B Llama step: 128256 x 2048 in
+    fp32). Not there when the two sit on different pipeline stages (their gradients meet in
+    an all-reduce) or when the weight-gradient GEMM adds into the kept gradient itself
+    (`fused_grad_accumulation`)."""
+    if not shape.tied or lay.pp > 1 or impl.fused_grad_accumulation:
+        return 0.0
+    return rates.stream(3 * grad_bytes * shape.vocab / lay.tp * shape.hidden, 1)
 
 
 def casts_weights(lay: Layout, e: int, impl: Implementation) -> bool:
@@ -265,11 +290,14 @@ def casts_weights(lay: Layout, e: int, impl: Implementation) -> bool:
 def optimizer_seconds(params: float, grads: float, rates: Rates, *, clip_in_optimizer: bool = False,
                       zeroed: bool = True) -> float:
     """The optimizer step on `params` parameters, after the norm and clip of `grads` gradients
-    (0: no clipping), which are then zeroed if `zeroed` (kept between steps)."""
-    per_grad = (NORM_BYTES_PER_PARAM
-                + CLIP_BYTES_PER_PARAM["in_optimizer" if clip_in_optimizer else "pass"]
-                + (ZERO_BYTES_PER_PARAM if zeroed else 0.0))
-    return rates.stream(params * OPTIMIZER_BYTES_PER_PARAM + grads * per_grad)
+    (0: no clipping), which are then zeroed if `zeroed` (kept between steps). The AdamW kernel
+    (with the clip it carries) runs at the table's measured optimizer rate where it has one;
+    the norm, a separate clip pass and the zeroing stream at the copy rate."""
+    in_kernel = CLIP_BYTES_PER_PARAM["in_optimizer"] if clip_in_optimizer else 0.0
+    passes = (NORM_BYTES_PER_PARAM + (0.0 if clip_in_optimizer else CLIP_BYTES_PER_PARAM["pass"])
+              + (ZERO_BYTES_PER_PARAM if zeroed else 0.0))
+    adam = (params * OPTIMIZER_BYTES_PER_PARAM + grads * in_kernel) / (rates.optimizer_gbps * GB)
+    return adam + rates.stream(grads * passes)
 
 
 def accumulate_seconds(grads: float, additions: int, rates: Rates,

@@ -93,6 +93,12 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   per parameter and micro-batch, plan/compute.py), where other trainers keep fp32 ones (12).
   Off: every saved tensor once in 16-bit (Korthikanti et al.'s accounting), what trainers that
   keep bf16 parameters and fused kernels (Megatron, FSDP with a bf16 param dtype) hold.
+- `expand_kv`: under grouped-query attention the keys and values are copied out to every query
+  head before the attention kernel (meshloom's block: `repeat_interleave`; torchtitan's
+  `repeat_kv`), a read of K and V and a write of q-head-wide copies, forward, and their
+  gradients summed back in backward. Off: the attention kernel reads the shared K/V heads
+  itself (TransformerEngine's and flash-attn's native GQA: NeMo, Megatron-Core, TinyLlama).
+  A no-op without GQA.
 """
 
 from __future__ import annotations
@@ -123,6 +129,7 @@ class Implementation:
     pp_split: str = "balanced"
     p2p_blocking: bool = False
     pp_scatter_gather: bool = False
+    expand_kv: bool = True
 
     @property
     def elementwise(self) -> str:

@@ -84,6 +84,9 @@ class KernelTable:
     launch_us: float | None  # gap per kernel launch, microseconds
     # Other attention kernels' rows, by kernel name, in the form of `attention`.
     other_attention: dict = field(default_factory=dict, compare=False, hash=False)
+    # A fused AdamW step's achieved bandwidth, GB/s (fp32 weight, gradient and two moments: 28
+    # bytes per parameter over its time); None: the planner streams it at hbm_gbps.
+    optimizer_gbps: float | None = None
     # Answers already worked out: a search asks about the same few dozen shapes thousands of
     # times.
     _memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
@@ -271,7 +274,7 @@ def parse(raw: dict, where: str = "<table>") -> KernelTable:
                           f"head width, mask and direction (head_dim={d}, causal={c}, "
                           f"{direction})")
     scalars = {}
-    for key in ("hbm_gbps", "launch_us"):
+    for key in ("hbm_gbps", "launch_us", "optimizer_gbps"):
         entry = raw.get(key)
         value = entry.get("value") if isinstance(entry, dict) else entry
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
@@ -283,7 +286,8 @@ def parse(raw: dict, where: str = "<table>") -> KernelTable:
     return KernelTable(str(raw["gpu"]), raw["kind"], str(raw.get("device", raw["gpu"])), where,
                        _mean_duplicates(gemm, 3), _mean_duplicates(attention, 4),
                        scalars["hbm_gbps"], scalars["launch_us"],
-                       {k: _mean_duplicates(v, 4) for k, v in other.items()})
+                       {k: _mean_duplicates(v, 4) for k, v in other.items()},
+                       scalars["optimizer_gbps"])
 
 
 def _with_compute_of(raw: dict, bad) -> dict:

@@ -96,6 +96,10 @@ class ModelShape:
     # Biases on a gpt block's four linears (None: the arch's own, gpt's on). Llama's q/k/v
     # biases are ``qkv_bias``.
     linear_bias: bool | None = None
+    # A gpt block without a position table rotates q and k (RoPE) unless it biases its
+    # attention scores instead (ALiBi: ``rotary`` false; BLOOM). None: RoPE exactly when there
+    # is no position table (llama: always).
+    rotary: bool | None = None
 
     def __post_init__(self) -> None:
         # Checked here so that every way of building a shape (preset, HF file, flags) is covered.
@@ -130,6 +134,14 @@ class ModelShape:
         if self.linear_bias is not None and not isinstance(self.linear_bias, bool):
             raise PlanError(f"model {self.name!r}: linear_bias={self.linear_bias!r} must be true "
                             "or false (or unset)")
+        if self.rotary is not None and not isinstance(self.rotary, bool):
+            raise PlanError(f"model {self.name!r}: rotary={self.rotary!r} must be true or false "
+                            "(or unset)")
+        if self.rotary is not None and self.rotary != (not self.positions) \
+                and (self.arch == "llama" or self.rotary):
+            raise PlanError(f"model {self.name!r}: rotary={self.rotary} does not fit "
+                            f"positions={self.positions} (RoPE replaces the position table; "
+                            "only a gpt block without one may leave it out, for ALiBi)")
         if self.arch == "llama" and self.linear_bias:
             raise PlanError(f"model {self.name!r}: llama blocks take qkv_bias, not linear_bias")
         if self.arch == "gpt" and (self.qkv_bias or self.qk_norm):
@@ -181,6 +193,10 @@ class ModelShape:
     @property
     def is_moe(self) -> bool:
         return self.n_experts > 0
+
+    @property
+    def has_rope(self) -> bool:
+        return not self.positions if self.rotary is None else self.rotary
 
     @property
     def has_linear_bias(self) -> bool:
@@ -334,6 +350,7 @@ def from_dims(
     sliding_window: int | None = None,
     qkv_bias: bool = False,
     qk_norm: bool = False,
+    rotary: bool | None = None,
 ) -> ModelShape:
     """Shape from explicit dimensions, filling the rest with each family's usual defaults.
 
@@ -361,7 +378,7 @@ def from_dims(
                       kv_heads=kv_heads, ffn_hidden=ffn_hidden, vocab=vocab, tied=tied,
                       positions=positions, dropout=dropout, linear_bias=linear_bias,
                       explicit_head_dim=head_dim, sliding_window=sliding_window,
-                      qkv_bias=qkv_bias, qk_norm=qk_norm)
+                      qkv_bias=qkv_bias, qk_norm=qk_norm, rotary=rotary)
 
 
 def from_llama_config(cfg: _llama.LlamaConfig, name: str = "custom") -> ModelShape:

@@ -9,9 +9,14 @@ Shapes: a linear layer W[out, in] applied to T tokens is the forward GEMM (m, n,
 Elementwise bytes per token depend on the implementation (`fused`):
 - fused (torch.compile, Megatron/TransformerEngine fused kernels): each logical operation reads
   its inputs and writes its output once. Llama: 2 RMSNorms (read, write: 2·2h), 2 residual adds
-  (read 2, write 1: 2·3h), SwiGLU over F/t (read 2, write 1); GPT: 2 LayerNorms, 2 dropout +
-  residual (read 2, write 1, 1-byte mask), bias + GeLU over 4h/t (read, write). Eager attention
-  moves every score through softmax (and dropout for GPT); fused attention keeps them on chip.
+  (read 2, write 1: 2·3h), SwiGLU over F/t (read 2, write 1), RoPE on q and k (read, write:
+  2(q+kv)); GPT: 2 LayerNorms, 2 dropout + residual (read 2, write 1, 1-byte mask), bias + GeLU
+  over 4h/t (read, write), and RoPE as Llama's where the model has it (`has_rope`). Eager
+  attention moves every score through softmax (and dropout for GPT); fused attention keeps them
+  on chip.
+- K/V expansion (`expand_kv`, grouped-query attention only, either way): K and V copied out to
+  every query head, read 2kv and write 2q. A profiled H100 step of the compiled 1B Llama spent
+  5.6 ms in these and the RoPE kernels against 5.4 ms at these bytes (docs/kernel-tables.md).
 - eager (PyTorch eager as meshloom's Llama block is written, models/llama.py): RMSNorm in fp32
   (up-cast, square, mean, scale, gain, down-cast: 40h bytes and 7 kernels per norm), RoPE on q
   and k in fp32 (about 48 bytes per element and 10 kernels each), grouped-query K/V repeated to
@@ -103,35 +108,43 @@ def all_gemms(shape: ModelShape, tokens: int, tp: int) -> list[Gemm]:
     return out
 
 
+def _expands_kv(shape: ModelShape, expand_kv: bool) -> bool:
+    return expand_kv and shape.kv_heads != shape.heads
+
+
 def elementwise_bytes_per_token(shape: ModelShape, tp: int, sp: bool, e: int, impl: str,
-                                ffn_elems: float | None = None) -> float:
+                                ffn_elems: float | None = None, expand_kv: bool = True) -> float:
     """HBM bytes one block's memory-bound kernels move in forward, per local token, excluding
     the attention scores (`score_bytes_per_entry`). `ffn_elems`: an MoE block's feed-forward
-    elementwise width per token (plan/moe.py), replacing the dense SwiGLU's F/t."""
+    elementwise width per token (plan/moe.py), replacing the dense SwiGLU's F/t. `expand_kv`:
+    K and V are copied out to every query head (Implementation.expand_kv)."""
     h, t = shape.hidden, tp
     whole = t if sp else 1  # norms and residuals run on a 1/t slice of the sequence under SP
+    q, kv = shape.q_dim / t, shape.kv_dim / t
+    fused_rope = 2 * (q + kv) * e
+    expand = 2 * (q + kv) * e if _expands_kv(shape, expand_kv) else 0.0
     if shape.arch == "gpt":
         f = shape.ffn_hidden / t
         mask = h if shape.has_dropout else 0  # a 1-byte mask per residual branch
+        # RoPE (no position table, no ALiBi): the trainers that run such a block fuse it.
+        rope = fused_rope if shape.has_rope else 0.0
         if impl == "fused":
-            return (4 * h * e + 2 * (3 * h * e + mask)) / whole + 2 * f * e
+            return (4 * h * e + 2 * (3 * h * e + mask)) / whole + 2 * f * e + rope + expand
         # eager: LayerNorm read+write, dropout (read, write, mask) then add (read 2, write 1)
         # twice, bias add and GeLU as separate passes over 4h/t (no bias: the GeLU's only).
-        # A RoPE gpt block's rotary pass is not counted (fused in the trainers that run one).
         drop = 2 * h * e + mask if shape.has_dropout else 0
         mlp_passes = 2 if shape.has_linear_bias else 1
-        return (2 * 2 * h * e + 2 * (drop + 3 * h * e)) / whole + mlp_passes * 2 * f * e
+        return ((2 * 2 * h * e + 2 * (drop + 3 * h * e)) / whole + mlp_passes * 2 * f * e
+                + rope + expand)
     mlp = 3 * shape.ffn_hidden / t if ffn_elems is None else ffn_elems
     if impl == "fused":
-        return (4 * h + 2 * 3 * h) * e / whole + mlp * e
-    q, kv = shape.q_dim / t, shape.kv_dim / t
+        return (4 * h + 2 * 3 * h) * e / whole + mlp * e + fused_rope + expand
     norms = 2 * 40 * h * e / 2  # 40h bytes per norm at e = 2 (fp32 internals scale with it)
     rope = 48 * (q + kv) * e / 2
-    repeat = 2 * (q + kv) * e if shape.kv_heads != shape.heads else 0.0
     contiguous = 2 * q * e
     residual = 2 * 3 * h * e
     swiglu = mlp * e * 10 / 3  # silu (read, write) and the product (read 2, write 1)
-    return (norms + residual) / whole + rope + repeat + contiguous + swiglu
+    return (norms + residual) / whole + rope + expand + contiguous + swiglu
 
 
 def score_bytes_per_entry(shape: ModelShape, e: int, flash: bool) -> float:
@@ -143,19 +156,20 @@ def score_bytes_per_entry(shape: ModelShape, e: int, flash: bool) -> float:
     return (2 * e + 2 * e + 1) if shape.has_dropout else 2 * e
 
 
-def block_kernels(shape: ModelShape, impl: str, flash: bool) -> int:
+def block_kernels(shape: ModelShape, impl: str, flash: bool, expand_kv: bool = True) -> int:
     """Kernels one block's forward launches (backward: twice as many). Counted from meshloom's
     block as written (eager) and from a compiled block (fused: the GEMMs, attention, and one
-    fused kernel per run of elementwise work between them)."""
+    fused kernel per run of elementwise work between them, RoPE's among them)."""
     gemms = 4 if shape.arch == "gpt" else 7
     if shape.is_moe:
         gemms = 4 + 1 + (3 if shape.shared_hidden else 0) + 3
     attention = 1 if flash else 4  # QK^T, softmax, (dropout), AV
+    repeat = 2 if _expands_kv(shape, expand_kv) else 0
+    rope = 1 if shape.has_rope else 0
     if impl == "fused":
-        return gemms + attention + 6
+        return gemms + attention + 6 + rope + repeat
     if shape.arch == "gpt":
-        return gemms + attention + 2 * 3 + 2 * 2 + 2 + 2
+        return gemms + attention + 2 * 3 + 2 * 2 + 2 + 2 + rope + repeat
     rope = 2 * 10
-    repeat = 2 if shape.kv_heads != shape.heads else 0
     moe = 12 if shape.is_moe else 0  # route, top-k, sort, gather, scatter, combine
     return gemms + attention + 2 * 7 + rope + repeat + 1 + 2 + 2 + moe
