@@ -128,10 +128,13 @@ def _saved_storages(precision: str, only=None):
     packed for backward (a compiled graph's saves too), by storage; `only` filters tensors.
     Each packed tensor is held until the count is read, so that no address is freed and
     reused meanwhile (without, compiled MoE blocks under tp came out 32 bytes short on one
-    rank now and then)."""
+    rank now and then). The hook runs as plain Python: called from the eager stretches of a
+    compiled block, it would otherwise be compiled by dynamo too, once more for each new shape
+    and dtype up to the recompile limit: seconds a rank, for the same count."""
     storages: dict[int, int] = {}
     held = []
 
+    @torch.compiler.disable
     def pack(t: torch.Tensor) -> torch.Tensor:
         held.append(t)
         if only is None or only(t):
@@ -376,13 +379,14 @@ def _ep_census_job(world: int, precision: str, name: str, compiled: bool, axis: 
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
     out = {}
-    # One fresh compile per job: the 2-layer model's blocks reuse the 1-layer model's code, as
-    # a model's blocks share theirs.
+    # One fresh compile per job, and one mesh: the 2-layer model's blocks reuse the 1-layer
+    # model's code, as a model's blocks share theirs (a second mesh's new process groups would
+    # fail the guards on the compiled collectives' group names: all compiled again).
     torch._dynamo.reset()
+    dims = {"dp_shard": 1, **EP_MESHES[axis]}
+    mesh = Mesh(ParallelDims(**dims, ep=2), rank, "cpu", CommCounter())
     for layers in (1, 2):
         _, model = _block(MOE_COMPILED[name], precision, layers)
-        dims = {"dp_shard": 1, **EP_MESHES[axis]}
-        mesh = Mesh(ParallelDims(**dims, ep=2), rank, "cpu", CommCounter())
         pcfg = ParallelConfig(**dims, ep=2, zero_stage=0, sequence_parallel=sp)
         with _sac_caches() as caches:  # open from the wrapping on (it binds the context)
             par = parallelize(model, mesh, pcfg, activation_checkpointing=recompute,
@@ -573,11 +577,14 @@ def _census_job(world: int, axis: str, precision: str, name: str, recompute: str
     dist.init_process_group("gloo", rank=rank, world_size=world)
     dims = {"tp": 2, "cp": 2} if axis == "tp+cp" else {axis: world}
     kept = {}
+    # One mesh for both models, so that the 2-layer model's blocks run the code compiled for
+    # the 1-layer model's, as a model's blocks share theirs (a new mesh's process groups would
+    # fail the compiled graphs' guards on their collectives' group names: all compiled again).
+    mesh = Mesh(ParallelDims(**dims), rank, "cpu", CommCounter())
     for layers in (1, 2):
         _, model = _block({**CONFIGS, **MOE_CONFIGS}[name], precision, layers)
         model.eval()  # MoE routing statistics: bookkeeping, allocated on the first call only
         with _sac_caches() as caches:
-            mesh = Mesh(ParallelDims(**dims), rank, "cpu", CommCounter())
             pcfg = ParallelConfig(**dims, dp_shard=1, sequence_parallel=sp)
             par = parallelize(model, mesh, pcfg, activation_checkpointing=recompute,
                               compile_blocks=compiled)
