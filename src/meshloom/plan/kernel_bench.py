@@ -324,7 +324,7 @@ def bench_optimizer(nbytes: int, device: torch.device, warmup: int, reps: int) -
     """GB/s of an AdamW step over `nbytes` of fp32 parameters: the fused kernel on CUDA (what
     meshloom's loop runs, `train.optimizer_impl`), PyTorch's default elsewhere. The table's
     `optimizer_gbps`: a step that reads and writes four tensors per element runs below the
-    copy rate (on an H100, 2551 against 2999 GB/s)."""
+    copy rate (on an H100, 2552 against 2999 GB/s)."""
     n = max(ADAMW_TENSORS, nbytes // 4)
     params = [torch.nn.Parameter(torch.rand(n // ADAMW_TENSORS, device=device))
               for _ in range(ADAMW_TENSORS)]
