@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from meshloom.config import Config, ModelDims, closest
 from meshloom.mesh import ParallelDims
@@ -30,8 +31,10 @@ COMPUTE = ("F", "B", "I", "W")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 
 
-@dataclass(frozen=True)
-class Action:
+class Action(NamedTuple):
+    """One step of a rank's list. A tuple, not a dataclass: the simulator looks actions up in a
+    dict hundreds of thousands of times per planned layout, and a tuple hashes in C."""
+
     kind: str  # F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B
     stage: int
     mb: int
@@ -265,12 +268,15 @@ def simulate(lists: list[list[Action]], cost: Cost = unit_cost, latency: float =
     split = any(a.kind == "I" for acts in lists for a in acts)
     hop = 0.0 if blocking_sends else latency  # a blocking send has already spent it
     remaining = sum(len(acts) for acts in lists)
+    deps_of: dict[Action, list[Action]] = {}
     while remaining:
         progressed = False
         for r in range(pp):
             while pos[r] < len(lists[r]):
                 a = lists[r][pos[r]]
-                deps = _deps(a, n_stages, split)
+                deps = deps_of.get(a)
+                if deps is None:  # a blocked action is looked at again on every pass
+                    deps = deps_of[a] = _deps(a, n_stages, split)
                 if not all(d in done for d in deps):
                     break
                 start = max([free[r]] + [done[d] + (hop if d.kind.startswith("SEND")

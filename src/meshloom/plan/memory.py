@@ -26,7 +26,7 @@ from functools import lru_cache
 
 from meshloom.parallel.pipeline_schedule import compute_lists
 from meshloom.plan import PlanError
-from meshloom.plan.formulas import FP32, MIXED, model_state_bytes
+from meshloom.plan.formulas import FP32, MIXED, Precision, model_state_bytes
 from meshloom.plan.implementation import MESHLOOM, OPTIMIZER_STATES, Implementation, keeps_grads
 from meshloom.plan.layout import Layout
 from meshloom.plan.models import ModelShape
@@ -50,6 +50,19 @@ DDP_BUCKET_BYTES = 25 * 2**20  # meshloom's default parallel.ddp_bucket_mb; two 
 
 def precision(dtype: str):
     return MIXED if dtype == "bf16" else FP32
+
+
+@lru_cache(maxsize=64)
+def _state_precision(dtype: str, fp32_masters: bool, optimizer_state: str) -> Precision:
+    """Bytes per parameter of the model states. `fp32_masters`: meshloom's unsharded layouts,
+    whose parameters are the fp32 masters (autocast computes)."""
+    prec = precision(dtype)
+    if fp32_masters:
+        return FP32
+    if prec.master_bytes:
+        master, moments = OPTIMIZER_STATES[optimizer_state]
+        return replace(prec, master_bytes=master, optim_bytes=moments)
+    return prec
 
 
 def act_elem_bytes(dtype: str) -> int:
@@ -544,12 +557,7 @@ def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
         # meshloom's blocks always call SDPA: a plan with eager attention is another stack's,
         # counted Korthikanti's way throughout (block, loss, final norm, no autocast copies).
         impl = replace(impl, meshloom_block=False)
-    prec = precision(dtype)
-    if impl.meshloom_block and lay.zero == 0:
-        prec = FP32  # unsharded, meshloom's parameters are the fp32 masters (autocast computes)
-    elif prec.master_bytes:
-        master, moments = OPTIMIZER_STATES[impl.optimizer_state]
-        prec = replace(prec, master_bytes=master, optim_bytes=moments)
+    prec = _state_precision(dtype, impl.meshloom_block and lay.zero == 0, impl.optimizer_state)
     s, b, m = seq // lay.cp, lay.micro_batch, lay.microbatches(global_batch)
     if stages is None:
         stages = stage_layers(shape, lay.pp, lay.v, seq, impl.pp_split)

@@ -43,7 +43,8 @@ from __future__ import annotations
 
 import difflib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,26 @@ class ModelShape:
     # attention scores instead (ALiBi: ``rotary`` false; BLOOM). None: RoPE exactly when there
     # is no position table (llama: always).
     rotary: bool | None = None
+
+    # Shapes key the planner's caches (stage splits, layer costs) hundreds of thousands of times
+    # in one search: the field tuple is built once, and a shape is equal to itself at once.
+    def __eq__(self, other: object) -> bool:
+        if other is self:
+            return True
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self._fields == other._fields
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    @cached_property
+    def _fields(self) -> tuple:
+        return astuple(self)
+
+    @cached_property
+    def _hash(self) -> int:
+        return hash(self._fields)
 
     def __post_init__(self) -> None:
         # Checked here so that every way of building a shape (preset, HF file, flags) is covered.
@@ -186,23 +207,23 @@ class ModelShape:
             raise PlanError(f"model {self.name!r}: moe_imbalance={self.moe_imbalance!r} must be "
                             "a number >= 1 (the busiest expert rank's load over the mean)")
 
-    @property
+    @cached_property
     def has_dropout(self) -> bool:
         return self.arch == "gpt" if self.dropout is None else self.dropout
 
-    @property
+    @cached_property
     def is_moe(self) -> bool:
         return self.n_experts > 0
 
-    @property
+    @cached_property
     def has_rope(self) -> bool:
         return not self.positions if self.rotary is None else self.rotary
 
-    @property
+    @cached_property
     def has_linear_bias(self) -> bool:
         return self.arch == "gpt" if self.linear_bias is None else self.linear_bias
 
-    @property
+    @cached_property
     def is_gpt2_block(self) -> bool:
         """A gpt shape meshloom's GPT-2 (models/gpt2.py) builds: every head with its own k and
         v of width hidden / heads, biased linears, a learned position table, full attention."""
@@ -210,13 +231,13 @@ class ModelShape:
             and self.positions > 0 and self.explicit_head_dim is None \
             and self.sliding_window is None
 
-    @property
+    @cached_property
     def expert_layer_params(self) -> int:
         """The routed experts' weights of one block (all of them; expert parallel splits these
         over ep). 0 for a dense block."""
         return 3 * self.hidden * self.moe_hidden * self.n_experts
 
-    @property
+    @cached_property
     def moe_dense_ffn_params(self) -> int:
         """An MoE block's feed-forward weights other than the routed experts: the router, the
         shared expert and its gate (every token uses them)."""
@@ -225,33 +246,33 @@ class ModelShape:
         h = self.hidden
         return h * self.n_experts + 3 * h * self.shared_hidden + (h if self.shared_gate else 0)
 
-    @property
+    @cached_property
     def attention_matmul_params(self) -> int:
         return 2 * self.hidden * self.q_dim + 2 * self.hidden * self.kv_dim
 
-    @property
+    @cached_property
     def tp_split_params(self) -> int:
         """The block's weights tensor parallel splits over tp: all matrices of a dense block;
         of an MoE block only attention's (the router, shared expert and experts stay whole on
         each tp rank in meshloom's first expert-parallel version)."""
         return self.attention_matmul_params if self.is_moe else self.layer_matmul_params
 
-    @property
+    @cached_property
     def head_dim(self) -> int:
         return self.hidden // self.heads if self.explicit_head_dim is None else \
             self.explicit_head_dim
 
-    @property
+    @cached_property
     def q_dim(self) -> int:
         """Width of q and of the attention output (hidden unless the head width is its own)."""
         return self.heads * self.head_dim
 
-    @property
+    @cached_property
     def kv_dim(self) -> int:
         """Width of the k and v projections (smaller than hidden under grouped-query attention)."""
         return self.kv_heads * self.head_dim
 
-    @property
+    @cached_property
     def layer_matmul_params(self) -> int:
         """Weight-matrix entries of one block (q, k, v, o and the MLP): what FLOPs scale with.
         With experts: the router, the shared expert and top_k routed experts (the active ones)."""
@@ -263,7 +284,7 @@ class ModelShape:
                     + 3 * h * self.moe_hidden * self.top_k)
         return 2 * h * self.q_dim + 2 * h * self.kv_dim + 3 * h * f
 
-    @property
+    @cached_property
     def layer_params(self) -> int:
         """Every parameter of one block, norms and biases included: what memory scales with."""
         h, f = self.hidden, self.ffn_hidden
@@ -281,27 +302,27 @@ class ModelShape:
             n += 2 * self.head_dim
         return n
 
-    @property
+    @cached_property
     def embedding_params(self) -> int:
         """Token table plus learned position table."""
         return (self.vocab + self.positions) * self.hidden
 
-    @property
+    @cached_property
     def head_params(self) -> int:
         """Output-head weights held separately; a tied head is the token table, counted there."""
         return 0 if self.tied else self.vocab * self.hidden
 
-    @property
+    @cached_property
     def final_norm_params(self) -> int:
         return 2 * self.hidden if self.arch == "gpt" else self.hidden
 
-    @property
+    @cached_property
     def params(self) -> int:
         """Total parameter count (a tied head counted once), as ``model.num_parameters()``."""
         return (self.layers * self.layer_params + self.embedding_params + self.head_params
                 + self.final_norm_params)
 
-    @property
+    @cached_property
     def active_params(self) -> int:
         """Parameters one token's forward uses: ``params`` with top_k routed experts per block
         instead of all of them (``LlamaConfig.active_params``)."""

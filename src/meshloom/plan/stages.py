@@ -64,6 +64,7 @@ def stage_layers(shape: ModelShape, pp: int, v: int, seq: int, split: str = "bal
     return tuple(hi - lo for lo, hi in split_layers(shape.layers, n, costs, head))
 
 
+@lru_cache(maxsize=4096)
 def rank_layers(stages: tuple[int, ...], pp: int) -> tuple[int, ...]:
     """Blocks held by each pipeline rank: the sum over its chunks."""
     return tuple(sum(stages[r::pp]) for r in range(pp))
