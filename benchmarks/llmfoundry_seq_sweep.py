@@ -1,0 +1,111 @@
+"""Where llm-foundry's H100 rows part from the planner: the same MPT models across sequence
+length, on the H100 and on the A100 (one benchmark table, one software stack), predicted as
+the validation predicts them (docs/plan.md, "Known gaps"). No hardware needed:
+
+    python benchmarks/llmfoundry_seq_sweep.py
+
+For each published row: the planner's error and, if attention alone were to explain it (the
+rest of the step priced as it is), how much slower attention would have to run, as a
+FlashAttention-convention rate. A gap that attention explains shrinks with the sequence
+length as attention's share does; one that stays at short sequences lies elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from meshloom.plan.hardware import make_cluster
+from meshloom.plan.models import from_dims
+from meshloom.plan.search import search
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _launch import parser, provenance, write_result  # noqa: E402
+from planner_validation import RUNS, trainer_impl  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_OUT = HERE / "results" / "planner" / "llmfoundry_seq_sweep.json"
+SOURCE = "llmfoundry-bench"  # benchmarks/published/runs.json: README.md@061f2c7, both tables
+# Rows of llm-foundry's H100 and A100 80 GB tables, quoted as published (columns named there).
+TABLE = HERE / "published" / "llmfoundry_seq_sweep.txt"
+GPUS = {"h100_80gb": "h100", "a100_80gb": "a100-80g"}
+
+
+def quoted_rows(path: Path = TABLE) -> list[str]:
+    return [line for line in path.read_text().splitlines() if line.startswith("|")]
+
+
+def parse(line: str) -> dict:
+    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    return {"model": f"mpt-{cells[0]}", "seq": int(cells[1]), "gpus": int(cells[2]),
+            "gpu": GPUS[cells[3]], "micro_batch": int(cells[7]), "grad_accum": int(cells[8]),
+            "tokens_per_s_per_gpu": float(cells[12]), "recompute": cells[17] == "True",
+            "params": int(cells[19]), "quote": line.strip()}
+
+
+def _model(name: str) -> dict:
+    """The model's dimensions as runs.json records them for the validation rows."""
+    runs = json.loads(RUNS.read_text())["runs"]
+    return next(r["model"] for r in runs if r["model"]["name"] == name)
+
+
+def predict(row: dict) -> dict:
+    m = _model(row["model"])
+    seq = row["seq"]
+    shape = from_dims(m["arch"], m["hidden"], m["layers"], m["heads"], m["vocab"],
+                      kv_heads=m.get("kv_heads"), ffn_hidden=m.get("ffn_hidden"),
+                      name=m["name"], tied=m.get("tied_embeddings"), positions=seq,
+                      dropout=m.get("dropout"), linear_bias=m.get("linear_bias"))
+    if shape.params != row["params"]:  # the table's own count checks the dimensions
+        raise SystemExit(f"{row['model']} at {seq}: {shape.params} parameters, the table "
+                         f"says {row['params']}")
+    impl = trainer_impl("llm-foundry")
+    if row["gpu"] != "a100-80g":  # the Triton kernel's rate is published for the A100 only
+        impl["attention_kernel"] = "fa2"
+    fixed = {"tp": 1, "pp": 1, "cp": 1, "dp": row["gpus"], "zero": 3, "sp": False,
+             "recompute": "full" if row["recompute"] else "none",
+             "micro_batch": row["micro_batch"], **impl}
+    batch = row["micro_batch"] * row["grad_accum"] * row["gpus"]
+    best = search(shape, make_cluster(row["gpu"], row["gpus"]), seq, batch, fixed, top=1)[0]
+    step = best.timing.step_time_s
+    attention = best.timing.detail["compute_s"]["attention"]
+    published_step = step * best.tokens_per_s_per_gpu / row["tokens_per_s_per_gpu"]
+    # Attention FLOPs as FlashAttention counts them (causal: half of 4·s²·d per head),
+    # forward, the recompute's forward, and a backward of 2.5 forwards.
+    passes = 1 + (1 if row["recompute"] else 0) + 2.5
+    flops = (batch / row["gpus"]) * m["layers"] * 2 * seq * seq * m["hidden"] * passes
+    needed = published_step - (step - attention)
+    return {**{k: row[k] for k in ("model", "gpu", "seq", "micro_batch", "grad_accum",
+                                   "recompute", "tokens_per_s_per_gpu")},
+            "predicted_tokens_per_s_per_gpu": round(best.tokens_per_s_per_gpu, 1),
+            "error": round(best.tokens_per_s_per_gpu / row["tokens_per_s_per_gpu"] - 1, 4),
+            "attention_share": round(attention / step, 4),
+            "attention_tflops_planned": round(flops / attention / 1e12, 1),
+            "attention_tflops_to_close": round(flops / needed / 1e12, 1) if needed > 0 else None,
+            "attention_kernel": impl.get("attention_kernel", "fa2"), "quote": row["quote"]}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = parser(__doc__)
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = p.parse_args(argv)
+    rows = [predict(parse(line)) for line in quoted_rows()]
+    rows.sort(key=lambda r: (r["gpu"], r["model"], r["seq"]))
+    result = {"source": SOURCE, "rows": rows,
+              "note": "H100 rows priced with FlashAttention-2's rate (no published H100 rate of "
+                      "the 2023 Triton kernel); A100 rows with the Triton kernel's published "
+                      "A100 rate, as in validation.json",
+              "config": provenance()}
+
+    def show(r: dict) -> None:
+        for row in r["rows"]:
+            print(f"{row['gpu']:<9} {row['model']:<7} seq {row['seq']:>6}  error "
+                  f"{row['error']:+7.1%}  attention {row['attention_share']:5.1%} of the step, "
+                  f"{row['attention_tflops_planned']:6.1f} TF/s planned, "
+                  f"{row['attention_tflops_to_close']} to close the gap")
+    return write_result(result, args.out, show)
+
+
+if __name__ == "__main__":
+    main()
