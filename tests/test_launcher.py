@@ -206,3 +206,23 @@ def test_meshloom_train_expert_parallel(tmp_path, token_cache):
         assert [sum(layer) for layer in r["moe"]["expert_load"]] == [16 * 64 * 2] * 4
         assert r["moe"]["tokens_dropped"] == 0 and r["moe"]["aux_loss"] > 0
         assert r["comm_bytes"]["ep"] > 0
+
+
+def test_fork_server_preloads_start_no_thread_or_process():
+    """run_ranks forks every rank from a server that imported FORKSERVER_PRELOAD: a module that
+    started a thread or a child there would fork a process with a lock held or a helper
+    missing. Importing them must leave the threads `import torch` leaves, and no child."""
+    code = (
+        "import os, importlib, torch\n"
+        "from meshloom.launch import FORKSERVER_PRELOAD\n"
+        "def threads(): return len(os.listdir('/proc/self/task'))\n"
+        "base = threads()\n"
+        "for name in FORKSERVER_PRELOAD: importlib.import_module(name)\n"
+        "me = str(os.getpid())\n"
+        "kids = [p for p in os.listdir('/proc') if p.isdigit()\n"
+        "        and open(f'/proc/{p}/stat').read().split(')')[-1].split()[1] == me]\n"
+        "print(base, threads(), len(kids))\n")
+    done = _run([sys.executable, "-c", code], cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    base, after, kids = map(int, done.stdout.split())
+    assert after == base and kids == 0, done.stdout

@@ -666,3 +666,25 @@ def test_a_hidden_collective_still_slows_the_compute_it_runs_beside():
     assert _exposed(1.0, 3.0) == pytest.approx(OVERLAP_SLOWDOWN)
     assert _exposed(3.0, 1.0) == pytest.approx(2.0 + OVERLAP_SLOWDOWN)
     assert OVERLAP_SLOWDOWN == 0.189  # Lee et al. (arXiv 2507.03114), the published average
+
+
+def test_kv_copied_to_every_head_is_what_the_attention_saves():
+    """Counted Korthikanti's way (another trainer's block), a trainer that copies K and V out
+    to every query head before the attention (torchtitan's repeat_kv, `expand_kv`) has the
+    attention save the copies: 2 q_dim per token where native grouped-query attention saves
+    2 kv_dim. A full-width model (kv = q) is the same either way."""
+    from meshloom.plan.memory import layer_activation_bytes
+    shape = PRESETS["llama3-8b"]
+    q, kv = shape.q_dim, shape.kv_dim
+    assert kv < q
+    lay = Layout(tp=2, micro_batch=2, recompute="none")
+    other = replace(MESHLOOM, meshloom_block=False)
+    s, b = 4096, 2
+
+    def saved(model, expand):
+        return layer_activation_bytes(model, s, b, lay, "bf16", impl=replace(other,
+                                                                             expand_kv=expand))
+
+    assert saved(shape, True) - saved(shape, False) == s * b * 2 * (q - kv) * 2 / lay.tp
+    mha = replace(shape, kv_heads=shape.heads)
+    assert saved(mha, True) == saved(mha, False)

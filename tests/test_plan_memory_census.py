@@ -492,7 +492,7 @@ def test_compiled_expert_parallel_block_saves_what_the_planner_counts(name, prec
 
 def test_census_for_meshloom_dense_bf16_blocks_only():
     lay, zero = Layout(micro_batch=1), Layout(micro_batch=1, zero=1, dp=2)
-    ideal = Implementation(meshloom_block=False)
+    ideal = Implementation(meshloom_block=False, expand_kv=False)  # Korthikanti's block
     for shape in (PRESETS["llama3-1b"], PRESETS["gpt2-large"]):
         for layout in (lay, zero):
             census = layer_activation_bytes(shape, 2048, 1, layout, "bf16",
@@ -520,10 +520,15 @@ def test_census_for_meshloom_dense_bf16_blocks_only():
         got = layer_activation_bytes(moe, 2048, 1, layout, "bf16", impl=impl)
         assert (got == meshloom_block_bytes(moe, 2048, 1, layout, "none", impl.compile)) \
             == census
-    # fp32 runs without autocast: not the census.
-    assert layer_activation_bytes(PRESETS["llama3-1b"], 2048, 1, lay, "fp32",
-                                  impl=Implementation()) \
-        == layer_activation_bytes(PRESETS["llama3-1b"], 2048, 1, lay, "fp32")
+    # fp32 runs without autocast: not the census but the per-tensor count, in which the K and
+    # V meshloom's block copies out to every query head (expand_kv) are saved at q's width.
+    llama = PRESETS["llama3-1b"]
+    native = Implementation(expand_kv=False)
+    assert layer_activation_bytes(llama, 2048, 1, lay, "fp32", impl=native) \
+        == layer_activation_bytes(llama, 2048, 1, lay, "fp32")
+    assert layer_activation_bytes(llama, 2048, 1, lay, "fp32", impl=Implementation()) \
+        == layer_activation_bytes(llama, 2048, 1, lay, "fp32", impl=native) \
+        + 2048 * 2 * (llama.q_dim - llama.kv_dim) * 4
 
 
 def test_compiled_keeps_less_than_eager_and_recompute_less_again():

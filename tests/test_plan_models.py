@@ -363,7 +363,7 @@ def test_nemotron_head_dim_of_its_own_matches_transformers(tmp_path):
     assert (gemms["qkv"].n, gemms["proj"].k) == (96 + 2 * 32, 96)
     # Q and the attention output are 96 wide, not 64: 2 x 32 more values per token, 2 bytes.
     tiling = replace(shape, explicit_head_dim=None, heads=4)  # q 64, k and v 32 as before
-    lay, eager = Layout(), Implementation(meshloom_block=False)
+    lay, eager = Layout(), Implementation(meshloom_block=False, expand_kv=False)
     wide = layer_activation_bytes(shape, 16, 1, lay, "bf16", impl=eager)
     narrow = layer_activation_bytes(tiling, 16, 1, lay, "bf16", impl=eager)
     assert wide - narrow == 16 * 2 * (96 - 64) * 2 + 16 * 4 * (6 - 4)  # and an lse per head

@@ -125,10 +125,14 @@ def test_moe_activations_per_token_by_hand():
     moe = 40 + 1.25 * 2 * (2 * 64 + 4 * 64) * 2
     assert layer_activation_bytes(TINY, 64, 1, lay, "bf16") == 64 * (512 + 384 + 16 + moe)
     # ... and the block passes a trainer's fused SwiGLU on to its experts: 64 routed values
-    # less per copy.
-    fused = Implementation(meshloom_block=False, fused_swiglu=True)
+    # less per copy (a trainer whose attention takes the shared K/V heads as they are).
+    fused = Implementation(meshloom_block=False, fused_swiglu=True, expand_kv=False)
     assert layer_activation_bytes(TINY, 64, 1, lay, "bf16", impl=fused) == \
         64 * (512 + 384 + 16 + moe - 1.25 * 2 * 64 * 2)
+    # One that copies K and V out to every query head saves the copies: 2 * (64 - 32) more.
+    copied = replace(fused, expand_kv=True)
+    assert layer_activation_bytes(TINY, 64, 1, lay, "bf16", impl=copied) == \
+        layer_activation_bytes(TINY, 64, 1, lay, "bf16", impl=fused) + 64 * 2 * (64 - 32) * 2
 
 
 H100 = make_cluster("h100", 8)

@@ -360,10 +360,11 @@ def layer_activation_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype
     sequence, i.e. seq / cp). Terms, in units of sb x element size:
     - whole on every TP rank (split by SP): the two norm inputs and the two matmul-block inputs
       (4h), plus for GPT two 1-byte dropout masks (Korthikanti's 10 = 8 + 2);
-    - split over tp: Q, O (2 q_dim, hidden unless the head width is its own), K, V (2 kv_dim),
-      and the MLP's tensors: GeLU keeps its input and
-      output (2F), SwiGLU keeps gate, up, silu(gate) and their product (4F; 3F fused,
-      `impl.fused_swiglu`);
+    - split over tp: Q, O (2 q_dim, hidden unless the head width is its own), K, V (2 kv_dim;
+      2 q_dim when the trainer copies them out to every query head before the attention,
+      `impl.expand_kv`, which then saves the copies), and the MLP's tensors: GeLU keeps its
+      input and output (2F), SwiGLU keeps gate, up, silu(gate) and their product (4F; 3F
+      fused, `impl.fused_swiglu`);
     - the attention core: GPT eager keeps softmax, dropout mask and output (5as, Korthikanti);
       Llama eager keeps the softmax (a s); FlashAttention keeps only the log-sum-exp (fp32).
     With 2-byte elements and GPT's shape this is Korthikanti's sbh(34 + 5as/h) at t = 1.
@@ -387,12 +388,13 @@ def layer_activation_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype
         mlp_tensors = 2
     else:
         mlp_tensors = 3 if impl is not None and impl.fused_swiglu else 4
+    kv = shape.q_dim if impl is not None and impl.expand_kv else shape.kv_dim
     if shape.is_moe:  # the feed-forward is not split over tp (plan/moe.py)
-        split = (2 * shape.q_dim + 2 * shape.kv_dim) * e
+        split = (2 * shape.q_dim + 2 * kv) * e
         moe = ffn_tokens(lay, sb) * activation_bytes_per_token(
             shape, lay, e, rec, fused_swiglu=impl is not None and impl.fused_swiglu)
     else:
-        split = (2 * shape.q_dim + 2 * shape.kv_dim + mlp_tensors * f) * e
+        split = (2 * shape.q_dim + 2 * kv + mlp_tensors * f) * e
         moe = 0.0
     if rec == "selective":
         core = 0.0  # recomputed in backward
