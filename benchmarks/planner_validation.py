@@ -243,11 +243,17 @@ def published_rows(path: Path = RUNS) -> list[dict]:
 
 def _published_row(run: dict, shape, fixed: dict, extra: dict) -> dict:
     variant = f"-{run['variant']}" if run.get("variant") else ""
-    return _row(f"published-{run['gpu']}{variant}", run["id"], run["gpu"], run["gpus"], shape,
-                run["seq"], run["global_batch"], fixed, run["published"]["tokens_per_s_per_gpu"],
-                flash=run.get("attention", "flash") == "flash",
-                gpus_per_node=run.get("gpus_per_node", 8), extra=extra,
-                memory_gb=run.get("gpu_memory_gb"))
+    row = _row(f"published-{run['gpu']}{variant}", run["id"], run["gpu"], run["gpus"], shape,
+               run["seq"], run["global_batch"], fixed, run["published"]["tokens_per_s_per_gpu"],
+               flash=run.get("attention", "flash") == "flash",
+               gpus_per_node=run.get("gpus_per_node", 8), extra=extra,
+               memory_gb=run.get("gpu_memory_gb"))
+    reserved = run["published"].get("peak_memory_gib_reserved")
+    if reserved:  # the caching allocator's peak reservation: allocated bytes and its free blocks
+        row["published_reserved_gb"] = round(reserved * 2**30 / 1e9, 2)
+        row["memory_error_reserved"] = round(row["allocated_gb"] / row["published_reserved_gb"]
+                                             - 1, 4)
+    return row
 
 
 def summarise(rows: list[dict]) -> dict:
@@ -317,6 +323,12 @@ def render(result: dict) -> str:
               "| run | layout | measured GB | predicted GB | error |", "|---|---|---|---|---|"]
     lines += [f"| {r['id']} | {r['layout']} | {r['measured_peak_gb']:.2f} | "
               f"{r['allocated_gb']:.2f} | {r['memory_error']:+.1%} |" for r in mem]
+    reserved = [r for r in result["rows"] if "memory_error_reserved" in r]
+    lines += ["", "Published peaks, the allocator's peak reservation (`max_reserved`, which "
+              "holds its free blocks too) against the planner's allocated bytes:", "",
+              "| run | layout | published GB | predicted GB | error |", "|---|---|---|---|---|"]
+    lines += [f"| {r['id']} | {r['layout']} | {r['published_reserved_gb']:.2f} | "
+              f"{r['allocated_gb']:.2f} | {r['memory_error_reserved']:+.1%} |" for r in reserved]
     lines += ["", END]
     return "\n".join(lines)
 
