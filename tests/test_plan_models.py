@@ -421,3 +421,23 @@ def test_shape_is_frozen():
     assert isinstance(shape, ModelShape)
     with pytest.raises(AttributeError):
         shape.hidden = 1  # type: ignore[misc]
+
+
+def test_a_shape_sent_to_another_process_is_the_same_key_there():
+    """A shape hashes and compares by its fields (it keys the planner's caches). Pickled into a
+    process whose string hashes differ, it must equal, and hash like, the same shape built
+    there: nothing of the sending process's hashing may travel with it."""
+    import os
+    import pickle
+    import subprocess
+    import sys
+    shape = PRESETS["llama3-8b"]
+    assert hash(shape) == hash(replace(shape)) and shape == replace(shape) and shape.params
+    code = ("import pickle, sys\nfrom meshloom.plan.models import PRESETS\n"
+            "got = pickle.loads(sys.stdin.buffer.read())\nhere = PRESETS['llama3-8b']\n"
+            "print(got == here, hash(got) == hash(here), {here: 1}.get(got))\n")
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    done = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(shape),
+                          capture_output=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert done.stdout.decode().split() == ["True", "True", "1"]

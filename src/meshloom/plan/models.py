@@ -103,7 +103,9 @@ class ModelShape:
     rotary: bool | None = None
 
     # Shapes key the planner's caches (stage splits, layer costs) hundreds of thousands of times
-    # in one search: the field tuple is built once, and a shape is equal to itself at once.
+    # in one search: the field tuple is built once, and a shape is equal to itself at once. The
+    # hash itself is not kept: string hashes differ between processes, and a pickled shape would
+    # carry its maker's.
     def __eq__(self, other: object) -> bool:
         if other is self:
             return True
@@ -112,15 +114,11 @@ class ModelShape:
         return self._fields == other._fields
 
     def __hash__(self) -> int:
-        return self._hash
+        return hash(self._fields)
 
     @cached_property
     def _fields(self) -> tuple:
         return astuple(self)
-
-    @cached_property
-    def _hash(self) -> int:
-        return hash(self._fields)
 
     def __post_init__(self) -> None:
         # Checked here so that every way of building a shape (preset, HF file, flags) is covered.
