@@ -17,12 +17,11 @@ import sys
 from pathlib import Path
 
 from meshloom.plan.hardware import make_cluster
-from meshloom.plan.models import from_dims
 from meshloom.plan.search import search
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import parser, provenance, write_result  # noqa: E402
-from planner_validation import RUNS, trainer_impl  # noqa: E402
+from planner_validation import RUNS, run_fixed, run_shape  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results" / "planner" / "llmfoundry_seq_sweep.json"
@@ -44,37 +43,38 @@ def parse(line: str) -> dict:
             "params": int(cells[19]), "quote": line.strip()}
 
 
-def _model(name: str) -> dict:
-    """The model's dimensions as runs.json records them for the validation rows."""
+def as_run(row: dict) -> dict:
+    """The row as a runs.json run: the validation's run of the same model on the same GPU
+    (its dimensions, trainer and implementation) at this row's length and batch."""
     runs = json.loads(RUNS.read_text())["runs"]
-    return next(r["model"] for r in runs if r["model"]["name"] == name)
+    base = next(r for r in runs if r["model"]["name"] == row["model"]
+                and r["gpu"] == row["gpu"] and r["trainer"] == "llm-foundry")
+    return {**base, "seq": row["seq"], "gpus": row["gpus"],
+            "micro_batch": row["micro_batch"],
+            "global_batch": row["micro_batch"] * row["grad_accum"] * row["gpus"],
+            "model": {**base["model"], "positions": row["seq"]},  # learned, max_seq_len rows
+            "layout": {**base["layout"], "dp": row["gpus"],
+                       "recompute": "full" if row["recompute"] else "none"}}
 
 
 def predict(row: dict) -> dict:
-    m = _model(row["model"])
-    seq = row["seq"]
-    shape = from_dims(m["arch"], m["hidden"], m["layers"], m["heads"], m["vocab"],
-                      kv_heads=m.get("kv_heads"), ffn_hidden=m.get("ffn_hidden"),
-                      name=m["name"], tied=m.get("tied_embeddings"), positions=seq,
-                      dropout=m.get("dropout"), linear_bias=m.get("linear_bias"))
+    run = as_run(row)
+    shape = run_shape(run)
     if shape.params != row["params"]:  # the table's own count checks the dimensions
-        raise SystemExit(f"{row['model']} at {seq}: {shape.params} parameters, the table "
-                         f"says {row['params']}")
-    impl = trainer_impl("llm-foundry")
-    if row["gpu"] != "a100-80g":  # the Triton kernel's rate is published for the A100 only
-        impl["attention_kernel"] = "fa2"
-    fixed = {"tp": 1, "pp": 1, "cp": 1, "dp": row["gpus"], "zero": 3, "sp": False,
-             "recompute": "full" if row["recompute"] else "none",
-             "micro_batch": row["micro_batch"], **impl}
-    batch = row["micro_batch"] * row["grad_accum"] * row["gpus"]
-    best = search(shape, make_cluster(row["gpu"], row["gpus"]), seq, batch, fixed, top=1)[0]
+        raise SystemExit(f"{row['model']} at {row['seq']}: {shape.params} parameters, the "
+                         f"table says {row['params']}")
+    fixed, _ = run_fixed(run)
+    best = search(shape, make_cluster(run["gpu"], run["gpus"], run.get("gpus_per_node", 8)),
+                  run["seq"], run["global_batch"], fixed, top=1)[0]
     step = best.timing.step_time_s
     attention = best.timing.detail["compute_s"]["attention"]
     published_step = step * best.tokens_per_s_per_gpu / row["tokens_per_s_per_gpu"]
     # Attention FLOPs as FlashAttention counts them (causal: half of 4·s²·d per head),
     # forward, the recompute's forward, and a backward of 2.5 forwards.
     passes = 1 + (1 if row["recompute"] else 0) + 2.5
-    flops = (batch / row["gpus"]) * m["layers"] * 2 * seq * seq * m["hidden"] * passes
+    seq = run["seq"]
+    flops = (run["global_batch"] / run["gpus"]) * shape.layers * 2 * seq * seq * shape.hidden \
+        * passes
     needed = published_step - (step - attention)
     return {**{k: row[k] for k in ("model", "gpu", "seq", "micro_batch", "grad_accum",
                                    "recompute", "tokens_per_s_per_gpu")},
@@ -83,7 +83,7 @@ def predict(row: dict) -> dict:
             "attention_share": round(attention / step, 4),
             "attention_tflops_planned": round(flops / attention / 1e12, 1),
             "attention_tflops_to_close": round(flops / needed / 1e12, 1) if needed > 0 else None,
-            "attention_kernel": impl.get("attention_kernel", "fa2"), "quote": row["quote"]}
+            "attention_kernel": fixed.get("attention_kernel", "fa2"), "quote": row["quote"]}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -195,39 +195,52 @@ def megatron_rows() -> list[dict]:
     return rows
 
 
+def run_shape(run: dict):
+    """A published run's model as runs.json records it."""
+    m = run["model"]
+    return from_dims(m["arch"], m["hidden"], m["layers"], m["heads"], m["vocab"],
+                     kv_heads=m.get("kv_heads"), ffn_hidden=m.get("ffn_hidden"),
+                     name=m.get("name", run["id"]), tied=m.get("tied_embeddings"),
+                     positions=m.get("positions", 0 if m["arch"] == "llama" else None),
+                     dropout=m.get("dropout"),
+                     linear_bias=m.get("linear_bias") if m["arch"] == "gpt" else None,
+                     rotary=m.get("rotary"))
+
+
+def run_fixed(run: dict) -> tuple[dict, dict]:
+    """A published run's layout and implementation keys for the search, and `unpriced` when
+    its attention kernel has no published rate on its GPU (then priced as FlashAttention-2)."""
+    lay = run["layout"]
+    fixed = {k: lay[k] for k in ("tp", "pp", "cp", "dp", "zero", "dp_replicate",
+                                 "recompute", "sp", "v") if lay.get(k) is not None}
+    if lay.get("schedule"):
+        fixed["schedule"] = lay["schedule"]
+    fixed["micro_batch"] = run["micro_batch"]
+    impl = trainer_impl(run["trainer"])
+    impl.update(run.get("implementation") or {})
+    unpriced = {}
+    table = kernel_table.for_gpu(run["gpu"])
+    kernel = impl.get("attention_kernel", "fa2")
+    if kernel != "fa2" and not (table and table.other_attention.get(kernel)):
+        impl["attention_kernel"] = "fa2"
+        unpriced["unpriced"] = (f"attention_kernel={kernel}: no published rate for "
+                                f"{run['gpu']}, priced as FlashAttention-2")
+    # A row's `compile` says whether torch.compile was on. On, it fuses what the trainer
+    # left unfused; off, the trainer's own kernels stand (hand-fused ones included).
+    if run.get("compile"):
+        impl["compile"] = True
+    fixed.update(impl)
+    return fixed, unpriced
+
+
 def published_rows(path: Path = RUNS) -> list[dict]:
     if not path.exists():
         return []
     data = json.loads(path.read_text())
     rows = []
     for run in data["runs"]:
-        m, lay = run["model"], run["layout"]
-        shape = from_dims(m["arch"], m["hidden"], m["layers"], m["heads"], m["vocab"],
-                          kv_heads=m.get("kv_heads"), ffn_hidden=m.get("ffn_hidden"),
-                          name=m.get("name", run["id"]), tied=m.get("tied_embeddings"),
-                          positions=m.get("positions", 0 if m["arch"] == "llama" else None),
-                          dropout=m.get("dropout"),
-                          linear_bias=m.get("linear_bias") if m["arch"] == "gpt" else None,
-                          rotary=m.get("rotary"))
-        fixed = {k: lay[k] for k in ("tp", "pp", "cp", "dp", "zero", "dp_replicate",
-                                     "recompute", "sp", "v") if lay.get(k) is not None}
-        if lay.get("schedule"):
-            fixed["schedule"] = lay["schedule"]
-        fixed["micro_batch"] = run["micro_batch"]
-        impl = trainer_impl(run["trainer"])
-        impl.update(run.get("implementation") or {})
-        unpriced = {}
-        table = kernel_table.for_gpu(run["gpu"])
-        kernel = impl.get("attention_kernel", "fa2")
-        if kernel != "fa2" and not (table and table.other_attention.get(kernel)):
-            impl["attention_kernel"] = "fa2"
-            unpriced["unpriced"] = (f"attention_kernel={kernel}: no published rate for "
-                                    f"{run['gpu']}, priced as FlashAttention-2")
-        # A row's `compile` says whether torch.compile was on. On, it fuses what the trainer
-        # left unfused; off, the trainer's own kernels stand (hand-fused ones included).
-        if run.get("compile"):
-            impl["compile"] = True
-        fixed.update(impl)
+        shape = run_shape(run)
+        fixed, unpriced = run_fixed(run)
         row = _published_row(run, shape, fixed, {"trainer": run["trainer"],
                                                  "source": run["source"], **unpriced})
         if fixed.get("attention_kernel", "fa2") != "fa2":  # what FlashAttention-2 would give
