@@ -90,6 +90,53 @@ def test_what_each_mode_recomputes():
     assert sel["rsqrt"] > none["rsqrt"]  # the norms are recomputed
 
 
+def _gpt2_dropout_modes() -> list[Counter]:
+    """`_backward_ops` of a tiny GPT-2 with attention dropout, which CPU's SDPA runs on its math
+    path: the scores and the weighted values are batched matmuls, not a fused kernel."""
+    from meshloom.models.gpt2 import PRESETS, GPT2Config, build_model
+
+    cfg = GPT2Config(**{**PRESETS["gpt2-tiny"], "dropout": 0.1})
+    tokens = torch.randint(0, cfg.vocab_size, (2, 32))
+    return [_backward_ops(m, build_model(cfg, seed=0).train(), tokens)
+            for m in ("none", "selective", "full")]
+
+
+def test_selective_reruns_a_math_path_attention_core():
+    """Where SDPA falls back to its math path, selective reruns its two batched matmuls with the
+    softmax and dropout, as it reruns a fused kernel, instead of keeping the scores (quadratic in
+    the sequence; test_plan_memory_census.py checks the bytes); the projections are still kept."""
+    none, sel, full = run_ranks(_gpt2_dropout_modes, 1)[0]
+    from meshloom.models.gpt2 import PRESETS
+    layers = PRESETS["gpt2-tiny"]["n_layers"]
+    assert none["bmm"] > 0 and none["_scaled_dot_product_flash_attention_for_cpu"] == 0
+    assert sel["bmm"] == full["bmm"] == none["bmm"] + 2 * layers  # scores and weighted values
+    assert sel["addmm"] == none["addmm"] and full["addmm"] > none["addmm"]
+
+
+def _gpt2_dropout_grads() -> list[dict]:
+    """Each mode's gradients after one forward and backward of the dropout GPT-2 from the same
+    seed: the rerun draws the forward's masks again (the checkpoint restores the RNG state)."""
+    from meshloom.models.gpt2 import PRESETS, GPT2Config, build_model
+
+    cfg = GPT2Config(**{**PRESETS["gpt2-tiny"], "dropout": 0.1})
+    tokens = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for mode in ("none", "selective", "full"):
+        model = build_model(cfg, seed=0).train()
+        apply_block_options(model, mode)
+        torch.manual_seed(0)
+        model(tokens).float().logsumexp(-1).mean().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    return grads
+
+
+def test_recompute_draws_the_same_dropout_masks():
+    none, sel, full = run_ranks(_gpt2_dropout_grads, 1)[0]
+    for name, g in none.items():
+        assert torch.equal(sel[name], g), f"selective: {name}"
+        assert torch.equal(full[name], g), f"full: {name}"
+
+
 def _job(run_dir, cache, overrides, explicit_ring=False):
     """Rank 0's losses, and every rank's first-step gradients and gradient norms.
     `explicit_ring`: context parallel's ring multiplies blocks itself (the path of devices

@@ -234,9 +234,13 @@ def test_compiled_block_saves_what_the_planner_counts(name, precision):
 
 @pytest.mark.parametrize("precision", ["amp", "bf16"])
 @pytest.mark.parametrize("recompute", ["selective", "full"])
-@pytest.mark.parametrize("name", ["gqa", "gpt2"])
+@pytest.mark.parametrize("name", ["gqa", "gpt2", "gpt2+dropout"])
 def test_checkpointed_block_keeps_what_the_planner_counts(name, recompute, precision):
-    cfg, model = _block(CONFIGS[name], precision)
+    """`gpt2+dropout`: CPU's SDPA runs attention dropout on its math path, whose batched
+    matmuls selective reruns with the rest of the attention core (it kept their scores, growing
+    with the square of the sequence, until batched matmuls were left out of the saved ops)."""
+    overrides = CONFIGS["gpt2"] | {"dropout": 0.1} if name == "gpt2+dropout" else CONFIGS[name]
+    cfg, model = _block(overrides, precision)
     with _sac_caches() as caches:
         apply_block_options(model, recompute)  # meshloom's own checkpointing and policy
         block = model.layers[0]
@@ -658,12 +662,16 @@ def test_tensor_parallel_selective_block_keeps_what_the_planner_counts(name, sp,
         == [counted, counted]
 
 
-@pytest.mark.parametrize("name, precision", [("gqa", "amp"), ("gpt2", "bf16")])
+@pytest.mark.parametrize("name, precision", [("gqa", "amp"), ("gpt2", "bf16"),
+                                             ("gpt2+dropout", "amp")])
 def test_compiled_selective_block_keeps_what_the_planner_counts(name, precision):
     """Compiled as one graph, the checkpointed block's saves are its graph's: the policy's
-    matmul outputs but the down projection's, which the backward never reads."""
+    matmul outputs but the down projection's, which the backward never reads. With attention
+    dropout the compiled graph multiplies the scores itself (SDPA's math path); they are rerun,
+    not kept."""
     torch._dynamo.reset()
-    cfg, model = _block(CONFIGS[name], precision)
+    overrides = CONFIGS["gpt2"] | {"dropout": 0.1} if name == "gpt2+dropout" else CONFIGS[name]
+    cfg, model = _block(overrides, precision)
     apply_block_options(model, "selective", compile_blocks=True)
     block = model.layers[0]
     per_token = (_packed_bytes(model, block, 512, precision)

@@ -34,11 +34,14 @@ from meshloom.models.contract import blocks_of
 
 MODES = ("none", "full", "selective")
 
-# Outputs kept by selective recompute: the matmuls (linear layers lower to these on every
-# device; the MoE experts' grouped GEMM is one too). Everything else in a block is recomputed.
+# Outputs kept by selective recompute: the projections' matmuls (linear layers lower to these
+# on every device; the MoE experts' grouped GEMM is one too). Everything else in a block is
+# recomputed. Batched matmuls are not kept: in a block they are an attention core's own, the
+# scores and the weighted values of SDPA's math path (which it takes for attention dropout on
+# CPU, or where no fused kernel fits the inputs) or of an eager attention, quadratic in the
+# sequence and what selective recompute exists to drop.
 _SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
-              torch.ops.aten.bmm.default, torch.ops.aten.linear.default,
-              torch.ops.aten.matmul.default}
+              torch.ops.aten.linear.default, torch.ops.aten.matmul.default}
 if hasattr(torch.ops.aten, "_grouped_mm"):  # torch >= 2.8
     _SAVED_OPS.add(torch.ops.aten._grouped_mm.default)
 
