@@ -105,18 +105,14 @@ def trainer_impl(trainer: str) -> dict:
 
 def _row(set_name: str, rid: str, gpu: str, gpus: int, shape, seq: int, batch: int,
          fixed: dict, published_tps: float, flash: bool = True, gpus_per_node: int = 8,
-         extra: dict | None = None, memory_gb: float | None = None,
-         measured_fix: dict | None = None) -> dict:
-    """`measured_fix`: keys that hold only under the measured H100 table (the attention kernel
-    meshloom's runs used, which the published table has no rows for)."""
+         extra: dict | None = None, memory_gb: float | None = None) -> dict:
     cluster = make_cluster(gpu, gpus, gpus_per_node, memory_gb=memory_gb)
     best = search(shape, cluster, seq, batch, fixed, flash=flash, top=1)[0]
     got = best.tokens_per_s_per_gpu
     if gpu == "h100" and MEASURED_H100.exists():
         measured = make_cluster(gpu, gpus, gpus_per_node, memory_gb=memory_gb,
                                 kernels=str(MEASURED_H100))
-        alt = search(shape, measured, seq, batch, {**fixed, **(measured_fix or {})},
-                     flash=flash, top=1)[0]
+        alt = search(shape, measured, seq, batch, fixed, flash=flash, top=1)[0]
         extra = {**(extra or {}), "error_measured_kernels": round(
             alt.tokens_per_s_per_gpu / published_tps - 1, 4)}
     return {"set": set_name, "id": rid, "gpu": gpu, "gpus": gpus, "layout": best.layout.short(),
@@ -138,7 +134,7 @@ def _memory_error(row: dict) -> dict:
 
 
 # PyTorch 2.11's SDPA ran cuDNN's attention on the H100 (the measured table's provenance
-# names the kernels); the published table has FlashAttention-2 rows only.
+# names the kernels); both H100 tables price it (the committed one from the measured rows).
 CUDNN = {"attention_kernel": "cudnn"}
 
 
@@ -152,13 +148,12 @@ def meshloom_h100_rows() -> list[dict]:
     for key, (v, name) in sorted(variants.items()):
         # The stripped benchmark frees its gradients and does not clip.
         fixed = {"micro_batch": 8, "compile": v["compiled"],
-                 "recompute": v["activation_checkpointing"], "grad_clip": False}
+                 "recompute": v["activation_checkpointing"], "grad_clip": False, **CUDNN}
         rows.append(_memory_error(_row(
             "meshloom-h100", f"benchmark {key}", "h100", 1, shape, 2048, 8, fixed,
             8 * 2048 / v["median_step_s"],
             extra={"source": f"benchmarks/measured/h100-2026-11-22/{name}",
-                   "measured_peak_gb": round(v["max_memory_allocated"] / 1e9, 2)},
-            measured_fix=CUDNN)))
+                   "measured_peak_gb": round(v["max_memory_allocated"] / 1e9, 2)})))
     # The loop as it is since 2026-11-26 (gradients freed on one GPU, the clip in the fused
     # optimizer), measured in the same session as mfu_llama1b.json beside it.
     for name, rec in (("train_llama1b_compile.jsonl", "none"),
@@ -169,9 +164,9 @@ def meshloom_h100_rows() -> list[dict]:
         peak = max(s["peak_mem_bytes"] for s in steps)
         rows.append(_memory_error(_row(
             "meshloom-h100", f"meshloom train {name.split('_', 2)[2][:-6]}", "h100", 1, shape,
-            2048, 8, {"micro_batch": 8, "compile": True, "recompute": rec}, 8 * 2048 / median,
-            extra={"source": f"benchmarks/measured/{H100_LOOP.name}/{name}",
-                   "measured_peak_gb": round(peak / 1e9, 2)}, measured_fix=CUDNN)))
+            2048, 8, {"micro_batch": 8, "compile": True, "recompute": rec, **CUDNN},
+            8 * 2048 / median, extra={"source": f"benchmarks/measured/{H100_LOOP.name}/{name}",
+                                      "measured_peak_gb": round(peak / 1e9, 2)})))
     return rows
 
 

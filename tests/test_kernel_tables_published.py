@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 import meshloom.plan
 from meshloom.plan.hardware import GPUS
@@ -109,6 +110,12 @@ def check_table(table: object, stem: str) -> list[str]:
                 if not isinstance(source, dict):
                     problems.append(f"sources[{key}] must be an object")
                     continue
+                if source.get("kind") == "measured":  # meshloom's own, committed beside it
+                    if not _text(source.get("title")) or not _text(source.get("where")):
+                        problems.append(f"sources[{key}] lacks title or where")
+                    if not (ROOT / str(source.get("path", "")).strip()).is_file():
+                        problems.append(f"sources[{key}] path names no committed file")
+                    continue
                 for field in SOURCE_KEYS:
                     if not _text(source.get(field)):
                         problems.append(f"sources[{key}] lacks {field}")
@@ -198,11 +205,19 @@ BREAKS = {
     "published without sources": _set("sources", {}),
     "launch overhead negative": _set("launch_us", {"value": -1.0, "what": "gap", "source": "s"}),
     "required key missing": _set("attention", _DELETE),
+    "measured source naming no committed file": _set("sources.s", {
+        "kind": "measured", "title": "t", "where": "w", "path": "benchmarks/measured/none.json"}),
+    "measured source without where": _set("sources.s", {
+        "kind": "measured", "title": "t", "path": "pyproject.toml"}),
 }
 
 
 def test_checker_accepts_valid_fixture():
     assert check_table(_valid_published(), "h100") == []
+    own = _valid_published()  # a published table may cite a measurement committed here
+    own["sources"]["s"] = {"kind": "measured", "title": "t", "where": "w",
+                           "path": "benchmarks/measured/h100-2026-11-26/h100-kernels.json"}
+    assert check_table(own, "h100") == []
     measured = _valid_published()
     measured["kind"] = "measured"
     del measured["sources"]

@@ -154,8 +154,8 @@ MEASURED_H100 = Path(__file__).resolve().parents[1] / "benchmarks" / "measured" 
 
 def test_cudnn_attention_is_priced_from_a_measured_table_that_has_it():
     """The measured H100 table holds SDPA's FlashAttention-2 and cuDNN series at the same
-    points: `attention_kernel=cudnn` prices attention at their ratio, nothing else moves; the
-    committed (published) H100 table has no cuDNN rows and says so in one line."""
+    points: `attention_kernel=cudnn` prices attention at their ratio, nothing else moves; a
+    table without cuDNN rows (the A100's) says so in one line."""
     from meshloom.plan.kernel_table import padded_head_dim
 
     assert [padded_head_dim(d, "cudnn") for d in (64, 80, 100, 192)] == [64, 80, 104, 192]
@@ -171,9 +171,27 @@ def test_cudnn_attention_is_priced_from_a_measured_table_that_has_it():
     fwd = [table.attention_tflops(2048, 64, True, "fwd", k) for k in ("fa2", "cudnn")]
     assert fwd[1] > 1.5 * fwd[0]  # measured: cuDNN's kernel is far faster on an H100
     assert b["attention"] < a["attention"]
-    with pytest.raises(PlanError, match="h100: no 'cudnn' attention rows"):
-        evaluate(shape, lay, make_cluster("h100", 1), 2048, 8,
+    with pytest.raises(PlanError, match="a100-80g: no 'cudnn' attention rows"):
+        evaluate(shape, lay, make_cluster("a100-80g", 1), 2048, 8,
                  impl=Implementation(attention_kernel="cudnn"))
+
+
+def test_h100_table_attention_is_the_measured_kernels_where_nothing_was_published():
+    """The committed H100 table holds the measured file's attention rows as
+    benchmarks/h100_table_attention.py copies them, each citing it; short causal sequences are
+    priced at their own measured rate (the one published causal point is at 8192 tokens), the
+    8192 point at the mean of the two sources, and cuDNN at its measured rate."""
+    assert load_benchmark("h100_table_attention").main(["--check"]) == 0
+    published, measured = for_gpu("h100"), load(MEASURED_H100)
+    for seq in (512, 2048, 32768):
+        assert published.attention_tflops(seq, 128, True, "bwd") \
+            == measured.attention_tflops(seq, 128, True, "bwd")
+        assert published.attention_tflops(seq, 128, True, "fwd", "cudnn") \
+            == pytest.approx(measured.attention_tflops(seq, 128, True, "fwd", "cudnn"))
+    assert published.attention_tflops(512, 128, True, "bwd") < 0.4 * 287.1
+    point = published.attention_tflops(8192, 128, True, "bwd")
+    assert point == pytest.approx((287.1 + measured.attention_tflops(8192, 128, True, "bwd")) / 2)
+    assert published.kind == "published" and published.gemm != measured.gemm
 
 
 def test_the_measured_table_answers_the_validation_rows_gemms_exactly():
