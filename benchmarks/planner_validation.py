@@ -76,8 +76,12 @@ GOAL_MEAN, GOAL_MAX = 0.08, 0.20
 # TransformerEngine's attention (`num_gqa_groups`) and TinyLlama to flash-attn 2 (lit_gpt/
 # model.py: "we do not need to do this as flash attention 2 already support GQA"), so neither
 # copies them out per head (`expand_kv` off); torchtitan's Llama does (`repeat_kv`).
-# What every other trainer's loop does unlike meshloom's (implementation.py).
-OTHER_LOOP = {"meshloom_block": False, "free_unbucketed_grads": False, "clip_in_optimizer": False}
+# What every other trainer's loop does unlike meshloom's (implementation.py). Their attention
+# is FlashAttention-2's unless the trainer's entry says otherwise: torchtitan's SDPA on an H100
+# ran it before PyTorch 2.9 put cuDNN first, and which kernel TransformerEngine picked for NeMo
+# is not cited.
+OTHER_LOOP = {"meshloom_block": False, "free_unbucketed_grads": False, "clip_in_optimizer": False,
+              "attention_kernel": "fa2"}
 TRAINER_IMPL = {
     "megatron-lm": {"compile": True, "tp_overlap": True, "tp_overlap_chunks": True,
                     "dp_overlap": True, "selective_elementwise": False, "pp_split": "even",
@@ -133,13 +137,12 @@ def _memory_error(row: dict) -> dict:
     return row
 
 
-# PyTorch 2.11's SDPA ran cuDNN's attention on the H100 (the measured table's provenance
-# names the kernels); both H100 tables price it (the committed one from the measured rows).
-CUDNN = {"attention_kernel": "cudnn"}
 
 
 def meshloom_h100_rows() -> list[dict]:
-    """docs/gpu.md's 1B runs: 8 x 2048 tokens per step on one H100."""
+    """docs/gpu.md's 1B runs: 8 x 2048 tokens per step on one H100, at meshloom's defaults
+    (SDPA's attention: cuDNN's, which PyTorch 2.11 ran there, as the measured table's
+    provenance names the kernels)."""
     shape, rows = PRESETS["llama3-1b"], []
     variants = {}
     for name in ("mfu_llama1b.json", "mfu_llama1b_compiled_ac_sac.json"):
@@ -148,7 +151,7 @@ def meshloom_h100_rows() -> list[dict]:
     for key, (v, name) in sorted(variants.items()):
         # The stripped benchmark frees its gradients and does not clip.
         fixed = {"micro_batch": 8, "compile": v["compiled"],
-                 "recompute": v["activation_checkpointing"], "grad_clip": False, **CUDNN}
+                 "recompute": v["activation_checkpointing"], "grad_clip": False}
         rows.append(_memory_error(_row(
             "meshloom-h100", f"benchmark {key}", "h100", 1, shape, 2048, 8, fixed,
             8 * 2048 / v["median_step_s"],
@@ -164,7 +167,7 @@ def meshloom_h100_rows() -> list[dict]:
         peak = max(s["peak_mem_bytes"] for s in steps)
         rows.append(_memory_error(_row(
             "meshloom-h100", f"meshloom train {name.split('_', 2)[2][:-6]}", "h100", 1, shape,
-            2048, 8, {"micro_batch": 8, "compile": True, "recompute": rec, **CUDNN},
+            2048, 8, {"micro_batch": 8, "compile": True, "recompute": rec},
             8 * 2048 / median, extra={"source": f"benchmarks/measured/{H100_LOOP.name}/{name}",
                                       "measured_peak_gb": round(peak / 1e9, 2)})))
     return rows

@@ -140,7 +140,8 @@ def test_the_triton_kernel_is_an_implementation_option_where_a_table_publishes_i
     assert fa1.timing.detail["compute_s"]["attention"] == pytest.approx(
         a["attention"] * 140 / 77)
     assert parse_fix("attention_kernel=fa1") == {"attention_kernel": "fa1"}
-    with pytest.raises(PlanError, match="attention_kernel=fa3 must be one of fa2, fa1, triton"):
+    with pytest.raises(PlanError, match="attention_kernel=fa3 must be one of sdpa, fa2, fa1, "
+                       "triton, cudnn"):
         parse_fix("attention_kernel=fa3")
     assert fa2.memory.total == tri.memory.total
     with pytest.raises(PlanError, match="h100: no 'triton' attention rows .*a100-80g"):
@@ -154,8 +155,9 @@ MEASURED_H100 = Path(__file__).resolve().parents[1] / "benchmarks" / "measured" 
 
 def test_cudnn_attention_is_priced_from_a_measured_table_that_has_it():
     """The measured H100 table holds SDPA's FlashAttention-2 and cuDNN series at the same
-    points: `attention_kernel=cudnn` prices attention at their ratio, nothing else moves; a
-    table without cuDNN rows (the A100's) says so in one line."""
+    points: `attention_kernel=cudnn` prices attention at their ratio, nothing else moves; the
+    default, SDPA's pick, is cuDNN's on an H100 and FlashAttention-2 on an A100, whose table
+    has no cuDNN rows and says so in one line when they are asked for."""
     from meshloom.plan.kernel_table import padded_head_dim
 
     assert [padded_head_dim(d, "cudnn") for d in (64, 80, 100, 192)] == [64, 80, 104, 192]
@@ -163,7 +165,8 @@ def test_cudnn_attention_is_priced_from_a_measured_table_that_has_it():
     assert table.kind == "measured" and set(table.other_attention) == {"cudnn"}
     shape, lay = PRESETS["llama3-1b"], Layout(micro_batch=8)
     cl = make_cluster("h100", 1, kernels=str(MEASURED_H100))
-    fa2 = evaluate(shape, lay, cl, 2048, 8, impl=Implementation(compile=True))
+    fa2 = evaluate(shape, lay, cl, 2048, 8,
+                   impl=Implementation(compile=True, attention_kernel="fa2"))
     cud = evaluate(shape, lay, cl, 2048, 8,
                    impl=Implementation(compile=True, attention_kernel="cudnn"))
     a, b = fa2.timing.detail["compute_s"], cud.timing.detail["compute_s"]
@@ -171,6 +174,11 @@ def test_cudnn_attention_is_priced_from_a_measured_table_that_has_it():
     fwd = [table.attention_tflops(2048, 64, True, "fwd", k) for k in ("fa2", "cudnn")]
     assert fwd[1] > 1.5 * fwd[0]  # measured: cuDNN's kernel is far faster on an H100
     assert b["attention"] < a["attention"]
+    default = evaluate(shape, lay, cl, 2048, 8, impl=Implementation(compile=True))
+    assert default.timing.step_time_s == cud.timing.step_time_s
+    a100 = make_cluster("a100-80g", 1)
+    assert evaluate(shape, lay, a100, 2048, 8).timing.step_time_s == evaluate(
+        shape, lay, a100, 2048, 8, impl=Implementation(attention_kernel="fa2")).timing.step_time_s
     with pytest.raises(PlanError, match="a100-80g: no 'cudnn' attention rows"):
         evaluate(shape, lay, make_cluster("a100-80g", 1), 2048, 8,
                  impl=Implementation(attention_kernel="cudnn"))

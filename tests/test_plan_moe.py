@@ -300,15 +300,16 @@ def test_written_config_names_the_preset_and_ep():
 # bucket holds (implementation.keeps_grads), and when autocast's weight casts of its unsharded
 # fp32 layouts were priced (compute.casts_weights), and when the H100 table took the measured
 # attention rows where nothing was published (causal 4096 tokens: backward 248 TF/s, not the
-# 8192-token 287); the structural checks below are what keeps MoE terms out of dense plans.
+# 8192-token 287), and when the default attention became SDPA's pick (cuDNN's on an H100);
+# the structural checks below are what keeps MoE terms out of dense plans.
 DENSE_EVALUATIONS = [
     (Layout(tp=2, pp=2, dp=2, cp=2, micro_batch=1, zero=1, recompute="selective", sp=True),
-     2.631303638891119, 26103253504.0, 0.0171623507027027),
-    (Layout(dp=16, micro_batch=2, zero=3), 1.9376173343270067, 83447749120.0,
+     2.4734877078481183, 26103253504.0, 0.0171623507027027),
+    (Layout(dp=16, micro_batch=2, zero=3), 1.827717556914592, 83447749120.0,
      0.054776521272648655),
-    (Layout(dp=16, micro_batch=2, zero=0), 2.1283967446209413, 224097192448.0,
+    (Layout(dp=16, micro_batch=2, zero=0), 2.018496967208527, 224097192448.0,
      0.017305077343135137),
-    (Layout(dp=16, dp_replicate=2, micro_batch=2, zero=2), 1.995087475485803, 104274724352.0,
+    (Layout(dp=16, dp_replicate=2, micro_batch=2, zero=2), 1.8851876980733884, 104274724352.0,
      0.10117044002041081),
 ]
 
@@ -330,11 +331,11 @@ def test_dense_evaluations_unchanged(lay, step, mem, dp):
       ("tp1 pp2 dp1 cp1 mb1 zero0 none interleaved_1f1b/v6", 0.20639024557235522,
        19434406400.0)]),
     ("llama3-8b", "h100", 64, 8192, 512,
-     # With the head's stage lighter by 2 blocks, a pipeline now beats ZeRO-3 (8.504 s).
-     [("tp1 pp2 dp32 cp1 mb1 zero2 none interleaved_1f1b/v4", 8.45238340294173,
-       82951337984.0),
-      ("tp1 pp2 dp32 cp1 mb1 zero2 none interleaved_1f1b/v8", 8.464922906657964,
-       79790375680.0)]),
+     # With the head's stage lighter by 2 blocks, a pipeline now beats ZeRO-3 (7.714 s).
+     [("tp1 pp2 dp32 cp1 mb1 zero2 none interleaved_1f1b/v8", 7.698268374886293,
+       79790375680.0),
+      ("tp1 pp2 dp32 cp1 mb1 zero2 none interleaved_1f1b/v4", 7.699728617306735,
+       82951337984.0)]),
 ])
 def test_dense_searches_unchanged(name, gpu, n, seq, batch, best):
     found = search(PRESETS[name], make_cluster(gpu, n), seq, batch, {}, top=2)

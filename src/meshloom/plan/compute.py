@@ -25,7 +25,7 @@ from functools import cache
 
 from meshloom.plan.hardware import GB, GPUS, Cluster
 from meshloom.plan.implementation import Implementation
-from meshloom.plan.kernel_table import KernelTable, attention_flops, for_gpu, load
+from meshloom.plan.kernel_table import KernelTable, attention_flops, for_gpu, load, sdpa_kernel
 from meshloom.plan.layout import Layout
 from meshloom.plan.models import ModelShape
 from meshloom.plan.moe import ffn_elementwise_elems_per_token, ffn_tokens, load_factor
@@ -116,7 +116,7 @@ class Rates:
         return max(g.flops / (rate * 1e12), self.launch_s)
 
     def attention(self, flops: float, seq: int, head_dim: int, causal: bool,
-                  direction: str, kernel: str = "fa2") -> float:
+                  direction: str, kernel: str = "sdpa") -> float:
         if self.table is None or not self.table.has_attention:
             return flops / (self.peak_tflops * 1e12)
         rate = self.table.attention_tflops(seq, head_dim, causal, direction, kernel) \
@@ -153,8 +153,8 @@ def rates_for(cluster: Cluster) -> Rates:
         hbm *= gpu.hbm_gbps / base.hbm_gbps
     launch = (table.launch_us or 0.0) * 1e-6
     return Rates(table, gpu.peak_tflops, hbm, launch, scale,
-                 f"kernel table {table.path.rsplit('/', 1)[-1]} ({table.kind}: {table.device})",
-                 adam)
+                 f"kernel table {table.path.rsplit('/', 1)[-1]} ({table.kind}: {table.device}; "
+                 f"SDPA's attention: {sdpa_kernel(table)})", adam)
 
 
 @dataclass

@@ -66,9 +66,12 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   attention kernel's outputs, and reruns every elementwise op. Off: meshloom's policy (every
   matmul output kept) or, with `selective_elementwise` off, Korthikanti's.
 - `attention_kernel`: which fused attention kernel runs (kernel_table.ATTENTION_KERNELS):
-  `fa2` (FlashAttention-2 class, PyTorch SDPA's flash backend), `cudnn` (cuDNN's fused flash
-  attention: what SDPA picks on an H100 under PyTorch 2.11, so what meshloom ran there, and
-  Transformer Engine's on Hopper), `fa1` (FlashAttention 1, 2022 trainers) or
+  `sdpa` (meshloom: whichever PyTorch's SDPA picks on the GPU, `kernel_table.sdpa_kernel`:
+  cuDNN's on an H100 or H200 with PyTorch >= 2.9 and cuDNN >= 9.9, FlashAttention-2 elsewhere),
+  `fa2` (FlashAttention-2 class, PyTorch SDPA's flash backend, and what SDPA runs on Hopper
+  before PyTorch 2.9), `cudnn` (cuDNN's fused flash attention: what meshloom ran on an H100
+  under PyTorch 2.11, and Transformer Engine's on Hopper), `fa1` (FlashAttention 1, 2022
+  trainers) or
   `triton` (the Triton FlashAttention of 2023 trainers, flash-attn's `flash_attn_triton`,
   llm-foundry's default `attn_impl: triton`). All but `fa2` are priced from the kernel table's
   rows of that kernel: FlashAttention-2's rate times the ratio between the two kernels in the
@@ -125,7 +128,7 @@ class Implementation:
     fused_grad_accumulation: bool = False
     fused_swiglu: bool = False
     optimizer_state: str = "fp32"
-    attention_kernel: str = "fa2"
+    attention_kernel: str = "sdpa"
     pp_split: str = "balanced"
     p2p_blocking: bool = False
     pp_scatter_gather: bool = False

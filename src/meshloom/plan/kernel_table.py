@@ -46,8 +46,21 @@ TABLE_DIR = Path(__file__).resolve().parent / "kernels"
 GEMM_NEIGHBOURS = 4
 DIRECTIONS = ("fwd", "bwd", "fwd_bwd")
 # "fa2": FlashAttention-2 class (SDPA's flash backend); "cudnn": cuDNN's fused flash attention
-# (SDPA's cuDNN backend, which PyTorch 2.11 picks on an H100; Transformer Engine's on Hopper).
-ATTENTION_KERNELS = ("fa2", "fa1", "triton", "cudnn")
+# (SDPA's cuDNN backend, which PyTorch 2.11 picks on an H100; Transformer Engine's on Hopper);
+# "sdpa": whichever of the two PyTorch's SDPA picks on the table's GPU (`sdpa_kernel`).
+ATTENTION_KERNELS = ("sdpa", "fa2", "fa1", "triton", "cudnn")
+# GPUs on which SDPA puts cuDNN's attention first: PyTorch >= 2.9 with cuDNN >= 9.9 does on
+# compute capability 9.0 and 10.0 (sdp_utils.cpp `check_prefer_cudnn_attention`,
+# pytorch/pytorch#162073); earlier releases run FlashAttention-2 there (`--fix
+# attention_kernel=fa2`).
+SDPA_PREFERS_CUDNN = frozenset({"h100", "h200"})
+
+
+def sdpa_kernel(table: KernelTable) -> str:
+    """The kernel SDPA runs on `table`'s GPU: cuDNN's where it comes first and the table prices
+    it, else FlashAttention-2."""
+    prefers = table.gpu in SDPA_PREFERS_CUDNN and "cudnn" in table.other_attention
+    return "cudnn" if prefers else "fa2"
 # The head widths each kernel is compiled for. FlashAttention-2 rounds a head up to a multiple
 # of 32 up to 128 and of 64 beyond (flash_api.cpp `head_size_rounded`; its releases differ
 # above 128, not up to it); FlashAttention 1 runs its 32-, 64- or
@@ -108,6 +121,8 @@ class KernelTable:
                          kernel: str = "fa2") -> float:
         """TF/s of a fused attention kernel, FlashAttention's FLOP convention."""
         seq, head_dim, causal = int(seq), int(head_dim), bool(causal)
+        if kernel == "sdpa":
+            kernel = sdpa_kernel(self)
         measured = kernel == "fa2" and any(p[1] == head_dim for p in self.attention)
         width = head_dim if measured else padded_head_dim(head_dim, kernel)
         useful = head_dim / width
@@ -260,9 +275,9 @@ def parse(raw: dict, where: str = "<table>") -> KernelTable:
                       "positive sizes and tflops")
         _check_source(raw, row, sources, f"attention row {i}", bad)
         kernel = row.get("kernel", "fa2")
-        if kernel not in ATTENTION_KERNELS:
+        if kernel not in ATTENTION_KERNELS or kernel == "sdpa":
             raise bad(f"attention row {i}: kernel={kernel!r} must be one of "
-                      f"{', '.join(ATTENTION_KERNELS)}")
+                      f"{', '.join(k for k in ATTENTION_KERNELS if k != 'sdpa')}")
         if kernel == "fa2":
             attention.append(item)
         else:
