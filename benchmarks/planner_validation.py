@@ -137,8 +137,6 @@ def _memory_error(row: dict) -> dict:
     return row
 
 
-
-
 def meshloom_h100_rows() -> list[dict]:
     """docs/gpu.md's 1B runs: 8 x 2048 tokens per step on one H100, at meshloom's defaults
     (SDPA's attention: cuDNN's, which PyTorch 2.11 ran there, as the measured table's

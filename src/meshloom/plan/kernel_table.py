@@ -61,6 +61,8 @@ def sdpa_kernel(table: KernelTable) -> str:
     it, else FlashAttention-2."""
     prefers = table.gpu in SDPA_PREFERS_CUDNN and "cudnn" in table.other_attention
     return "cudnn" if prefers else "fa2"
+
+
 # The head widths each kernel is compiled for. FlashAttention-2 rounds a head up to a multiple
 # of 32 up to 128 and of 64 beyond (flash_api.cpp `head_size_rounded`; its releases differ
 # above 128, not up to it); FlashAttention 1 runs its 32-, 64- or
