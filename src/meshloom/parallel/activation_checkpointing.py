@@ -17,10 +17,7 @@ around it for `selective` (so that the compiler sees the policy).
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import threading
-from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -38,33 +35,17 @@ MODES = ("none", "full", "selective")
 # on every device; the MoE experts' grouped GEMM is one too). Everything else in a block is
 # recomputed. Batched matmuls are not kept: in a block they are an attention core's own, the
 # scores and the weighted values of SDPA's math path (which it takes for attention dropout on
-# CPU, or where no fused kernel fits the inputs) or of an eager attention, quadratic in the
-# sequence and what selective recompute exists to drop.
+# CPU, or where no fused kernel fits the inputs), of an eager attention, or of context parallel's
+# ring on devices without CPU's fused kernel that returns the log-sum-exp (CUDA): quadratic in
+# the sequence, and what selective recompute exists to drop.
 _SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
               torch.ops.aten.linear.default, torch.ops.aten.matmul.default}
 if hasattr(torch.ops.aten, "_grouped_mm"):  # torch >= 2.8
     _SAVED_OPS.add(torch.ops.aten._grouped_mm.default)
 
 
-_region = threading.local()
-
-
-@contextlib.contextmanager
-def recomputed_whole() -> Iterator[None]:
-    """Everything run inside is recomputed under `selective`, matmuls included: for an
-    attention core that multiplies blocks itself (context parallel's ring where no fused kernel
-    returns the log-sum-exp, as on CUDA), whose score blocks are the quadratic tensors the
-    policy exists to drop."""
-    depth = getattr(_region, "depth", 0)
-    _region.depth = depth + 1
-    try:
-        yield
-    finally:
-        _region.depth = depth
-
-
 def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    if op in _SAVED_OPS and not getattr(_region, "depth", 0):
+    if op in _SAVED_OPS:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 

@@ -26,7 +26,6 @@ from meshloom import comm
 from meshloom.config import Config, ModelDims
 from meshloom.mesh import Mesh, ParallelDims
 from meshloom.models.contract import name_pattern
-from meshloom.parallel.activation_checkpointing import recomputed_whole
 
 AXIS = "cp"
 
@@ -164,23 +163,20 @@ class _RingAttention(torch.autograd.Function):
         qf = q.float()
         kv = torch.stack([k, v])
         ring = _Ring(mesh, 0)
-        # Selective recompute must not keep the blocks' scores and products (plain matmuls
-        # where no fused kernel runs): it reruns the whole ring instead.
-        with recomputed_whole():
-            for step in range(cp):
-                pending = ring.start(kv) if step < cp - 1 else None
-                owner = (me - step) % cp
-                kk, vv = _expand(kv[0].float(), n_rep), _expand(kv[1].float(), n_rep)
-                for rows, cols, diagonal in _pairs(q_chunks, _chunks_of(owner, cp), c):
-                    blk_out, blk_lse = _attend(qf[:, :, rows], kk[:, :, cols],
-                                               vv[:, :, cols], diagonal, scale)
-                    new_lse = torch.logaddexp(lse[:, :, rows], blk_lse)
-                    w_old = torch.exp(lse[:, :, rows] - new_lse).unsqueeze(-1)
-                    w_new = torch.exp(blk_lse - new_lse).unsqueeze(-1)
-                    out[:, :, rows] = out[:, :, rows] * w_old + blk_out * w_new
-                    lse[:, :, rows] = new_lse
-                if pending is not None:
-                    kv = _Ring.finish(pending)
+        for step in range(cp):
+            pending = ring.start(kv) if step < cp - 1 else None
+            owner = (me - step) % cp
+            kk, vv = _expand(kv[0].float(), n_rep), _expand(kv[1].float(), n_rep)
+            for rows, cols, diagonal in _pairs(q_chunks, _chunks_of(owner, cp), c):
+                blk_out, blk_lse = _attend(qf[:, :, rows], kk[:, :, cols],
+                                           vv[:, :, cols], diagonal, scale)
+                new_lse = torch.logaddexp(lse[:, :, rows], blk_lse)
+                w_old = torch.exp(lse[:, :, rows] - new_lse).unsqueeze(-1)
+                w_new = torch.exp(blk_lse - new_lse).unsqueeze(-1)
+                out[:, :, rows] = out[:, :, rows] * w_old + blk_out * w_new
+                lse[:, :, rows] = new_lse
+            if pending is not None:
+                kv = _Ring.finish(pending)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.mesh = mesh
         return out.to(q.dtype)
