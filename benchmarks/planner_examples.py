@@ -30,8 +30,8 @@ _MOE = "--gpu h100 --seq 4096 --global-batch 512"
 _EP8 = "tp=1,pp=1,cp=1,ep=8,zero=2,micro_batch=1,recompute=selective"
 _L70 = "--model llama3-70b --gpus 64 --gpu h100 --seq 8192 --global-batch 256"
 # The worked example's best layout, pinned, for the variants the prose compares it with.
-_BEST = ("tp=4,pp=2,dp=8,cp=1,micro_batch=1,zero=2,recompute=selective,"
-         "schedule=interleaved_1f1b,v=40,sp=true")
+_BEST = ("tp=4,pp=4,dp=4,cp=1,micro_batch=1,zero=1,recompute=selective,"
+         "schedule=interleaved_1f1b,v=20,sp=true")
 
 EXAMPLES: dict[str, str] = {
     "moe_mixtral_8x7b_64xh100": f"{_MOE} --model mixtral-8x7b --gpus 64 --top 5",
@@ -52,7 +52,7 @@ EXAMPLES: dict[str, str] = {
     "llama3_70b_64xh100_tp_overlap": f"{_L70} --top 1 --fix {_BEST},tp_overlap=true",
     "llama3_70b_64xh100_no_recompute":
         f"{_L70} --top 1 --fix {_BEST.replace('selective', 'none')}",
-    "llama3_70b_64xh100_zero1": f"{_L70} --top 1 --fix {_BEST.replace('zero=2', 'zero=1')}",
+    "llama3_70b_64xh100_zero2": f"{_L70} --top 1 --fix {_BEST.replace('zero=1', 'zero=2')}",
 }
 WORKED = "llama3_70b_64xh100"
 
@@ -107,8 +107,8 @@ def figures(files: dict[str, dict]) -> dict[str, str]:
             "tp_overlap step": step(f"{WORKED}_tp_overlap"),
             "no recompute total": total(f"{WORKED}_no_recompute"),
             "no recompute activations": acts(f"{WORKED}_no_recompute"),
-            "zero1 total": total(f"{WORKED}_zero1"),
-            "zero1 optimizer": optimizer(f"{WORKED}_zero1")}
+            "zero2 total": total(f"{WORKED}_zero2"),
+            "zero2 optimizer": optimizer(f"{WORKED}_zero2")}
 
 
 def write(out: Path = OUT, doc: Path = DOC) -> dict[str, dict]:

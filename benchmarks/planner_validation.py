@@ -68,6 +68,10 @@ GOAL_MEAN, GOAL_MAX = 0.08, 0.20
 # Megatron-Core and NeMo overlap tensor-parallel communication with TransformerEngine's
 # userbuffers (`ub_tp_comm_overlap` / `tp_comm_overlap` in NeMo's recipes), which runs the
 # overlapped GEMMs in pieces (tp_overlap_chunks).
+# Data-parallel collectives are bucketed as each trainer buckets them (`dp_buckets`): Megatron-LM
+# 2021's local DDP all-reduces its contiguous buffer in one call, Megatron-Core (and NeMo on it)
+# in buckets of max(40M, 1M x dp) parameters, DeepSpeed's ZeRO in 5e8-element buckets, PyTorch
+# DDP (Lightning) in 25 MiB ones; FSDP's gathers go unit by unit whatever the trainer.
 # NeMo's recipes set gradient_accumulation_fusion (the weight-gradient GEMM adds into the fp32
 # main gradient); Megatron-LM 2021's paper lists no such fusion, so its rows pay the pass.
 # Both run a SwiGLU through Megatron-Core's fused bias_swiglu_impl (bias_activation_fusion, on
@@ -85,12 +89,14 @@ OTHER_LOOP = {"meshloom_block": False, "free_unbucketed_grads": False, "clip_in_
 TRAINER_IMPL = {
     "megatron-lm": {"compile": True, "tp_overlap": True, "tp_overlap_chunks": True,
                     "dp_overlap": True, "selective_elementwise": False, "pp_split": "even",
-                    "fused_swiglu": True, "expand_kv": False},
+                    "fused_swiglu": True, "expand_kv": False, "dp_buckets": "mcore"},
     "nemo": {"compile": True, "tp_overlap": True, "tp_overlap_chunks": True, "dp_overlap": True,
              "selective_elementwise": False, "fused_grad_accumulation": True,
-             "pp_split": "even", "fused_swiglu": True, "expand_kv": False},
+             "pp_split": "even", "fused_swiglu": True, "expand_kv": False,
+             "dp_buckets": "mcore"},
     "megatron-deepspeed": {"compile": True, "selective_elementwise": False,
-                           "p2p_blocking": True, "pp_scatter_gather": True},
+                           "p2p_blocking": True, "pp_scatter_gather": True,
+                           "dp_buckets": "deepspeed"},
     "flash-attention": {"compile": True, "attention_kernel": "fa1"},
     "tinyllama": {"compile": True, "expand_kv": False},
     "llm-foundry": {"compile": False, "attention_kernel": "triton"},
@@ -178,6 +184,7 @@ def megatron_rows() -> list[dict]:
                  "cp": 1, "micro_batch": 1, "zero": 0, "recompute": "full", "sp": False,
                  "compile": True, **OTHER_LOOP, "pp_split": "even",
                  "p2p_blocking": True, "pp_scatter_gather": True, "ddp_overlap": False,
+                 "dp_buckets": "whole",
                  **({"schedule": "interleaved_1f1b"} if row["pp"] > 1 else {})}
         shape = PRESETS[row["name"]]
         # Table 1 quotes hardware TFLOP/s (recompute included): as throughput, tokens/s/GPU.

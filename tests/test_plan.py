@@ -4,6 +4,7 @@ the search and the `meshloom plan` command (output, --json, --fix, --write-confi
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from dataclasses import replace
@@ -14,7 +15,7 @@ from meshloom.config import load_config
 from meshloom.parallel.pipeline_schedule import build_schedule, simulate
 from meshloom.plan import PlanError
 from meshloom.plan.hardware import make_cluster, ring_time
-from meshloom.plan.implementation import Implementation
+from meshloom.plan.implementation import Implementation, dp_calls
 from meshloom.plan.layout import Layout, parse_fix
 from meshloom.plan.memory import in_flight, layer_activation_bytes
 from meshloom.plan.models import PRESETS
@@ -138,6 +139,77 @@ def test_ring_time_uses_the_bus_bandwidth_convention():
     assert ring_time("all_reduce", 8e9, 1, 1e9) == 0.0
     cl = make_cluster("h100", 64)
     assert cl.bus_bandwidth(8, 1) > cl.bus_bandwidth(8, 8)  # NVLink inside, network across
+    assert ring_time("all_gather", 8e9, 8, 1e9, latency=0.25) == pytest.approx(7 + 0.25)
+    assert ring_time("all_gather", 0.0, 8, 1e9, latency=0.25) == 0.0  # no bytes, no call
+
+
+def test_ring_latency_is_nccls_ring_model():
+    """NCCL's cost model for a ring with the Simple protocol (tuning.cc): 8.4 us to start, then
+    3.4 us per NVLink step, 5.7 per PCIe step and 14.0 per network step; n - 1 steps for a
+    gather or reduce-scatter, of which nodes - 1 cross the network, 2(n - 1) for an all-reduce,
+    of which 2 x nodes do."""
+    cl = make_cluster("h100", 1024)
+    us = {(k, n, stride): 1e6 * cl.ring_latency(k, n, stride) for k, n, stride in (
+        ("all_gather", 8, 1), ("all_reduce", 8, 1), ("all_gather", 16, 1),
+        ("reduce_scatter", 16, 8), ("all_reduce", 16, 1), ("all_gather", 1, 1))}
+    assert us[("all_gather", 8, 1)] == pytest.approx(8.4 + 7 * 3.4)
+    assert us[("all_reduce", 8, 1)] == pytest.approx(8.4 + 14 * 3.4)
+    assert us[("all_gather", 16, 1)] == pytest.approx(8.4 + 14 * 3.4 + 1 * 14.0)  # 2 nodes
+    assert us[("reduce_scatter", 16, 8)] == pytest.approx(8.4 + 15 * 14.0)  # one rank a node
+    assert us[("all_reduce", 16, 1)] == pytest.approx(8.4 + 26 * 3.4 + 4 * 14.0)
+    assert 1e6 * cl.ring_latency("all_reduce", 16, 8) == pytest.approx(8.4 + 30 * 14.0)
+    assert us[("all_gather", 1, 1)] == 0.0
+    assert [cl.nodes_spanned(n, s) for n, s in ((8, 1), (16, 1), (16, 8), (3, 4))] == [1, 2, 16, 2]
+    pci = make_cluster("titan-rtx-24g", 2)
+    assert 1e6 * pci.ring_latency("all_gather", 2, 1) == pytest.approx(8.4 + 5.7)
+
+
+def test_zero3_pays_a_call_per_unit_and_pass():
+    """ZeRO-3 gathers each block's parameters twice per micro-batch and reduce-scatters its
+    gradient once, each a collective of its own: over many ranks a small model's step is
+    dominated by the calls' fixed cost, which bytes alone would not show."""
+    shape = PRESETS["gpt2"]
+    cl = make_cluster("h100", 512)
+    lay = Layout(dp=512, zero=3, micro_batch=1)
+    got = evaluate(shape, lay, cl, 1024, 512).timing.detail["comm_s"]["dp"]["ops"]
+    units = shape.layers
+    calls = {op: cl.ring_latency(op, 512, 1) for op in ("all_gather", "reduce_scatter")}
+    assert calls["all_gather"] == pytest.approx(1e-6 * (8.4 + 448 * 3.4 + 63 * 14.0))
+    bytes_only = {op: got[op] - n * units * calls[op]
+                  for op, n in (("all_gather", 2), ("reduce_scatter", 1))}
+    assert bytes_only["all_gather"] == pytest.approx(2 * bytes_only["reduce_scatter"], rel=1e-9)
+    assert got["all_gather"] > 10 * bytes_only["all_gather"]
+
+
+def test_dp_buckets_count_calls_as_each_trainer_buckets():
+    """DDP's and ZeRO-1/2's collectives are cut into calls as the trainer buckets them: 25 MiB
+    (meshloom, PyTorch DDP), max(40M, 1M x dp) parameters (Megatron-Core, only when it
+    overlaps), 5e8 elements (DeepSpeed), or one call for the whole buffer (Megatron-LM 2021)."""
+    mib = 2**20
+    assert dp_calls("torch", True, 100 * mib, 50e6, 8) == 4
+    assert dp_calls("torch", True, 100 * mib + 1, 50e6, 8) == 5
+    assert dp_calls("mcore", True, 200e6, 100e6, 16) == 3  # 40M a bucket
+    assert dp_calls("mcore", True, 200e6, 100e6, 64) == 2  # 64M a bucket
+    assert dp_calls("mcore", False, 200e6, 100e6, 64) == 1
+    assert dp_calls("deepspeed", True, 2.4e9, 1.2e9, 8) == 3
+    assert dp_calls("whole", True, 2.4e9, 1.2e9, 8) == 1
+    assert dp_calls("torch", True, 0.0, 0.0, 8) == 0
+    # A DDP all-reduce after the backward (Megatron-LM 2021): its bytes and one start, or one
+    # start per 25 MiB bucket.
+    shape, cl = PRESETS["llama3-1b"], make_cluster("h100", 64)
+    lay = Layout(dp=64, micro_batch=1)
+    times = {b: evaluate(shape, lay, cl, 2048, 64, impl=Implementation(
+        ddp_overlap=False, dp_buckets=b)).timing.dp for b in ("whole", "torch")}
+    grad = 2 * shape.params
+    call = cl.ring_latency("all_reduce", 64, 1)
+    assert times["whole"] == pytest.approx(ring_time("all_reduce", grad, 64,
+                                                     cl.bus_bandwidth(64, 1)) + call)
+    assert times["torch"] - times["whole"] == pytest.approx(
+        (math.ceil(grad / (25 * mib)) - 1) * call)
+    assert parse_fix("dp_buckets=mcore") == {"dp_buckets": "mcore"}
+    with pytest.raises(PlanError, match="dp_buckets=nccl must be one of torch, mcore, "
+                                        "deepspeed, whole"):
+        parse_fix("dp_buckets=nccl")
 
 
 def test_more_sharding_less_memory_and_search_respects_fix():

@@ -176,6 +176,13 @@ def test_cudnn_attention_is_priced_from_a_measured_table_that_has_it():
     assert b["attention"] < a["attention"]
     default = evaluate(shape, lay, cl, 2048, 8, impl=Implementation(compile=True))
     assert default.timing.step_time_s == cud.timing.step_time_s
+    # The rates line names the kernel each plan priced, not SDPA's pick whatever was fixed.
+    assert default.timing.detail["rates"].endswith("; attention: cudnn, SDPA's pick")
+    assert fa2.timing.detail["rates"].endswith("; attention: fa2")
+    assert cud.timing.detail["rates"].endswith("; attention: cudnn")
+    unfused = evaluate(shape, lay, cl, 2048, 8, flash=False)
+    assert unfused.timing.detail["rates"].endswith("; attention: unfused (batched GEMMs, "
+                                                   "every score written)")
     a100 = make_cluster("a100-80g", 1)
     assert evaluate(shape, lay, a100, 2048, 8).timing.step_time_s == evaluate(
         shape, lay, a100, 2048, 8, impl=Implementation(attention_kernel="fa2")).timing.step_time_s

@@ -153,8 +153,20 @@ def rates_for(cluster: Cluster) -> Rates:
         hbm *= gpu.hbm_gbps / base.hbm_gbps
     launch = (table.launch_us or 0.0) * 1e-6
     return Rates(table, gpu.peak_tflops, hbm, launch, scale,
-                 f"kernel table {table.path.rsplit('/', 1)[-1]} ({table.kind}: {table.device}; "
-                 f"SDPA's attention: {sdpa_kernel(table)})", adam)
+                 f"kernel table {table.path.rsplit('/', 1)[-1]} ({table.kind}: {table.device})",
+                 adam)
+
+
+def attention_source(rates: Rates, kernel: str, flash: bool) -> str:
+    """Which attention the step is priced with, for the rates line: the implementation's
+    kernel (SDPA's pick named as such), the unfused core, or nothing without a table."""
+    if not flash:
+        return "attention: unfused (batched GEMMs, every score written)"
+    if rates.table is None:
+        return ""
+    if kernel == "sdpa":
+        return f"attention: {sdpa_kernel(rates.table)}, SDPA's pick"
+    return f"attention: {kernel}"
 
 
 @dataclass

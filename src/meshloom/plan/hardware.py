@@ -23,6 +23,14 @@ GB = 1e9
 OVERLAP_SLOWDOWN = 0.189
 MIB = 2**20 / GB  # a MiB in GB
 LINK_EFFICIENCY = 370.0 / 450.0  # measured NCCL bus bandwidth / one-way NVLink 4 rate (H100)
+# A collective's fixed cost, from NCCL's own cost model (src/graph/tuning.cc, NVIDIA/nccl at
+# b6475625, `baseLat` and `hwLat`), for the ring algorithm with the Simple protocol, the pair
+# NCCL picks for large messages and whose bandwidth the rates above are: 8.4 us to start, and
+# per ring step 3.4 us over NVLink, 5.7 us over PCIe, 14.0 us over the network. A ring over n
+# ranks takes n - 1 steps (all-gather, reduce-scatter) or 2(n - 1) (all-reduce), of which the
+# network carries nodes - 1 (2 x nodes for an all-reduce, at most all of its steps).
+NCCL_RING_BASE_US = 8.4
+NCCL_RING_HOP_US = {"nvlink": 3.4, "pci": 5.7, "net": 14.0}
 
 
 @dataclass(frozen=True)
@@ -33,6 +41,7 @@ class GPU:
     hbm_gbps: float  # memory bandwidth, GB/s (the optimizer step is bound by it)
     intra_gbps: float  # one-way GPU-to-GPU bandwidth inside a node, GB/s
     inter_gbps: float  # one-way network bandwidth per GPU between nodes, GB/s
+    intra_link: str = "nvlink"  # what joins the GPUs of a node: "nvlink" or "pci"
 
 
 GPUS: dict[str, GPU] = {
@@ -51,7 +60,7 @@ GPUS: dict[str, GPU] = {
     "a100-40g": GPU("a100-40g", 312.0, 40960 * MIB, 1555.0, 300.0, 25.0),
     # Vendor spec (not in published.md): Titan RTX, the GPU of the Hugging Face FSDP blog;
     # 130 TFLOP/s fp16 tensor, 24 GB at 672 GB/s, PCIe 3.0 x16 between the two cards.
-    "titan-rtx-24g": GPU("titan-rtx-24g", 130.0, 24.0, 672.0, 16.0, 12.5),
+    "titan-rtx-24g": GPU("titan-rtx-24g", 130.0, 24.0, 672.0, 16.0, 12.5, "pci"),
 }
 
 
@@ -98,15 +107,38 @@ class Cluster:
     def crosses_nodes(self, size: int, stride: int) -> bool:
         return stride * size > self.gpus_per_node
 
+    def nodes_spanned(self, size: int, stride: int) -> int:
+        """Nodes a group of `size` ranks, `stride` apart in rank order, reaches into."""
+        if not self.crosses_nodes(size, stride):
+            return 1
+        per_node = max(1, min(size, self.gpus_per_node // stride))
+        return -(-size // per_node)
 
-def ring_time(op: str, payload: float, size: int, bandwidth: float) -> float:
-    """Seconds for a ring collective on `payload` bytes (the whole tensor) over `size` ranks.
+    def ring_latency(self, op: str, size: int, stride: int) -> float:
+        """Seconds one ring collective over `size` ranks costs before its bytes (NCCL's model,
+        NCCL_RING_BASE_US): what a call pays however small its payload."""
+        if size <= 1:
+            return 0.0
+        nodes = self.nodes_spanned(size, stride)
+        if op == "all_reduce":
+            steps = 2 * (size - 1)
+            net = min(steps, 2 * nodes) if nodes > 1 else 0  # one rank a node: every step
+        else:
+            steps, net = size - 1, nodes - 1
+        hop, net_hop = NCCL_RING_HOP_US[self.gpu.intra_link], NCCL_RING_HOP_US["net"]
+        return 1e-6 * (NCCL_RING_BASE_US + (steps - net) * hop + net * net_hop)
+
+
+def ring_time(op: str, payload: float, size: int, bandwidth: float,
+              latency: float = 0.0) -> float:
+    """Seconds for ring collectives moving `payload` bytes in all (the whole tensor) over `size`
+    ranks, plus `latency` (Cluster.ring_latency times the number of calls that carry it).
     NCCL's bus-bandwidth convention (published.md): all-reduce moves 2(n-1)/n of the payload
     through each GPU's link, all-gather and reduce-scatter (n-1)/n."""
     if size <= 1 or payload <= 0:
         return 0.0
     factor = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0}[op]
-    return factor * (size - 1) / size * payload / bandwidth
+    return factor * (size - 1) / size * payload / bandwidth + latency
 
 
 def make_cluster(gpu: str, n_gpus: int, gpus_per_node: int = 8, *,

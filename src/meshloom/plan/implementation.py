@@ -26,6 +26,14 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   forward-backward schedule).
 - `fsdp_prefetch`: ZeRO-3 gathers the next unit while the current one computes (meshloom does;
   off, every gather and reduce-scatter waits).
+- `dp_buckets`: how many calls DDP's and ZeRO-1/2's gradient reduction and parameter gather
+  make, each paying a collective's fixed cost (hardware.Cluster.ring_latency; ZeRO-3 makes one
+  per unit and pass whatever this says): `torch` (meshloom's `parallel.ddp_bucket_mb` and
+  PyTorch DDP's `bucket_cap_mb`, 25 MiB each), `mcore` (Megatron-Core's DDP and distributed
+  optimizer: max(40M, 1M x dp) parameters a bucket, `DistributedDataParallelConfig.bucket_size`;
+  one bucket without `dp_overlap`), `deepspeed` (DeepSpeed ZeRO's `reduce_bucket_size` and
+  `allgather_bucket_size`, 5e8 elements) or `whole` (one call for the whole buffer: Megatron-LM
+  2021's local DDP all-reduces its contiguous gradient buffer at once).
 - `grad_clip`: the training loop clips the gradients by their global norm and keeps them
   allocated between steps (zeroed, then accumulated into), as Megatron's loop and most
   trainers' do; off for a bare benchmark loop that frees them.
@@ -106,6 +114,7 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 
 from meshloom.plan import PlanError
@@ -119,6 +128,7 @@ class Implementation:
     dp_overlap: bool = False
     ddp_overlap: bool = True
     fsdp_prefetch: bool = True
+    dp_buckets: str = "torch"
     grad_clip: bool = True
     free_unbucketed_grads: bool = True
     clip_in_optimizer: bool = True
@@ -165,9 +175,28 @@ def parse_bool(key: str, value: str) -> bool:
     return v in TRUE
 
 
-STR_IMPL_KEYS = ("attention_kernel", "pp_split", "optimizer_state")
+STR_IMPL_KEYS = ("attention_kernel", "pp_split", "optimizer_state", "dp_buckets")
 # Bytes per parameter beside the bf16 parameter and gradient: (master copy, Adam moments).
 OPTIMIZER_STATES = {"fp32": (4, 8), "fp32_remainders": (2, 8), "bf16": (0, 4)}
+DP_BUCKETS = ("torch", "mcore", "deepspeed", "whole")
+TORCH_BUCKET_BYTES = 25 * 2**20  # meshloom's ddp_bucket_mb and PyTorch DDP's bucket_cap_mb
+DEEPSPEED_BUCKET_ELEMENTS = 5e8  # DeepSpeed ZeRO's reduce/allgather_bucket_size defaults
+
+
+def dp_calls(buckets: str, overlapped: bool, nbytes: float, params: float, dp: int) -> int:
+    """Calls a data-parallel gradient reduction (or parameter gather) of `nbytes` holding
+    `params` parameters over `dp` ranks makes, bucketed as `buckets` (`dp_buckets`) says;
+    `overlapped`: whether the trainer overlaps it with compute (Megatron-Core buckets only
+    then)."""
+    if nbytes <= 0:
+        return 0
+    if buckets == "whole" or buckets == "mcore" and not overlapped:
+        return 1
+    if buckets == "mcore":
+        return math.ceil(params / max(40e6, 1e6 * dp))
+    if buckets == "deepspeed":
+        return math.ceil(params / DEEPSPEED_BUCKET_ELEMENTS)
+    return math.ceil(nbytes / TORCH_BUCKET_BYTES)
 
 
 def split_fix(fixed: dict) -> tuple[dict, Implementation]:

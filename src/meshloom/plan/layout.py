@@ -7,7 +7,13 @@ from dataclasses import asdict, dataclass, fields
 
 from meshloom.parallel.pipeline_schedule import SCHEDULES
 from meshloom.plan import PlanError
-from meshloom.plan.implementation import IMPL_KEYS, OPTIMIZER_STATES, STR_IMPL_KEYS, parse_bool
+from meshloom.plan.implementation import (
+    DP_BUCKETS,
+    IMPL_KEYS,
+    OPTIMIZER_STATES,
+    STR_IMPL_KEYS,
+    parse_bool,
+)
 from meshloom.plan.kernel_table import ATTENTION_KERNELS
 from meshloom.plan.stages import PP_SPLITS
 
@@ -88,7 +94,8 @@ def parse_fix(text: str) -> dict:
         else:
             options = {"recompute": RECOMPUTE, "attention_kernel": ATTENTION_KERNELS,
                        "pp_split": PP_SPLITS,
-                       "optimizer_state": tuple(OPTIMIZER_STATES)}.get(key, SCHEDULES)
+                       "optimizer_state": tuple(OPTIMIZER_STATES),
+                       "dp_buckets": DP_BUCKETS}.get(key, SCHEDULES)
             if value not in options:
                 raise PlanError(f"--fix: {key}={value} must be one of {', '.join(options)}")
             out[key] = value

@@ -26,18 +26,19 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import lru_cache, partial
 
 from meshloom.parallel.pipeline_schedule import Action, build_schedule, simulate
 from meshloom.plan.compute import (
     accumulate_seconds,
+    attention_source,
     block_cost,
     head_cost,
     optimizer_seconds,
     rates_for,
 )
 from meshloom.plan.hardware import OVERLAP_SLOWDOWN, Cluster, ring_time
-from meshloom.plan.implementation import MESHLOOM, Implementation, keeps_grads
+from meshloom.plan.implementation import MESHLOOM, Implementation, dp_calls, keeps_grads
 from meshloom.plan.layout import Layout
 from meshloom.plan.memory import act_elem_bytes, precision, rank_param_split
 from meshloom.plan.models import ModelShape
@@ -135,7 +136,9 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     # forward's (plan/reruns.py). With tp_overlap they run under the neighbouring GEMMs; only
     # the excess waits.
     tp_bw = cluster.bus_bandwidth(t, 1)
-    tp_one = ring_time("all_reduce", tokens * shape.hidden * e, t, tp_bw)
+    tp_calls = (2 * cluster.ring_latency("all_gather", t, 1) if lay.sp
+                else cluster.ring_latency("all_reduce", t, 1))
+    tp_one = ring_time("all_reduce", tokens * shape.hidden * e, t, tp_bw, tp_calls)
     tp_f_all, tp_b_all = 2 * tp_one, (2 + tp_reruns(shape, lay, impl)) * tp_one
     if impl.tp_overlap:  # the hidden part still slows the GEMMs it runs beside
         tp_f, tp_b = _exposed(tp_f_all, blk.fwd.gemm), _exposed(tp_b_all, blk.bwd.gemm)
@@ -196,7 +199,8 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
             hop_pp = act / t / cluster.link_bandwidth(2, stride)
         elif impl.pp_scatter_gather and t > 1:  # a 1/t piece each, gathered over tp on arrival
             hop_pp = (act / t / cluster.link_bandwidth(2, stride)
-                      + ring_time("all_gather", act, t, tp_bw))
+                      + ring_time("all_gather", act, t, tp_bw,
+                                  cluster.ring_latency("all_gather", t, 1)))
         else:  # every tp rank sends the whole activation
             hop_pp = act / cluster.link_bandwidth(2, stride)
 
@@ -245,7 +249,8 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     compute = m * busy_mb - m * comm_mb
     per_step = m * layers
     detail = {
-        "rates": rates.source, "implementation": impl.to_dict(),
+        "rates": "; ".join(filter(None, (rates.source, attention_source(
+            rates, impl.attention_kernel, flash)))), "implementation": impl.to_dict(),
         "compute_s": {"gemm": per_step * (blk.fwd.gemm + blk.bwd.gemm),
                       "attention": per_step * (blk.fwd.attention + blk.bwd.attention),
                       "elementwise": per_step * (blk.fwd.elementwise + blk.bwd.elementwise),
@@ -312,30 +317,38 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     prec = precision(dtype)
     stride = lay.cp * lay.tp
     n = lay.dp_shard
-    bw = cluster.bus_bandwidth(n, stride)
     grad_b, param_b = dense * prec.grad_bytes, dense * prec.param_bytes
     if lay.dp <= 1:  # only expert groups to reduce (ep < cp); the dense part as before: none
         grad_b = param_b = 0.0
     xn = expert_shard(lay)
-    xbw = cluster.bus_bandwidth(xn, lay.ep * lay.tp)
     x_grad, x_param = experts * prec.grad_bytes, experts * prec.param_bytes
     ops: dict[str, float] = {}
     if lay.zero == 0:  # meshloom's DDP averages over every replica: dp x cp ranks, stride tp
-        ranks = lay.dp * lay.cp
-        reduce = ring_time("all_reduce", grad_b, ranks, cluster.bus_bandwidth(ranks, lay.tp))
+        ranks, xr = lay.dp * lay.cp, expert_replicas(lay)
+        calls = partial(dp_calls, impl.dp_buckets, impl.ddp_overlap)
+        reduce = _collective(cluster, "all_reduce", grad_b, ranks, lay.tp,
+                             calls(grad_b, dense, ranks))
         if experts:
-            xr = expert_replicas(lay)
-            reduce += ring_time("all_reduce", x_grad, xr,
-                                cluster.bus_bandwidth(xr, lay.ep * lay.tp))
+            reduce += _collective(cluster, "all_reduce", x_grad, xr, lay.ep * lay.tp,
+                                  calls(x_grad, experts, xr))
         ops["all_reduce"] = reduce
         exposed = _exposed(reduce, b_mb) if impl.ddp_overlap else reduce
         return {"exposed": exposed, "total": reduce, "ops": ops}
     out = 0.0
-    ag = ring_time("all_gather", param_b, n, bw)
-    rs = ring_time("reduce_scatter", grad_b, n, bw)
+    units = max(1, layers)
+    # ZeRO-3 gathers and reduces unit by unit (a block each); ZeRO-1/2 bucket by bucket.
+    calls = partial(dp_calls, impl.dp_buckets, impl.dp_overlap)
+
+    def per(nbytes: float, params: float, ranks: int) -> int:
+        return units if lay.zero == 3 else calls(nbytes, params, ranks)
+
+    ag = _collective(cluster, "all_gather", param_b, n, stride, per(param_b, dense, n))
+    rs = _collective(cluster, "reduce_scatter", grad_b, n, stride, per(grad_b, dense, n))
     if experts:
-        ag += ring_time("all_gather", x_param, xn, xbw)
-        rs += ring_time("reduce_scatter", x_grad, xn, xbw)
+        ag += _collective(cluster, "all_gather", x_param, xn, lay.ep * lay.tp,
+                          per(x_param, experts, xn))
+        rs += _collective(cluster, "reduce_scatter", x_grad, xn, lay.ep * lay.tp,
+                          per(x_grad, experts, xn))
     if lay.zero in (1, 2):
         ops = {"reduce_scatter": rs * (m if lay.zero == 2 else 1), "all_gather": ag}
         if impl.dp_overlap:
@@ -345,24 +358,34 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
         else:
             out += m * _exposed(rs, b_mb) + ag
     else:
-        units = max(1, layers)
         ops = {"all_gather": 2 * m * ag, "reduce_scatter": m * rs}
         if impl.fsdp_prefetch:
             out += m * (_exposed(ag, f_mb) + _exposed(ag + rs, b_mb) + ag / units)
         else:
             out += m * (2 * ag + rs)
     if lay.dp_replicate > 1:
-        rep_bw = cluster.bus_bandwidth(lay.dp_replicate, stride * n)
-        rep = ring_time("all_reduce", grad_b / n, lay.dp_replicate, rep_bw)
+        reps = lay.dp_replicate
+        rep = _collective(cluster, "all_reduce", grad_b / n, reps, stride * n,
+                          calls(grad_b / n, dense / n, reps))
         if experts:
-            rep += ring_time("all_reduce", x_grad / xn, lay.dp_replicate, rep_bw)
+            rep += _collective(cluster, "all_reduce", x_grad / xn, reps, stride * n,
+                               calls(x_grad / xn, experts / xn, reps))
         ops["replica_all_reduce"] = rep
         out += rep
     if lay.cp > 1:  # the cp ranks of a shard hold the same parameters: average their shards
-        cpr = ring_time("all_reduce", grad_b / n, lay.cp, cluster.bus_bandwidth(lay.cp, lay.tp))
+        cpr = _collective(cluster, "all_reduce", grad_b / n, lay.cp, lay.tp,
+                          calls(grad_b / n, dense / n, lay.cp))
         ops["cp_all_reduce"] = cpr
         out += cpr
     return {"exposed": out, "total": max(out, sum(ops.values())), "ops": ops}
+
+
+def _collective(cluster: Cluster, op: str, payload: float, size: int, stride: int,
+                calls: int) -> float:
+    """Seconds for `calls` ring collectives moving `payload` bytes in all over `size` ranks
+    `stride` apart: the bytes at the group's bus bandwidth, and each call's fixed cost."""
+    return ring_time(op, payload, size, cluster.bus_bandwidth(size, stride),
+                     calls * cluster.ring_latency(op, size, stride))
 
 
 def _exposed(comm: float, compute: float) -> float:
