@@ -181,6 +181,32 @@ def test_zero3_pays_a_call_per_unit_and_pass():
     assert got["all_gather"] > 10 * bytes_only["all_gather"]
 
 
+def test_explain_counts_the_calls_and_their_start():
+    """--explain says, per collective, how many calls a step makes and how long their starts
+    take: ZeRO-2 reduce-scatters every 25 MiB bucket after every micro-batch, ZeRO-1 once;
+    TP makes SP's all-gather and reduce-scatter pair per all-reduce's worth, recompute's too."""
+    from meshloom.plan.explain import explain
+
+    shape, cl = PRESETS["llama3-70b"], make_cluster("h100", 64)
+    lay = Layout(tp=4, pp=4, dp=4, micro_batch=1, zero=2, recompute="selective",
+                 schedule="interleaved_1f1b", v=20, sp=True)
+    c = evaluate(shape, lay, cl, 8192, 256)
+    dp = c.timing.detail["comm_s"]["dp"]["calls"]
+    m, layers = 64, 20
+    buckets = math.ceil(c.memory.params / (25 * 2**20))  # bf16 gradients, as many bytes
+    assert dp["reduce_scatter"]["calls"] == m * buckets and dp["all_gather"]["calls"] == buckets
+    start = cl.ring_latency("reduce_scatter", 4, 4)  # 4 ranks, 2 a node
+    assert dp["reduce_scatter"]["fixed_s"] == pytest.approx(m * buckets * start)
+    tp = c.timing.detail["comm_s"]["tp"]["calls"]["collectives"]
+    assert tp["calls"] == m * layers * 2 * (4 + 1.5)  # 1.5 rerun all-reduces' worth
+    assert tp["fixed_s"] == pytest.approx(m * layers * (4 + 1.5) * 2
+                                          * cl.ring_latency("all_gather", 4, 1))
+    text = explain(c)
+    assert f"{m * buckets:,} calls starting in" in text
+    one = evaluate(shape, replace(lay, zero=1), cl, 8192, 256)
+    assert one.timing.detail["comm_s"]["dp"]["calls"]["reduce_scatter"]["calls"] == buckets
+
+
 def test_dp_buckets_count_calls_as_each_trainer_buckets():
     """DDP's and ZeRO-1/2's collectives are cut into calls as the trainer buckets them: 25 MiB
     (meshloom, PyTorch DDP), max(40M, 1M x dp) parameters (Megatron-Core, only when it

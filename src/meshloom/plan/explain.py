@@ -33,8 +33,12 @@ def explain(c: Candidate) -> str:
         extra = f"   hidden {_ms(hidden).strip()}" if hidden else ""
         lines.append(f"  {axis + ' exposed':<28}{_ms(exposed)}  {100 * exposed / step:5.1f}%"
                      f"{extra}")
+        calls = parts.get("calls") or {}
         for op, secs in (parts.get("ops") or {}).items():
-            lines.append(f"    {op:<26}{_ms(secs)} in all")
+            made = calls.get(op)
+            starts = (f", {made['calls']:,} calls starting in {_ms(made['fixed_s']).strip()}"
+                      if made else "")
+            lines.append(f"    {op:<26}{_ms(secs)} in all{starts}")
     lines.append(f"  {'pipeline bubble':<28}{_ms(t.bubble)}  {100 * t.bubble / step:5.1f}%")
     lines.append(f"  {'optimizer, clip, accumulate':<28}{_ms(t.optimizer)}  "
                  f"{100 * t.optimizer / step:5.1f}%")

@@ -256,10 +256,11 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
                       "elementwise": per_step * (blk.fwd.elementwise + blk.bwd.elementwise),
                       "head_and_loss": m * (head_f + head_b)},
         "comm_s": {"tp": {"exposed": tp_total, "hidden": m * layers * (tp_f_all + tp_b_all)
-                          - tp_total},
+                          - tp_total} | _tp_calls(m * layers, tp_f_all + tp_b_all, tp_one,
+                                                  tp_calls, 2 if lay.sp else 1),
                    "cp": {"exposed": cp_total},
                    "dp": {"exposed": dp["exposed"], "hidden": dp["total"] - dp["exposed"],
-                          "ops": dp["ops"]},
+                          "ops": dp["ops"], "calls": dp["calls"]},
                    "pp": {"exposed": pp_comm}}
         | ({"ep": {"exposed": ep_total}} if shape.is_moe else {}),
         "bubble_s": bubble, "optimizer_s": optimizer, "accumulate_s": accumulate,
@@ -308,7 +309,7 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     all-reduces them over the edp = dp x cp / ep ranks, ZeRO shards them over edp_shard (ep
     ranks apart) and all-reduces the shard over dp_replicate; cp is inside edp_shard, so no cp
     average."""
-    none = {"exposed": 0.0, "total": 0.0, "ops": {}}
+    none = {"exposed": 0.0, "total": 0.0, "ops": {}, "calls": {}}
     dense, experts = rank_param_split(shape, lay, rank, layers)
     if lay.ep == 1:  # no expert groups: the experts are ordinary parameters
         dense, experts = dense + experts, 0.0
@@ -323,17 +324,31 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     xn = expert_shard(lay)
     x_grad, x_param = experts * prec.grad_bytes, experts * prec.param_bytes
     ops: dict[str, float] = {}
+    # Per op: the calls a step makes and the seconds of their fixed cost (in ops' seconds).
+    made: dict[str, list] = {}
+
+    def coll(name: str, op: str, payload: float, size: int, stride_: int, n_calls: int,
+             per_step: int = 1) -> float:
+        if payload > 0 and size > 1:
+            tally = made.setdefault(name, [0, 0.0])
+            tally[0] += n_calls * per_step
+            tally[1] += n_calls * per_step * cluster.ring_latency(op, size, stride_)
+        return _collective(cluster, op, payload, size, stride_, n_calls)
+
+    def result(exposed: float, total: float) -> dict:
+        return {"exposed": exposed, "total": total, "ops": ops,
+                "calls": {k: {"calls": c, "fixed_s": f} for k, (c, f) in made.items()}}
+
     if lay.zero == 0:  # meshloom's DDP averages over every replica: dp x cp ranks, stride tp
         ranks, xr = lay.dp * lay.cp, expert_replicas(lay)
         calls = partial(dp_calls, impl.dp_buckets, impl.ddp_overlap)
-        reduce = _collective(cluster, "all_reduce", grad_b, ranks, lay.tp,
-                             calls(grad_b, dense, ranks))
+        reduce = coll("all_reduce", "all_reduce", grad_b, ranks, lay.tp,
+                      calls(grad_b, dense, ranks))
         if experts:
-            reduce += _collective(cluster, "all_reduce", x_grad, xr, lay.ep * lay.tp,
-                                  calls(x_grad, experts, xr))
+            reduce += coll("all_reduce", "all_reduce", x_grad, xr, lay.ep * lay.tp,
+                           calls(x_grad, experts, xr))
         ops["all_reduce"] = reduce
-        exposed = _exposed(reduce, b_mb) if impl.ddp_overlap else reduce
-        return {"exposed": exposed, "total": reduce, "ops": ops}
+        return result(_exposed(reduce, b_mb) if impl.ddp_overlap else reduce, reduce)
     out = 0.0
     units = max(1, layers)
     # ZeRO-3 gathers and reduces unit by unit (a block each); ZeRO-1/2 bucket by bucket.
@@ -342,13 +357,18 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     def per(nbytes: float, params: float, ranks: int) -> int:
         return units if lay.zero == 3 else calls(nbytes, params, ranks)
 
-    ag = _collective(cluster, "all_gather", param_b, n, stride, per(param_b, dense, n))
-    rs = _collective(cluster, "reduce_scatter", grad_b, n, stride, per(grad_b, dense, n))
+    # How often a step repeats each: ZeRO-3 gathers twice a micro-batch and reduces once,
+    # ZeRO-2 reduces every micro-batch, ZeRO-1 once.
+    ag_times = 2 * m if lay.zero == 3 else 1
+    rs_times = m if lay.zero >= 2 else 1
+    ag = coll("all_gather", "all_gather", param_b, n, stride, per(param_b, dense, n), ag_times)
+    rs = coll("reduce_scatter", "reduce_scatter", grad_b, n, stride, per(grad_b, dense, n),
+              rs_times)
     if experts:
-        ag += _collective(cluster, "all_gather", x_param, xn, lay.ep * lay.tp,
-                          per(x_param, experts, xn))
-        rs += _collective(cluster, "reduce_scatter", x_grad, xn, lay.ep * lay.tp,
-                          per(x_grad, experts, xn))
+        ag += coll("all_gather", "all_gather", x_param, xn, lay.ep * lay.tp,
+                   per(x_param, experts, xn), ag_times)
+        rs += coll("reduce_scatter", "reduce_scatter", x_grad, xn, lay.ep * lay.tp,
+                   per(x_grad, experts, xn), rs_times)
     if lay.zero in (1, 2):
         ops = {"reduce_scatter": rs * (m if lay.zero == 2 else 1), "all_gather": ag}
         if impl.dp_overlap:
@@ -365,19 +385,32 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
             out += m * (2 * ag + rs)
     if lay.dp_replicate > 1:
         reps = lay.dp_replicate
-        rep = _collective(cluster, "all_reduce", grad_b / n, reps, stride * n,
-                          calls(grad_b / n, dense / n, reps))
+        rep = coll("replica_all_reduce", "all_reduce", grad_b / n, reps, stride * n,
+                   calls(grad_b / n, dense / n, reps))
         if experts:
-            rep += _collective(cluster, "all_reduce", x_grad / xn, reps, stride * n,
-                               calls(x_grad / xn, experts / xn, reps))
+            rep += coll("replica_all_reduce", "all_reduce", x_grad / xn, reps, stride * n,
+                        calls(x_grad / xn, experts / xn, reps))
         ops["replica_all_reduce"] = rep
         out += rep
     if lay.cp > 1:  # the cp ranks of a shard hold the same parameters: average their shards
-        cpr = _collective(cluster, "all_reduce", grad_b / n, lay.cp, lay.tp,
-                          calls(grad_b / n, dense / n, lay.cp))
+        cpr = coll("cp_all_reduce", "all_reduce", grad_b / n, lay.cp, lay.tp,
+                   calls(grad_b / n, dense / n, lay.cp))
         ops["cp_all_reduce"] = cpr
         out += cpr
-    return {"exposed": out, "total": max(out, sum(ops.values())), "ops": ops}
+    return result(out, max(out, sum(ops.values())))
+
+
+def _tp_calls(blocks: int, per_block: float, one: float, start: float, pieces: int) -> dict:
+    """The TP collectives of `blocks` block passes (forward and backward of one micro-batch
+    through one block each), `per_block` seconds each, in units of `one` all-reduce (`pieces`
+    calls: SP's all-gather and reduce-scatter) whose calls start in `start` seconds in all:
+    {"ops", "calls"} as the data-parallel ones report them (empty without TP)."""
+    if not one:
+        return {}
+    n = per_block / one  # all-reduces' worth per block pass
+    return {"ops": {"collectives": blocks * per_block},
+            "calls": {"collectives": {"calls": round(blocks * n * pieces),
+                                      "fixed_s": blocks * n * start}}}
 
 
 def _collective(cluster: Cluster, op: str, payload: float, size: int, stride: int,
