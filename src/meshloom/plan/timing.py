@@ -370,15 +370,15 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
         rs += coll("reduce_scatter", "reduce_scatter", x_grad, xn, lay.ep * lay.tp,
                    per(x_grad, experts, xn), rs_times)
     if lay.zero in (1, 2):
-        ops = {"reduce_scatter": rs * (m if lay.zero == 2 else 1), "all_gather": ag}
+        ops = {"reduce_scatter": rs * rs_times, "all_gather": ag}
         if impl.dp_overlap:
-            out += _exposed(rs, b_mb) * (m if lay.zero == 2 else 1) + _exposed(ag, f_mb)
+            out += _exposed(rs, b_mb) * rs_times + _exposed(ag, f_mb)
         elif lay.zero == 1:  # reduce-scatters the accumulated gradients after the last backward
             out += rs + ag
         else:
             out += m * _exposed(rs, b_mb) + ag
     else:
-        ops = {"all_gather": 2 * m * ag, "reduce_scatter": m * rs}
+        ops = {"all_gather": ag_times * ag, "reduce_scatter": rs_times * rs}
         if impl.fsdp_prefetch:
             out += m * (_exposed(ag, f_mb) + _exposed(ag + rs, b_mb) + ag / units)
         else:
@@ -401,10 +401,11 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
 
 
 def _tp_calls(blocks: int, per_block: float, one: float, start: float, pieces: int) -> dict:
-    """The TP collectives of `blocks` block passes (forward and backward of one micro-batch
-    through one block each), `per_block` seconds each, in units of `one` all-reduce (`pieces`
-    calls: SP's all-gather and reduce-scatter) whose calls start in `start` seconds in all:
-    {"ops", "calls"} as the data-parallel ones report them (empty without TP)."""
+    """The TP collectives of a step, reported as the data-parallel ones are ({"ops",
+    "calls"}; empty without TP): `blocks` passes of one micro-batch through one block (forward
+    and backward), each with `per_block` seconds of collectives, that is per_block / `one`
+    all-reduces' worth; each all-reduce's worth is `pieces` calls (with SP an all-gather and a
+    reduce-scatter) that start in `start` seconds together."""
     if not one:
         return {}
     n = per_block / one  # all-reduces' worth per block pass
