@@ -139,15 +139,23 @@ H100 = make_cluster("h100", 8)
 BIG = PRESETS["mixtral-8x7b"]
 
 
+def _a2a_bytes_s(lay: Layout, cluster, seq: int = 4096, batch: int = 8, shape=BIG) -> float:
+    """A step's all-to-all seconds less the calls' starts (one start and one hop each, over the
+    slowest link of the ep group): the part its payload's bytes make."""
+    c = evaluate(shape, lay, cluster, seq, batch)
+    return c.timing.ep - c.moe["all_to_alls_per_step"] * cluster.send_latency(lay.ep, lay.tp)
+
+
 def test_all_to_all_bytes_and_time_by_hand():
     # One dispatch (or combine) moves local tokens x top_k x hidden x bytes per GPU.
     assert dispatch_bytes(TINY, 1024, 2) == 1024 * 2 * 64 * 2
     assert dispatch_bytes(BIG, 4096, 2) == 4096 * 2 * 4096 * 2 == 67_108_864
     # Mixtral 8x7B on 8 H100s of one node, ep 8, one sequence of 4096 per GPU per step: 4
     # all-to-alls per block, each sending 7/8 of 64 MiB over NVLink (370 GB/s effective), the
-    # busiest rank receiving 1.25 x the mean; 32 blocks.
+    # busiest rank receiving 1.25 x the mean; 32 blocks. Each call starts in NCCL's 8.4 us
+    # plus one NVLink hop of 3.4 us (its sends to the 7 peers run at once).
     bw = 450e9 * LINK_EFFICIENCY
-    one = 1.25 * 7 / 8 * 67_108_864 / bw
+    one = 1.25 * 7 / 8 * 67_108_864 / bw + 11.8e-6
     t = step_time(BIG, Layout(dp=8, ep=8, zero=1), H100, 4096, 8)
     assert t.ep == pytest.approx(32 * 4 * one, rel=1e-12)
     assert t.breakdown()["ep_comm"] == t.ep
@@ -165,6 +173,10 @@ def test_all_to_all_bytes_and_time_by_hand():
     c = evaluate(BIG, Layout(dp=8, ep=8, zero=1), H100, 4096, 8)
     assert c.moe["all_to_all_bytes"] == 67_108_864 and c.moe["all_to_alls_per_step"] == 128
     assert c.moe["all_to_all_crosses_nodes"] is False
+    # Across two nodes (ep 16, tp 1) the slowest link a call uses is the network: 14 us a hop.
+    assert make_cluster("h100", 16).send_latency(16, 1) == pytest.approx(22.4e-6, rel=1e-12)
+    assert make_cluster("h100", 16).send_latency(8, 1) == pytest.approx(11.8e-6, rel=1e-12)
+    assert make_cluster("h100", 16).send_latency(8, 2) == pytest.approx(22.4e-6, rel=1e-12)
     assert c.to_dict()["moe"]["ep"] == 8
     full = evaluate(BIG, Layout(dp=8, ep=8, zero=1, recompute="full"), H100, 4096, 8)
     assert full.moe["all_to_alls_per_step"] == 6 * 32
@@ -181,8 +193,12 @@ def test_sequence_parallel_runs_the_feed_forward_on_the_rank_slice():
     sliced = replace(whole, sp=True)
     a, b = evaluate(BIG, whole, cluster, 4096, 8), evaluate(BIG, sliced, cluster, 4096, 8)
     assert a.moe["all_to_all_bytes"] == 2 * b.moe["all_to_all_bytes"] == 67_108_864
-    assert step_time(BIG, whole, cluster, 4096, 8).ep == pytest.approx(
-        2 * step_time(BIG, sliced, cluster, 4096, 8).ep, rel=1e-12)
+    assert _a2a_bytes_s(whole, cluster) == pytest.approx(2 * _a2a_bytes_s(sliced, cluster),
+                                                         rel=1e-12)
+    # The same number of calls, each starting in 22.4 us: the ep 8 x tp 2 group leaves the node.
+    assert step_time(BIG, whole, cluster, 4096, 8).ep - step_time(BIG, sliced, cluster, 4096,
+                                                                  8).ep \
+        == pytest.approx(_a2a_bytes_s(sliced, cluster), rel=1e-12)
     moe = activation_bytes_per_token(BIG, whole, 2, "none")  # Korthikanti-style, per token
     assert layer_activation_bytes(BIG, 4096, 1, whole, "bf16") \
         - layer_activation_bytes(BIG, 4096, 1, sliced, "bf16") \
@@ -196,25 +212,36 @@ def test_sequence_parallel_runs_the_feed_forward_on_the_rank_slice():
 
 def test_all_to_all_priced_inside_a_node_or_across_nodes():
     lay = Layout(dp=8, ep=8, zero=1)
-    inside = step_time(BIG, lay, make_cluster("h100", 8, 8), 4096, 8).ep
-    across = step_time(BIG, lay, make_cluster("h100", 8, 4), 4096, 8).ep  # 4 GPUs per node
-    # Only the link differs: NVLink 450 GB/s against 50 GB/s of network per GPU.
+    inside = _a2a_bytes_s(lay, make_cluster("h100", 8, 8))
+    across = _a2a_bytes_s(lay, make_cluster("h100", 8, 4))  # 4 GPUs per node
+    # Only the link differs: NVLink 450 GB/s against 50 GB/s of network per GPU; and each of
+    # the 128 calls starts in 8.4 us plus one hop, 3.4 us over NVLink, 14.0 across nodes.
     assert across / inside == pytest.approx(450 / 50, rel=1e-12)
+    assert step_time(BIG, lay, make_cluster("h100", 8, 4), 4096, 8).ep - across \
+        == pytest.approx(128 * 22.4e-6, rel=1e-9)
+    assert step_time(BIG, lay, make_cluster("h100", 8, 8), 4096, 8).ep - inside \
+        == pytest.approx(128 * 11.8e-6, rel=1e-9)
     # ep groups are ep ranks at stride tp: ep 8 x tp 2 = 16 ranks leave an 8-GPU node, ep 4 x
     # tp 2 does not.
     c16 = make_cluster("h100", 16, 8)
-    wide = evaluate(BIG, Layout(tp=2, dp=8, ep=8, zero=1), c16, 4096, 8)
-    narrow = evaluate(BIG, Layout(tp=2, dp=8, ep=4, zero=1), c16, 4096, 8)
+    wide_lay, narrow_lay = Layout(tp=2, dp=8, ep=8, zero=1), Layout(tp=2, dp=8, ep=4, zero=1)
+    wide = evaluate(BIG, wide_lay, c16, 4096, 8)
+    narrow = evaluate(BIG, narrow_lay, c16, 4096, 8)
     assert wide.moe["all_to_all_crosses_nodes"] and not narrow.moe["all_to_all_crosses_nodes"]
     # Per call ep 8 sends 7/8 of the payload and ep 4 3/4; the link is 9x slower.
-    assert wide.timing.ep / narrow.timing.ep == pytest.approx((7 / 8) / (3 / 4) * 9, rel=1e-12)
+    assert _a2a_bytes_s(wide_lay, c16) / _a2a_bytes_s(narrow_lay, c16) \
+        == pytest.approx((7 / 8) / (3 / 4) * 9, rel=1e-12)
 
 
 def test_imbalance_scales_expert_compute_only_when_experts_are_spread():
     even = replace(BIG, moe_imbalance=1.0)
     lay = Layout(dp=8, ep=8, zero=1)
     a, b = step_time(even, lay, H100, 4096, 8), step_time(BIG, lay, H100, 4096, 8)
-    assert b.ep == pytest.approx(1.25 * a.ep, rel=1e-12)
+    # The busiest GPU receives 1.25 x the bytes; the calls' starts are the same.
+    assert _a2a_bytes_s(lay, H100) == pytest.approx(
+        1.25 * _a2a_bytes_s(lay, H100, shape=even), rel=1e-12)
+    assert b.ep - _a2a_bytes_s(lay, H100) == pytest.approx(
+        a.ep - _a2a_bytes_s(lay, H100, shape=even), rel=1e-12)
     assert b.compute > a.compute
     # Priced at the datasheet peak and bandwidth (no table, so every FLOP and byte costs the
     # same) with fused elementwise kernels, the extra is exactly the busiest GPU's extra 0.25 x
@@ -304,11 +331,12 @@ def test_written_config_names_the_preset_and_ep():
 # attention rows where nothing was published (causal 4096 tokens: backward 248 TF/s, not the
 # 8192-token 287), and when the default attention became SDPA's pick (cuDNN's on an H100),
 # and when every collective call paid NCCL's fixed cost (hardware.Cluster.ring_latency), per
-# layer for TP, per unit for ZeRO-3 and per 25 MiB bucket for DDP and ZeRO-1/2;
+# layer for TP, per unit for ZeRO-3 and per 25 MiB bucket for DDP and ZeRO-1/2, and when
+# point-to-point sends (pipeline, context ring) did too (hardware.Cluster.send_latency);
 # the structural checks below are what keeps MoE terms out of dense plans.
 DENSE_EVALUATIONS = [
     (Layout(tp=2, pp=2, dp=2, cp=2, micro_batch=1, zero=1, recompute="selective", sp=True),
-     2.5508407078481206, 26103253504.0, 0.022216750702702702),
+     2.55589919344812, 26103253504.0, 0.022216750702702702),
     (Layout(dp=16, micro_batch=2, zero=3), 1.830397716914592, 83447749120.0,
      0.05745668127264865),
     (Layout(dp=16, micro_batch=2, zero=0), 2.0361999168085267, 224097192448.0,
@@ -330,15 +358,15 @@ def test_dense_evaluations_unchanged(lay, step, mem, dp):
 
 @pytest.mark.parametrize("name, gpu, n, seq, batch, best", [
     ("gpt2-xl", "titan-rtx-24g", 2, 1024, 2,
-     [("tp1 pp2 dp1 cp1 mb1 zero0 none interleaved_1f1b/v8", 0.2059117666230038,
+     [("tp1 pp2 dp1 cp1 mb1 zero0 none interleaved_1f1b/v8", 0.2063347666230039,
        19434406400.0),
-      ("tp1 pp2 dp1 cp1 mb1 zero0 none interleaved_1f1b/v6", 0.20639024557235522,
+      ("tp1 pp2 dp1 cp1 mb1 zero0 none interleaved_1f1b/v6", 0.20670044557235528,
        19434406400.0)]),
     ("llama3-8b", "h100", 64, 8192, 512,
      # With every collective paying NCCL's fixed cost, ZeRO-2's reduce-scatter of every bucket
      # after every micro-batch costs the pipeline its lead over ZeRO-3 (it was 7.698 s).
      [("tp1 pp1 dp64 cp1 mb1 zero3 none", 7.759861989753381, 77425053184.0),
-      ("tp1 pp2 dp32 cp1 mb1 zero3 none interleaved_1f1b/v8", 7.872412392448056,
+      ("tp1 pp2 dp32 cp1 mb1 zero3 none interleaved_1f1b/v8", 7.873084392448076,
        73689891328.0)]),
 ])
 def test_dense_searches_unchanged(name, gpu, n, seq, batch, best):

@@ -58,9 +58,12 @@ def test_scatter_gather_sends_a_tp_slice_and_gathers_it():
     cl = make_cluster("a100-80g", 64)
     act, link = 2048 * PRESETS["megatron-18.4b"].hidden * 2, cl.link_bandwidth(2, 2 * 8)
     whole, split = _timing(lay, batch=2), _timing(lay, batch=2, pp_scatter_gather=True)
-    assert whole.pp == pytest.approx(6 * act / link, rel=1e-9)
+    # Each send starts in NCCL's 8.4 us plus one network hop of 14.0 us (stages are 16 ranks
+    # apart, in other nodes).
+    start = 1e-6 * (8.4 + 14.0)
+    assert whole.pp == pytest.approx(6 * (act / link + start), rel=1e-9)
     gather = ring_time("all_gather", act, 8, cl.bus_bandwidth(8, 1)) + 1e-6 * (8.4 + 7 * 3.4)
-    assert split.pp == pytest.approx(6 * (act / 8 / link + gather), rel=1e-9)
+    assert split.pp == pytest.approx(6 * (act / 8 / link + start + gather), rel=1e-9)
     sp = Layout(tp=8, pp=4, dp=2, micro_batch=1, recompute="full", schedule="1f1b", sp=True)
     assert _timing(sp, pp_scatter_gather=True).step_time_s == _timing(sp).step_time_s
 
@@ -70,3 +73,26 @@ def test_the_options_are_fix_keys():
         "p2p_blocking": True, "pp_scatter_gather": True}
     assert Implementation().p2p_blocking is False  # meshloom's sends are asynchronous
     assert Implementation(p2p_blocking=True).short() == "p2p_blocking=true"
+
+
+def test_context_ring_steps_pay_a_send_start():
+    """A context-parallel ring step is a send: its K, V block's bytes over the link plus NCCL's
+    start and one hop (8.4 + 3.4 us over NVLink), hidden behind the attention of the block the
+    rank already holds, less the overlap's contention charge; backward passes the block and its
+    gradient. Worked by hand for Llama 3 8B at cp 2, one micro-batch, no recompute."""
+    from meshloom.plan.compute import block_cost, rates_for
+    from meshloom.plan.hardware import OVERLAP_SLOWDOWN
+
+    shape, cl, seq = PRESETS["llama3-8b"], make_cluster("h100", 16), 8192
+    lay = Layout(cp=2, dp=8, micro_batch=1, zero=1, recompute="none")
+    t = step_time(shape, lay, cl, seq, 8)
+    blk = block_cost(shape, lay, rates_for(cl), seq, 2, True, Implementation())
+    hop = 2 * (seq // 2) * shape.kv_dim * 2 / cl.link_bandwidth(2, 1) + 1e-6 * (8.4 + 3.4)
+    block = blk.fwd.attention / 2
+
+    def exposed(comm, compute):
+        return max(0.0, comm - compute) + OVERLAP_SLOWDOWN * min(comm, compute)
+
+    assert t.cp == pytest.approx(
+        shape.layers * (exposed(hop, block) + exposed(2 * hop, 2 * block)), rel=1e-12)
+    assert cl.send_latency(2, 1) == pytest.approx(11.8e-6, rel=1e-12)

@@ -28,7 +28,9 @@ LINK_EFFICIENCY = 370.0 / 450.0  # measured NCCL bus bandwidth / one-way NVLink 
 # NCCL picks for large messages and whose bandwidth the rates above are: 8.4 us to start, and
 # per ring step 3.4 us over NVLink, 5.7 us over PCIe, 14.0 us over the network. A ring over n
 # ranks takes n - 1 steps (all-gather, reduce-scatter) or 2(n - 1) (all-reduce), of which the
-# network carries nodes - 1 (2 x nodes for an all-reduce, at most all of its steps).
+# network carries nodes - 1 (2 x nodes for an all-reduce, at most all of its steps). A send
+# is priced as a two-rank ring's one step, and an all-to-all (one grouped kernel whose sends to
+# every peer run at once) as one start and one hop over the slowest link it uses.
 NCCL_RING_BASE_US = 8.4
 NCCL_RING_HOP_US = {"nvlink": 3.4, "pci": 5.7, "net": 14.0}
 
@@ -127,6 +129,14 @@ class Cluster:
             steps, net = size - 1, nodes - 1
         hop, net_hop = NCCL_RING_HOP_US[self.gpu.intra_link], NCCL_RING_HOP_US["net"]
         return 1e-6 * (NCCL_RING_BASE_US + (steps - net) * hop + net * net_hop)
+
+    def send_latency(self, size: int, stride: int) -> float:
+        """Seconds a point-to-point send (size 2) or an all-to-all over `size` ranks costs
+        before its bytes: NCCL's start and one hop over the slowest link the group uses."""
+        if size <= 1:
+            return 0.0
+        link = "net" if self.crosses_nodes(size, stride) else self.gpu.intra_link
+        return 1e-6 * (NCCL_RING_BASE_US + NCCL_RING_HOP_US[link])
 
 
 def ring_time(op: str, payload: float, size: int, bandwidth: float,

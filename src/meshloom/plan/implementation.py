@@ -117,6 +117,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, fields
 
+from meshloom.config import ParallelConfig
 from meshloom.plan import PlanError
 
 
@@ -179,7 +180,8 @@ STR_IMPL_KEYS = ("attention_kernel", "pp_split", "optimizer_state", "dp_buckets"
 # Bytes per parameter beside the bf16 parameter and gradient: (master copy, Adam moments).
 OPTIMIZER_STATES = {"fp32": (4, 8), "fp32_remainders": (2, 8), "bf16": (0, 4)}
 DP_BUCKETS = ("torch", "mcore", "deepspeed", "whole")
-TORCH_BUCKET_BYTES = 25 * 2**20  # meshloom's ddp_bucket_mb and PyTorch DDP's bucket_cap_mb
+# meshloom's parallel.ddp_bucket_mb default, which is PyTorch DDP's bucket_cap_mb (25 MiB)
+TORCH_BUCKET_BYTES = int(ParallelConfig.ddp_bucket_mb * 2**20)
 DEEPSPEED_BUCKET_ELEMENTS = 5e8  # DeepSpeed ZeRO's reduce/allgather_bucket_size defaults
 
 

@@ -27,7 +27,13 @@ from functools import lru_cache
 from meshloom.parallel.pipeline_schedule import compute_lists
 from meshloom.plan import PlanError
 from meshloom.plan.formulas import FP32, MIXED, Precision, model_state_bytes
-from meshloom.plan.implementation import MESHLOOM, OPTIMIZER_STATES, Implementation, keeps_grads
+from meshloom.plan.implementation import (
+    MESHLOOM,
+    OPTIMIZER_STATES,
+    TORCH_BUCKET_BYTES,
+    Implementation,
+    keeps_grads,
+)
 from meshloom.plan.layout import Layout
 from meshloom.plan.models import ModelShape
 from meshloom.plan.moe import (
@@ -45,7 +51,6 @@ from meshloom.plan.step_kernels import ATTENTION_GEMMS, block_gemms
 # PyTorch's allocator frees its cached blocks and retries before it fails, so the cache it
 # reserves above the allocated peak (0.2-5.5 GB on the H100 runs, docs/plan.md) is not a limit.
 CONTEXT_BYTES = 1.0e9
-DDP_BUCKET_BYTES = 25 * 2**20  # meshloom's default parallel.ddp_bucket_mb; two in flight
 
 
 def precision(dtype: str):
@@ -606,7 +611,7 @@ def _buffers(shape: ModelShape, lay: Layout, s: int, b: int, dtype: str) -> floa
     e = act_elem_bytes(dtype)
     out = 0.0
     if lay.dp > 1 and lay.zero < 3:
-        out += 2 * DDP_BUCKET_BYTES
+        out += 2 * TORCH_BUCKET_BYTES  # two buckets in flight
     if lay.zero == 3 and lay.dp_shard > 1:
         unit = shape.layer_params / lay.tp
         if shape.is_moe:  # experts split over ep, the rest of the block as a dense one

@@ -76,12 +76,14 @@ def all_to_all_bandwidth(cluster: Cluster, lay: Layout) -> float:
     return cluster.link_bandwidth(lay.ep, lay.tp)
 
 
-def all_to_all_time(payload: float, ep: int, bandwidth: float, load: float = 1.0) -> float:
+def all_to_all_time(payload: float, ep: int, bandwidth: float, load: float = 1.0,
+                    latency: float = 0.0) -> float:
     """Seconds for one all-to-all: a GPU sends (ep - 1)/ep of `payload` and receives as much,
-    both ways at once; the busiest receiver gets `load` times the mean."""
+    both ways at once; the busiest receiver gets `load` times the mean; plus the call's fixed
+    `latency` (Cluster.send_latency)."""
     if ep <= 1 or payload <= 0:
         return 0.0
-    return load * (ep - 1) / ep * payload / bandwidth
+    return load * (ep - 1) / ep * payload / bandwidth + latency
 
 
 def activation_bytes_per_token(shape: ModelShape, lay: Layout, elem_bytes: int,

@@ -136,9 +136,9 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     # forward's (plan/reruns.py). With tp_overlap they run under the neighbouring GEMMs; only
     # the excess waits.
     tp_bw = cluster.bus_bandwidth(t, 1)
-    tp_calls = (2 * cluster.ring_latency("all_gather", t, 1) if lay.sp
-                else cluster.ring_latency("all_reduce", t, 1))
-    tp_one = ring_time("all_reduce", tokens * shape.hidden * e, t, tp_bw, tp_calls)
+    tp_start = (2 * cluster.ring_latency("all_gather", t, 1) if lay.sp
+                else cluster.ring_latency("all_reduce", t, 1))  # one all-reduce's worth
+    tp_one = ring_time("all_reduce", tokens * shape.hidden * e, t, tp_bw, tp_start)
     tp_f_all, tp_b_all = 2 * tp_one, (2 + tp_reruns(shape, lay, impl)) * tp_one
     if impl.tp_overlap:  # the hidden part still slows the GEMMs it runs beside
         tp_f, tp_b = _exposed(tp_f_all, blk.fwd.gemm), _exposed(tp_b_all, blk.bwd.gemm)
@@ -150,7 +150,7 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     cp_f = cp_b = 0.0
     if lay.cp > 1:
         kv_bytes = 2 * tokens * shape.kv_dim * e / t
-        hop = kv_bytes / cluster.link_bandwidth(lay.cp, t)
+        hop = kv_bytes / cluster.link_bandwidth(lay.cp, t) + cluster.send_latency(lay.cp, t)
         block = blk.fwd.attention / lay.cp
         cp_f = (lay.cp - 1) * _exposed(hop, block)
         cp_b = (lay.cp - 1) * _exposed(2 * hop, 2 * block)
@@ -162,7 +162,8 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     ep_f = ep_b = 0.0
     if shape.is_moe and lay.ep > 1:
         a2a = all_to_all_time(dispatch_bytes(shape, ffn_tokens(lay, tokens), e), lay.ep,
-                              all_to_all_bandwidth(cluster, lay), load_factor(shape, lay))
+                              all_to_all_bandwidth(cluster, lay), load_factor(shape, lay),
+                              cluster.send_latency(lay.ep, t))
         ep_f = A2A_FORWARD * a2a
         ep_b = (all_to_alls(dispatch_reruns(lay, impl)) - A2A_FORWARD) * a2a
     tp_only = tp_f + tp_b
@@ -195,14 +196,15 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     if p > 1:
         stride = lay.dp * lay.cp * t
         act = tokens * shape.hidden * e
+        start = cluster.send_latency(2, stride)
         if lay.sp:  # each tp rank holds, and sends, its sequence slice
-            hop_pp = act / t / cluster.link_bandwidth(2, stride)
+            hop_pp = act / t / cluster.link_bandwidth(2, stride) + start
         elif impl.pp_scatter_gather and t > 1:  # a 1/t piece each, gathered over tp on arrival
-            hop_pp = (act / t / cluster.link_bandwidth(2, stride)
+            hop_pp = (act / t / cluster.link_bandwidth(2, stride) + start
                       + ring_time("all_gather", act, t, tp_bw,
                                   cluster.ring_latency("all_gather", t, 1)))
         else:  # every tp rank sends the whole activation
-            hop_pp = act / cluster.link_bandwidth(2, stride)
+            hop_pp = act / cluster.link_bandwidth(2, stride) + start
 
     busy_mb = work(busiest)
     comm_mb = layers * (tp_f + tp_b + cp_f + cp_b)
@@ -257,7 +259,7 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
                       "head_and_loss": m * (head_f + head_b)},
         "comm_s": {"tp": {"exposed": tp_total, "hidden": m * layers * (tp_f_all + tp_b_all)
                           - tp_total} | _tp_calls(m * layers, tp_f_all + tp_b_all, tp_one,
-                                                  tp_calls, 2 if lay.sp else 1),
+                                                  tp_start, 2 if lay.sp else 1),
                    "cp": {"exposed": cp_total},
                    "dp": {"exposed": dp["exposed"], "hidden": dp["total"] - dp["exposed"],
                           "ops": dp["ops"], "calls": dp["calls"]},
