@@ -201,8 +201,15 @@ def test_explain_counts_the_calls_and_their_start():
     assert tp["calls"] == m * layers * 2 * (4 + 1.5)  # 1.5 rerun all-reduces' worth
     assert tp["fixed_s"] == pytest.approx(m * layers * (4 + 1.5) * 2
                                           * cl.ring_latency("all_gather", 4, 1))
+    # The busiest pipeline rank, the last (it holds the head), runs stages 3, 7, ..., 79: each
+    # sends its activation forward but stage 79, and its input's gradient back: 39 sends per
+    # micro-batch, each starting in 8.4 + 14.0 us (the next stage is 16 ranks on, another node).
+    pp = c.timing.detail["comm_s"]["pp"]["calls"]["sends"]
+    assert pp["calls"] == m * 39
+    assert pp["fixed_s"] == pytest.approx(m * 39 * 22.4e-6, rel=1e-12)
     text = explain(c)
     assert f"{m * buckets:,} calls starting in" in text
+    assert f"{m * 39:,} calls starting in" in text
     one = evaluate(shape, replace(lay, zero=1), cl, 8192, 256)
     assert one.timing.detail["comm_s"]["dp"]["calls"]["reduce_scatter"]["calls"] == buckets
 

@@ -173,6 +173,9 @@ def test_all_to_all_bytes_and_time_by_hand():
     c = evaluate(BIG, Layout(dp=8, ep=8, zero=1), H100, 4096, 8)
     assert c.moe["all_to_all_bytes"] == 67_108_864 and c.moe["all_to_alls_per_step"] == 128
     assert c.moe["all_to_all_crosses_nodes"] is False
+    a2a = c.timing.detail["comm_s"]["ep"]
+    assert a2a["calls"]["all_to_all"] == {"calls": 128, "fixed_s": pytest.approx(128 * 11.8e-6)}
+    assert a2a["ops"]["all_to_all"] == pytest.approx(32 * 4 * one, rel=1e-12)
     # Across two nodes (ep 16, tp 1) the slowest link a call uses is the network: 14 us a hop.
     assert make_cluster("h100", 16).send_latency(16, 1) == pytest.approx(22.4e-6, rel=1e-12)
     assert make_cluster("h100", 16).send_latency(8, 1) == pytest.approx(11.8e-6, rel=1e-12)

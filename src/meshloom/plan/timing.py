@@ -192,11 +192,11 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     busiest = max(range(p), key=lambda r: (work(r), r))  # a tie goes to the last (the head)
     layers = held[busiest]
 
-    hop_pp = 0.0
+    hop_pp = pp_start = 0.0
     if p > 1:
         stride = lay.dp * lay.cp * t
         act = tokens * shape.hidden * e
-        start = cluster.send_latency(2, stride)
+        start = pp_start = cluster.send_latency(2, stride)
         if lay.sp:  # each tp rank holds, and sends, its sequence slice
             hop_pp = act / t / cluster.link_bandwidth(2, stride) + start
         elif impl.pp_scatter_gather and t > 1:  # a 1/t piece each, gathered over tp on arrival
@@ -263,8 +263,11 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
                    "cp": {"exposed": cp_total},
                    "dp": {"exposed": dp["exposed"], "hidden": dp["total"] - dp["exposed"],
                           "ops": dp["ops"], "calls": dp["calls"]},
-                   "pp": {"exposed": pp_comm}}
-        | ({"ep": {"exposed": ep_total}} if shape.is_moe else {}),
+                   "pp": {"exposed": pp_comm} | _pp_sends(m, busiest, p, n_stages, hop_pp,
+                                                           pp_start)}
+        | ({"ep": {"exposed": ep_total} | _ep_calls(
+            m * layers * all_to_alls(dispatch_reruns(lay, impl)), ep_total,
+            cluster.send_latency(lay.ep, t))} if shape.is_moe else {}),
         "bubble_s": bubble, "optimizer_s": optimizer, "accumulate_s": accumulate,
     }
     return Timing(total, compute, tp_total, cp_total, pp_comm, dp["exposed"], bubble,
@@ -414,6 +417,27 @@ def _tp_calls(blocks: int, per_block: float, one: float, start: float, pieces: i
     return {"ops": {"collectives": blocks * per_block},
             "calls": {"collectives": {"calls": round(blocks * n * pieces),
                                       "fixed_s": blocks * n * start}}}
+
+
+def _pp_sends(m: int, rank: int, p: int, n_stages: int, hop: float, start: float) -> dict:
+    """The pipeline rank `rank`'s sends in a step, reported as the collectives are ({"ops",
+    "calls"}; empty without a pipeline): each of its stages sends its activation forward (but
+    the last stage) and its input's gradient back (but the first), once per micro-batch; each
+    takes `hop` seconds, of which `start` is the call's start."""
+    if p <= 1:
+        return {}
+    stages = range(rank, n_stages, p)
+    n = m * (sum(s < n_stages - 1 for s in stages) + sum(s > 0 for s in stages))
+    return {"ops": {"sends": n * hop}, "calls": {"sends": {"calls": n, "fixed_s": n * start}}}
+
+
+def _ep_calls(n: int, seconds: float, start: float) -> dict:
+    """The all-to-alls of a step ({"ops", "calls"}; empty without expert parallel): `n` calls
+    taking `seconds` in all, each starting in `start`."""
+    if not n or not seconds:
+        return {}
+    return {"ops": {"all_to_all": seconds},
+            "calls": {"all_to_all": {"calls": n, "fixed_s": n * start}}}
 
 
 def _collective(cluster: Cluster, op: str, payload: float, size: int, stride: int,
