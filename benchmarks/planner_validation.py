@@ -23,6 +23,7 @@ import json
 import statistics
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 from meshloom.plan import kernel_table
@@ -199,22 +200,27 @@ def megatron_rows() -> list[dict]:
 
 
 def run_shape(run: dict):
-    """A published run's model as runs.json records it."""
+    """A published run's model as runs.json records it (with its experts, if it has them)."""
     m = run["model"]
-    return from_dims(m["arch"], m["hidden"], m["layers"], m["heads"], m["vocab"],
-                     kv_heads=m.get("kv_heads"), ffn_hidden=m.get("ffn_hidden"),
-                     name=m.get("name", run["id"]), tied=m.get("tied_embeddings"),
-                     positions=m.get("positions", 0 if m["arch"] == "llama" else None),
-                     dropout=m.get("dropout"),
-                     linear_bias=m.get("linear_bias") if m["arch"] == "gpt" else None,
-                     rotary=m.get("rotary"))
+    shape = from_dims(m["arch"], m["hidden"], m["layers"], m["heads"], m["vocab"],
+                      kv_heads=m.get("kv_heads"), ffn_hidden=m.get("ffn_hidden"),
+                      name=m.get("name", run["id"]), tied=m.get("tied_embeddings"),
+                      positions=m.get("positions", 0 if m["arch"] == "llama" else None),
+                      dropout=m.get("dropout"),
+                      linear_bias=m.get("linear_bias") if m["arch"] == "gpt" else None,
+                      rotary=m.get("rotary"))
+    if m.get("n_experts"):
+        shape = replace(shape, n_experts=m["n_experts"], top_k=m["top_k"],
+                        moe_hidden=m["moe_hidden"], moe_imbalance=m["moe_imbalance"],
+                        capacity_factor=m.get("capacity_factor"))
+    return shape
 
 
 def run_fixed(run: dict) -> tuple[dict, dict]:
     """A published run's layout and implementation keys for the search, and `unpriced` when
     its attention kernel has no published rate on its GPU (then priced as FlashAttention-2)."""
     lay = run["layout"]
-    fixed = {k: lay[k] for k in ("tp", "pp", "cp", "dp", "zero", "dp_replicate",
+    fixed = {k: lay[k] for k in ("tp", "pp", "cp", "dp", "ep", "zero", "dp_replicate",
                                  "recompute", "sp", "v") if lay.get(k) is not None}
     if lay.get("schedule"):
         fixed["schedule"] = lay["schedule"]
@@ -249,6 +255,11 @@ def published_rows(path: Path = RUNS) -> list[dict]:
         if fixed.get("attention_kernel", "fa2") != "fa2":  # what FlashAttention-2 would give
             row["error_fa2_attention"] = _published_row(
                 run, shape, {**fixed, "attention_kernel": "fa2"}, {})["error"]
+        if fixed.get("expert_tp"):  # with meshloom's whole experts on every tp rank
+            whole = _published_row(run, shape, {**fixed, "expert_tp": False}, {})
+            row["error_whole_experts"] = whole["error"]
+            row["memory_gb_whole_experts"] = whole["memory_gb"]
+            row["fits_whole_experts"] = whole["fits"]
         if fixed.get("optimizer_state", "fp32") != "fp32":  # with the default 12 bytes
             default = _published_row(run, shape, {**fixed, "optimizer_state": "fp32"}, {})
             row["memory_gb_fp32_optimizer_state"] = default["memory_gb"]
@@ -382,7 +393,8 @@ def render_readme(result: dict) -> str:
         f"(mean {own['mean_abs_error']:.1%}) and {own['memory_max_abs_error']:.1%} in peak "
         f"memory; Megatron-LM Table 1 (A100) mean {meg['mean_abs_error']:.1%}, worst "
         f"{meg['max_abs_error']:.1%}; NeMo's H100 runs (Llama 3.1 8B/70B/405B, GPT-3 175B, "
-        f"Nemotron-4 340B) mean {nemo['mean_abs_error']:.1%}, worst "
+        f"Nemotron-4 340B, the Grok-1 314B mixture of experts) mean "
+        f"{nemo['mean_abs_error']:.1%}, worst "
         f"{nemo['max_abs_error']:.1%}; other trainers' A100 "
         f"runs mean {low:.1%}-{high:.1%} per trainer (the A100 80GB set "
         f"{a80['mean_abs_error']:.1%}, worst {a80['max_abs_error']:.1%}, a "

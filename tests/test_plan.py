@@ -341,6 +341,9 @@ def test_cli_hf_config_and_explicit_dims(tmp_path):
       "--qk-norm"], "gpt blocks take linear_bias, not the llama options"),
     (["--arch", "llama", "--hidden", "64", "--layers", "2", "--heads", "4", "--vocab", "100",
       "--sliding-window", "0"], "sliding_window=0 must be a positive integer"),
+    (["--model", "mixtral-tiny", "--gpus", "4", "--seq", "64", "--global-batch", "4", "--fix",
+      "tp=2,ep=2,sp=false,expert_tp=true"], "which Megatron-Core runs only with sequence "
+                                            "parallel: add sp=true"),
 ])
 def test_cli_bad_input_one_line_exit_2(args, msg, capsys):
     from meshloom.commands import main

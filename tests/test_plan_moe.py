@@ -409,3 +409,53 @@ def test_hf_mixtral_config_counts_as_transformers_builds_it(tmp_path):
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     assert from_hf_config(tmp_path).params == model.num_parameters()
+
+
+def test_expert_tp_splits_each_expert_over_tp_as_megatron_core_does():
+    """`expert_tp` (Megatron-Core's expert tensor parallel): at tp 2 each GPU holds half of each
+    of its experts and runs the tp group's gathered tokens through its half, the same FLOPs;
+    each dispatch is followed by an all-gather over tp and each combine preceded by a
+    reduce-scatter (and the reverse in backward); each expert keeps the gathered input, twice
+    the rows. Worked by hand for Mixtral 8x7B, tp 2 x ep 8 on 16 H100s, one micro-batch."""
+    from meshloom.plan.compute import block_cost, rates_for
+    from meshloom.plan.hardware import ring_time
+    from meshloom.plan.step_kernels import block_gemms
+
+    cluster = make_cluster("h100", 16)
+    lay = Layout(tp=2, dp=8, ep=8, zero=1, sp=True)
+    off, on = Implementation(meshloom_block=False), Implementation(meshloom_block=False,
+                                                                    expert_tp=True)
+    a, b = (evaluate(BIG, lay, cluster, 4096, 8, impl=i) for i in (off, on))
+    assert b.moe["expert_params_per_gpu"] == a.moe["expert_params_per_gpu"] / 2
+    assert a.timing.model_flops == b.timing.model_flops
+    # The experts' GEMMs: twice the rows, half the width, the same FLOPs; priced at the
+    # datasheet peak (every FLOP the same), the block's GEMMs take the same time.
+    rows = 2048 * 2 * 1.25 * 8 / 8  # one local expert's routed rows (top 2, load 1.25)
+    gemms = {etp: [g for g in block_gemms(BIG, 4096, 2, etp * rows, 1, 2048, etp)
+                   if g.name.startswith("experts.")] for etp in (1, 2)}
+    for g0, g1 in zip(gemms[1], gemms[2], strict=True):
+        assert g1.flops == pytest.approx(g0.flops, rel=1e-12)
+        assert g1.m == 2 * g0.m and g1.n * g1.k * 2 == g0.n * g0.k
+    flat = rates_for(make_cluster("h100", 16, kernels="datasheet"))
+    assert block_cost(BIG, lay, flat, 4096, 2, True, on).fwd.gemm == pytest.approx(
+        block_cost(BIG, lay, flat, 4096, 2, True, off).fwd.gemm, rel=1e-12)
+    # Communication: beside each of the 128 all-to-alls, a gather (or scatter) over the 2 tp
+    # ranks of the tp group's received tokens: 2 x 1.25 x one rank's dispatch payload.
+    payload = 1.25 * 2 * dispatch_bytes(BIG, 4096 // 2, 2)
+    one = ring_time("all_gather", payload, 2, cluster.bus_bandwidth(2, 1),
+                    cluster.ring_latency("all_gather", 2, 1))
+    assert b.timing.ep - a.timing.ep == pytest.approx(128 * one, rel=1e-12)
+    ops = b.timing.detail["comm_s"]["ep"]["calls"]
+    assert ops["expert_tp_gather_scatter"]["calls"] == ops["all_to_all"]["calls"] == 128
+    assert "expert_tp_gather_scatter" not in a.timing.detail["comm_s"]["ep"]["calls"]
+    # Activations: each routed copy keeps the gathered input, one more hidden-wide row.
+    extra = 2048 * 1.25 * 2 * 4096 * 2
+    assert layer_activation_bytes(BIG, 4096, 1, lay, "bf16", impl=on) \
+        - layer_activation_bytes(BIG, 4096, 1, lay, "bf16", impl=off) == pytest.approx(extra)
+    # Megatron-Core asks for sequence parallel when it splits experts over tp; tp 1 is a no-op.
+    with pytest.raises(PlanError, match="expert_tp splits the experts over tp, which "
+                                        "Megatron-Core runs only with sequence parallel"):
+        evaluate(BIG, replace(lay, sp=False), cluster, 4096, 8, impl=on)
+    one_tp = Layout(dp=16, ep=8, zero=1)
+    assert evaluate(BIG, one_tp, cluster, 4096, 16, impl=on).timing.step_time_s == \
+        evaluate(BIG, one_tp, cluster, 4096, 16, impl=off).timing.step_time_s

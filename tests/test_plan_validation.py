@@ -119,6 +119,18 @@ def test_every_layout_that_ran_is_predicted_to_fit(validation_rows):
     assert own and all(r["fits"] for r in own)
 
 
+def test_grok_rows_fit_only_with_their_experts_split_over_tp(validation_rows):
+    """NeMo's Grok-1 rows split each expert over the 4 tp ranks, as Megatron-Core does by
+    default (`expert_tp`). Planned with meshloom's whole experts instead, the 512-GPU layout,
+    which ran, would not fit; split, every row fits and is less optimistic."""
+    grok = [r for r in validation_rows if "grok1" in r["id"]]
+    assert len(grok) == 9 and all(r["fits"] for r in grok)
+    full = next(r for r in grok if r["id"] == "nemo-h100-grok1-314b-8192-512gpu")
+    assert not full["fits_whole_experts"] and full["memory_gb_whole_experts"] > 86
+    assert all(r["error_whole_experts"] > r["error"] for r in grok)
+    assert all("ep8" in r["layout"] for r in grok if r["gpus"] >= 32)
+
+
 def _h100(rows, kind):
     out = [r for r in rows if r["set"] == "meshloom-h100" and r["id"].startswith(kind)]
     assert out

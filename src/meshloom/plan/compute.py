@@ -28,7 +28,12 @@ from meshloom.plan.implementation import Implementation
 from meshloom.plan.kernel_table import KernelTable, attention_flops, for_gpu, load, sdpa_kernel
 from meshloom.plan.layout import Layout
 from meshloom.plan.models import ModelShape
-from meshloom.plan.moe import ffn_elementwise_elems_per_token, ffn_tokens, load_factor
+from meshloom.plan.moe import (
+    expert_tp,
+    ffn_elementwise_elems_per_token,
+    ffn_tokens,
+    load_factor,
+)
 from meshloom.plan.step_kernels import (
     Gemm,
     block_gemms,
@@ -200,12 +205,14 @@ def block_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, e: int, f
     """One block, one micro-batch (lay.micro_batch sequences of seq / cp local tokens)."""
     t, s = lay.tp, seq // lay.cp
     tokens = lay.micro_batch * s
-    rows, local, moe_tokens = 0.0, 0, None
+    rows, local, moe_tokens, etp = 0.0, 0, None, 1
     if shape.is_moe:  # the feed-forward on its own tokens (a 1/t slice under SP)
         moe_tokens = ffn_tokens(lay, tokens)
-        local = shape.n_experts // lay.ep
-        rows = moe_tokens * shape.top_k * load_factor(shape, lay) * lay.ep / shape.n_experts
-    gemms = block_gemms(shape, tokens, t, rows, local, moe_tokens)
+        local, etp = shape.n_experts // lay.ep, expert_tp(lay, impl)
+        # split over tp, each expert slice runs the tp group's gathered rows
+        rows = (etp * moe_tokens * shape.top_k * load_factor(shape, lay) * lay.ep
+                / shape.n_experts)
+    gemms = block_gemms(shape, tokens, t, rows, local, moe_tokens, etp)
     if impl.tp_overlap and impl.tp_overlap_chunks and lay.sp and t > 1:
         run_fwd, run_bwd = overlap_pieces(gemms, t)
     else:

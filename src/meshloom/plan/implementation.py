@@ -110,6 +110,13 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   gradients summed back in backward. Off: the attention kernel reads the shared K/V heads
   itself (TransformerEngine's and flash-attn's native GQA: NeMo, Megatron-Core, TinyLlama).
   A no-op without GQA.
+- `expert_tp`: the routed experts are split over the tensor-parallel ranks as a dense MLP is
+  (Megatron-Core's expert tensor parallel, `expert_tensor_parallel_size` equal to the tp size,
+  its default): each tp rank holds 1/tp of each of its ep share of experts, gathers the tokens
+  its tp group received by all-to-all (an all-gather over tp, with sequence parallel each rank
+  routed only its slice) and reduce-scatters the experts' output, and the reverse in
+  backward. Off (meshloom): each tp rank holds whole experts and runs its own tokens through
+  them (plan/moe.py). A no-op for a dense model or tp = 1.
 """
 
 from __future__ import annotations
@@ -144,6 +151,7 @@ class Implementation:
     p2p_blocking: bool = False
     pp_scatter_gather: bool = False
     expand_kv: bool = True
+    expert_tp: bool = False
 
     @property
     def elementwise(self) -> str:

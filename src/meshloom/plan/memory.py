@@ -40,6 +40,7 @@ from meshloom.plan.moe import (
     activation_bytes_per_token,
     dispatch_bytes,
     expert_shard,
+    expert_tp,
     ffn_tokens,
     load_factor,
 )
@@ -88,8 +89,8 @@ def rank_params(shape: ModelShape, lay: Layout, rank: int) -> float:
     return dense + experts
 
 
-def rank_param_split(shape: ModelShape, lay: Layout, rank: int, layers: int | None = None
-                     ) -> tuple[float, float]:
+def rank_param_split(shape: ModelShape, lay: Layout, rank: int, layers: int | None = None,
+                     etp: int = 1) -> tuple[float, float]:
     """`rank_params` as (dense, routed experts): the first part ZeRO shards over dp_shard, the
     second over the expert shard degree (moe.expert_shard); 0 experts for a dense model.
     `layers`: the blocks this rank holds (plan/stages.py); by default the even split's most."""
@@ -105,14 +106,14 @@ def rank_param_split(shape: ModelShape, lay: Layout, rank: int, layers: int | No
         n += shape.final_norm_params
         if not shape.tied or lay.pp > 1:
             n += table / t
-    return n, layers * shape.expert_layer_params / lay.ep
+    return n, layers * shape.expert_layer_params / (lay.ep * etp)
 
 
 def rank_model_states(shape: ModelShape, lay: Layout, rank: int, prec,
-                      layers: int | None = None) -> dict[str, float]:
+                      layers: int | None = None, etp: int = 1) -> dict[str, float]:
     """Per-GPU bytes of params, grads and optimizer state: the dense part sharded by ZeRO over
     dp_shard, the routed experts (already split over ep) over the expert shard degree."""
-    dense, experts = rank_param_split(shape, lay, rank, layers)
+    dense, experts = rank_param_split(shape, lay, rank, layers, etp)
     states = model_state_bytes(dense, lay.dp_shard, lay.zero, prec)
     if experts:
         more = model_state_bytes(experts, expert_shard(lay), lay.zero, prec)
@@ -126,7 +127,9 @@ def uses_meshloom_block(shape: ModelShape, dtype: str, impl: Implementation | No
     meshloom does not build (grouped-query attention, no biases, RoPE) gets the per-tensor
     count."""
     meshloom_arch = shape.arch == "llama" or shape.is_gpt2_block
-    return impl is not None and impl.meshloom_block and dtype == "bf16" and meshloom_arch
+    split_experts = impl is not None and impl.expert_tp and shape.is_moe  # not meshloom's
+    return (impl is not None and impl.meshloom_block and dtype == "bf16" and meshloom_arch
+            and not split_experts)
 
 
 def meshloom_block_bytes(shape: ModelShape, s: int, b: int, lay: Layout, rec: str,
@@ -397,7 +400,8 @@ def layer_activation_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype
     if shape.is_moe:  # the feed-forward is not split over tp (plan/moe.py)
         split = (2 * shape.q_dim + 2 * kv) * e
         moe = ffn_tokens(lay, sb) * activation_bytes_per_token(
-            shape, lay, e, rec, fused_swiglu=impl is not None and impl.fused_swiglu)
+            shape, lay, e, rec, fused_swiglu=impl is not None and impl.fused_swiglu,
+            etp=expert_tp(lay, impl))
     else:
         split = (2 * shape.q_dim + 2 * kv + mlp_tensors * f) * e
         moe = 0.0
@@ -580,11 +584,11 @@ def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
                                       impl=impl)
                if lay.recompute == "full" else 0.0)  # one layer recomputed during backward
     grads_at_peak = keeps_grads(impl, lay) or m > 1 or lay.pp > 1
-    buffers = _buffers(shape, lay, s, b, dtype)
+    buffers = _buffers(shape, lay, s, b, dtype, expert_tp(lay, impl))
     counted_as = activation_accounting(shape, lay, dtype, flash, impl)
     best = None
     for rank in ranks:
-        states = rank_model_states(shape, lay, rank, prec, held[rank])
+        states = rank_model_states(shape, lay, rank, prec, held[rank], expert_tp(lay, impl))
         acts = alive[rank] * per_layer
         if rank == 0 and shape.has_dropout:  # the embedding dropout's 1-byte mask; the
             # embedding's output itself is the first block's input, counted there (SP: a slice)
@@ -602,7 +606,8 @@ def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
     return best
 
 
-def _buffers(shape: ModelShape, lay: Layout, s: int, b: int, dtype: str) -> float:
+def _buffers(shape: ModelShape, lay: Layout, s: int, b: int, dtype: str, etp: int = 1
+             ) -> float:
     """Communication buffers: DDP/ZeRO-1/2 buckets, ZeRO-3's gathered unit plus the prefetched
     next one and the unit's full gradient before its reduce-scatter, pipeline send/receive
     buffers, ring-attention K/V blocks (two in flight, and their gradients in backward), and
@@ -616,7 +621,8 @@ def _buffers(shape: ModelShape, lay: Layout, s: int, b: int, dtype: str) -> floa
         unit = shape.layer_params / lay.tp
         if shape.is_moe:  # experts split over ep, the rest of the block as a dense one
             split, experts = shape.tp_split_params, shape.expert_layer_params
-            unit = shape.layer_params - split - experts + split / lay.tp + experts / lay.ep
+            unit = (shape.layer_params - split - experts + split / lay.tp
+                    + experts / (lay.ep * etp))
         out += unit * (2 * prec.param_bytes + prec.grad_bytes)
     if lay.pp > 1:
         out += 2 * s * b * shape.hidden * e / (lay.tp if lay.sp else 1)

@@ -7,11 +7,15 @@ so an ep group is ep ranks at stride tp). ZeRO shards the experts over the "edp_
 (dp_shard x cp / ep) and they are replicated over dp_replicate; everything else (attention,
 norms, router, shared expert, embeddings) is sharded over dp_shard as in a dense model. With
 ep = 1 no expert groups exist, so the experts are ordinary parameters and shard over dp_shard.
-In this first version the experts are not split over tp: each tp rank holds its ep share of
-whole experts and runs the whole MoE feed-forward (router, shared expert, experts) on its
-tokens, so that part of a block's FLOPs and activations is not divided by tp. Its tokens are
-the whole sequence, or under sequence parallel the rank's 1/tp slice, which it routes itself
-(models/moe.py splits the routing statistics over the tp ranks): `ffn_tokens`.
+meshloom does not split the experts over tp: each tp rank holds its ep share of whole experts
+and runs the whole MoE feed-forward (router, shared expert, experts) on its tokens, so that
+part of a block's FLOPs and activations is not divided by tp. Its tokens are the whole
+sequence, or under sequence parallel the rank's 1/tp slice, which it routes itself
+(models/moe.py splits the routing statistics over the tp ranks): `ffn_tokens`. Megatron-Core
+splits them (`Implementation.expert_tp`, `expert_tp`): each tp rank holds 1/tp of each expert
+and, after the all-to-all, all-gathers the tokens of its tp group to run them through its
+slice, then reduce-scatters the output before the all-to-all back; the FLOPs per GPU are the
+same, the expert weights 1/tp, the saved expert inputs tp times as many.
 
 Tokens: every MoE block, in forward, dispatches each GPU's tokens to their top_k experts by one
 all-to-all and combines the outputs by another, each of tokens x top_k x hidden x bytes; backward
@@ -39,6 +43,11 @@ def load_factor(shape: ModelShape, lay: Layout) -> float:
     """The busiest GPU's expert work over the mean: the imbalance allowance once experts are
     spread over ep > 1 ranks, 1 when every expert sits on every GPU."""
     return shape.moe_imbalance if shape.is_moe and lay.ep > 1 else 1.0
+
+
+def expert_tp(lay: Layout, impl: Implementation | None) -> int:
+    """Ranks each expert is split over: tp under `Implementation.expert_tp`, else 1."""
+    return lay.tp if impl is not None and impl.expert_tp else 1
 
 
 def expert_shard(lay: Layout) -> int:
@@ -87,7 +96,8 @@ def all_to_all_time(payload: float, ep: int, bandwidth: float, load: float = 1.0
 
 
 def activation_bytes_per_token(shape: ModelShape, lay: Layout, elem_bytes: int,
-                               recompute: str, fused_swiglu: bool = False) -> float:
+                               recompute: str, fused_swiglu: bool = False,
+                               etp: int = 1) -> float:
     """What an MoE feed-forward keeps for backward per local token (beyond the block input,
     which the dense accounting already counts): the router's fp32 scores over the experts and
     its top_k weights; per routed copy (top_k of them, times the load factor) the dispatched
@@ -95,11 +105,14 @@ def activation_bytes_per_token(shape: ModelShape, lay: Layout, elem_bytes: int,
     (gate, up, silu(gate), product: 4 x moe_hidden; 3 with a fused SwiGLU, which recomputes
     silu from gate, as Megatron-Core's grouped experts do under `bias_activation_fusion`;
     selective recompute keeps gate and up); the shared expert's SwiGLU tensors and its gate's
-    output."""
+    output. Split over `etp` ranks (Megatron-Core's expert tensor parallel) an expert's input
+    is the tp group's gathered tokens, etp times as many rows; its SwiGLU tensors are 1/etp as
+    wide over those rows, the same bytes."""
     e, h = elem_bytes, shape.hidden
     swiglu = 2 if recompute == "selective" else 3 if fused_swiglu else 4
     router = (shape.n_experts + shape.top_k) * ROUTER_BYTES
-    routed = load_factor(shape, lay) * shape.top_k * (2 * h + swiglu * shape.moe_hidden) * e
+    routed = load_factor(shape, lay) * shape.top_k * ((etp + 1) * h
+                                                      + swiglu * shape.moe_hidden) * e
     shared = swiglu * shape.shared_hidden * e + (e if shape.shared_gate else 0)
     return router + routed + shared
 

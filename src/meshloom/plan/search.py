@@ -36,6 +36,7 @@ from meshloom.plan.implementation import MESHLOOM, Implementation, split_fix
 from meshloom.plan.layout import RECOMPUTE, Layout
 from meshloom.plan.memory import Memory, act_elem_bytes, memory_per_gpu, rank_param_split
 from meshloom.plan.models import ModelShape
+from meshloom.plan.moe import expert_tp
 from meshloom.plan.moe import summary as moe_summary
 from meshloom.plan.stages import rank_layers, stage_layers
 from meshloom.plan.timing import Timing, step_time
@@ -129,6 +130,14 @@ def _ep_problem(shape: ModelShape, lay: Layout) -> str | None:
     return None
 
 
+def _expert_tp_problem(shape: ModelShape, lay: Layout, impl: Implementation) -> str | None:
+    """Experts split over tp (impl.expert_tp) need sequence parallel, as Megatron-Core asks."""
+    if impl.expert_tp and shape.is_moe and lay.tp > 1 and not lay.sp:
+        return ("expert_tp splits the experts over tp, which Megatron-Core runs only with "
+                "sequence parallel: add sp=true")
+    return None
+
+
 def _as_config(lay: Layout, seq: int, global_batch: int) -> Config:
     """The keys of a training config that the layout rules read (as layout.config_toml writes
     them). The sections are cached and shared between candidates (the rules only read them):
@@ -183,7 +192,8 @@ def _model(shape: ModelShape) -> LlamaConfig:
 def evaluate(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global_batch: int,
              dtype: str = "bf16", flash: bool = True, exact: bool = True,
              memory: Memory | None = None, impl: Implementation = MESHLOOM) -> Candidate:
-    why = check_layout(shape, lay, cluster, seq, global_batch)
+    why = check_layout(shape, lay, cluster, seq, global_batch) or _expert_tp_problem(
+        shape, lay, impl)
     if why:
         raise PlanError(f"layout {lay.short()}: {why}")
     mem = memory or memory_per_gpu(shape, lay, seq, global_batch, dtype, flash, impl)
@@ -192,9 +202,12 @@ def evaluate(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global_
     moe = None
     if shape.is_moe:
         held = rank_layers(stage_layers(shape, lay.pp, lay.v, seq, impl.pp_split), lay.pp)
-        dense, experts = rank_param_split(shape, lay, lay.pp - 1, held[-1])
+        dense, experts = rank_param_split(shape, lay, lay.pp - 1, held[-1],
+                                          expert_tp(lay, impl))
         moe = moe_summary(shape, lay, cluster, seq, lay.microbatches(global_batch),
-                          act_elem_bytes(dtype), dense, experts, tim.ep, impl)
+                          act_elem_bytes(dtype), dense, experts,
+                          tim.detail["comm_s"]["ep"].get("ops", {}).get("all_to_all", 0.0),
+                          impl)
     return Candidate(lay, mem, tim, cluster.gpu.memory_gb * 1e9, cluster.n_gpus,
                      cluster.gpu.peak_tflops * 1e12, global_batch * seq, moe)
 
@@ -295,7 +308,11 @@ def _search(shape: ModelShape, cluster: Cluster, seq: int, global_batch: int, fi
     fitting: list[Candidate] = []
     smallest: list[tuple[float, Layout]] = []
     count = 0
+    skipped = None
     for lay in layouts(shape, cluster, seq, global_batch, fixed):
+        skipped = _expert_tp_problem(shape, lay, impl)
+        if skipped:
+            continue
         count += 1
         mem = memory_per_gpu(shape, lay, seq, global_batch, dtype, flash, impl)
         if mem.total > cluster.gpu.memory_gb * 1e9:
@@ -304,6 +321,8 @@ def _search(shape: ModelShape, cluster: Cluster, seq: int, global_batch: int, fi
         fitting.append(evaluate(shape, lay, cluster, seq, global_batch, dtype, flash,
                                 exact=False, memory=mem, impl=impl))
     if not count:
+        if skipped:
+            raise PlanError(f"no valid layout with --fix {_fmt(fixed)}: {skipped}")
         raise PlanError(_no_layout(shape, cluster, seq, global_batch, fixed))
     if not fitting:
         smallest.sort(key=lambda x: x[0])

@@ -62,11 +62,13 @@ ATTENTION_GEMMS = ("wq", "wk", "wv", "wo")
 
 
 def block_gemms(shape: ModelShape, tokens: int, tp: int, expert_rows: float = 0.0,
-                local_experts: int = 0, ffn_tokens: int | None = None) -> list[Gemm]:
+                local_experts: int = 0, ffn_tokens: int | None = None,
+                expert_tp: int = 1) -> list[Gemm]:
     """The forward GEMMs of one block on one tp rank for `tokens` local tokens. For an MoE
-    block, `expert_rows` routed rows per local expert and `local_experts` experts on the rank
-    (the feed-forward is not split over tp: plan/moe.py), its router and shared expert on
-    `ffn_tokens` (default `tokens`; the rank's slice under SP)."""
+    block, `expert_rows` routed rows per local expert and `local_experts` experts on the rank,
+    each 1/`expert_tp` of an expert (1: the feed-forward is not split over tp, plan/moe.py),
+    its router and shared expert on `ffn_tokens` (default `tokens`; the rank's slice under
+    SP)."""
     h, t = shape.hidden, tp
     q, kv = shape.q_dim // t, shape.kv_dim // t
     if shape.arch == "gpt":  # one fused q/k/v projection (narrower k and v under GQA)
@@ -87,7 +89,7 @@ def block_gemms(shape: ModelShape, tokens: int, tp: int, expert_rows: float = 0.
                 _linear("shared.w2", ft, h, fs)]
     rows = max(1, round(expert_rows))
     if local_experts and expert_rows > 0:
-        fe = shape.moe_hidden
+        fe = shape.moe_hidden // expert_tp
         out += [_linear("experts.w1", rows, fe, h, local_experts),
                 _linear("experts.w3", rows, fe, h, local_experts),
                 _linear("experts.w2", rows, h, fe, local_experts)]

@@ -50,6 +50,7 @@ from meshloom.plan.moe import (
     dispatch_bytes,
     expert_replicas,
     expert_shard,
+    expert_tp,
     ffn_tokens,
     load_factor,
 )
@@ -159,13 +160,19 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
 
     # Expert parallel: every MoE block dispatches and combines by all-to-all, forward and
     # backward (forward's pair again when recompute reruns it); nothing to hide them behind.
-    ep_f = ep_b = 0.0
-    if shape.is_moe and lay.ep > 1:
-        a2a = all_to_all_time(dispatch_bytes(shape, ffn_tokens(lay, tokens), e), lay.ep,
-                              all_to_all_bandwidth(cluster, lay), load_factor(shape, lay),
-                              cluster.send_latency(lay.ep, t))
-        ep_f = A2A_FORWARD * a2a
-        ep_b = (all_to_alls(dispatch_reruns(lay, impl)) - A2A_FORWARD) * a2a
+    # Experts split over tp (impl.expert_tp) also all-gather the tp group's received tokens
+    # after each dispatch and reduce-scatter the output before each combine (their gradients
+    # the other way round): one tp collective beside each all-to-all, as exposed.
+    ep_f = ep_b = a2a = etp_one = 0.0
+    etp = expert_tp(lay, impl) if shape.is_moe else 1
+    if shape.is_moe and (lay.ep > 1 or etp > 1):
+        payload = dispatch_bytes(shape, ffn_tokens(lay, tokens), e)
+        a2a = all_to_all_time(payload, lay.ep, all_to_all_bandwidth(cluster, lay),
+                              load_factor(shape, lay), cluster.send_latency(lay.ep, t))
+        etp_one = ring_time("all_gather", etp * load_factor(shape, lay) * payload, etp, tp_bw,
+                            cluster.ring_latency("all_gather", etp, 1))
+        ep_f = A2A_FORWARD * (a2a + etp_one)
+        ep_b = (all_to_alls(dispatch_reruns(lay, impl)) - A2A_FORWARD) * (a2a + etp_one)
     tp_only = tp_f + tp_b
     tp_f, tp_b = tp_f + ep_f, tp_b + ep_b  # priced like TP's: on the critical path
 
@@ -266,8 +273,10 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
                    "pp": {"exposed": pp_comm} | _pp_sends(m, busiest, p, n_stages, hop_pp,
                                                            pp_start)}
         | ({"ep": {"exposed": ep_total} | _ep_calls(
-            m * layers * all_to_alls(dispatch_reruns(lay, impl)), ep_total,
-            cluster.send_latency(lay.ep, t))} if shape.is_moe else {}),
+            m * layers * all_to_alls(dispatch_reruns(lay, impl)),
+            {"all_to_all": (a2a, cluster.send_latency(lay.ep, t)),
+             "expert_tp_gather_scatter": (etp_one, cluster.ring_latency("all_gather", etp, 1))})}
+           if shape.is_moe else {}),
         "bubble_s": bubble, "optimizer_s": optimizer, "accumulate_s": accumulate,
     }
     return Timing(total, compute, tp_total, cp_total, pp_comm, dp["exposed"], bubble,
@@ -281,7 +290,7 @@ def _after_backward(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str
     """Pipeline rank `rank`'s data-parallel communication (`_dp_time`), and its optimizer step
     with the gradient accumulation passes (seconds; the second includes the third)."""
     dp = _dp_time(shape, lay, cluster, dtype, m, f_mb, b_mb, impl, rank, layers)
-    dense, experts = rank_param_split(shape, lay, rank, layers)
+    dense, experts = rank_param_split(shape, lay, rank, layers, expert_tp(lay, impl))
     opt_params = dense / (lay.dp_shard if lay.zero else 1)
     if experts:
         opt_params += experts / (expert_shard(lay) if lay.zero else 1)
@@ -315,7 +324,7 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     ranks apart) and all-reduces the shard over dp_replicate; cp is inside edp_shard, so no cp
     average."""
     none = {"exposed": 0.0, "total": 0.0, "ops": {}, "calls": {}}
-    dense, experts = rank_param_split(shape, lay, rank, layers)
+    dense, experts = rank_param_split(shape, lay, rank, layers, expert_tp(lay, impl))
     if lay.ep == 1:  # no expert groups: the experts are ordinary parameters
         dense, experts = dense + experts, 0.0
     if lay.dp <= 1 and not experts:
@@ -431,13 +440,14 @@ def _pp_sends(m: int, rank: int, p: int, n_stages: int, hop: float, start: float
     return {"ops": {"sends": n * hop}, "calls": {"sends": {"calls": n, "fixed_s": n * start}}}
 
 
-def _ep_calls(n: int, seconds: float, start: float) -> dict:
-    """The all-to-alls of a step ({"ops", "calls"}; empty without expert parallel): `n` calls
-    taking `seconds` in all, each starting in `start`."""
-    if not n or not seconds:
-        return {}
-    return {"ops": {"all_to_all": seconds},
-            "calls": {"all_to_all": {"calls": n, "fixed_s": n * start}}}
+def _ep_calls(n: int, per_call: dict[str, tuple[float, float]]) -> dict:
+    """An MoE step's expert collectives ({"ops", "calls"}): `n` calls of each op in
+    `per_call` (op -> seconds of one call, its start), the ops that take no time left out
+    (no all-to-all at ep 1, no gather and scatter unless experts are split over tp)."""
+    used = {op: v for op, v in per_call.items() if n and v[0]}
+    return {"ops": {op: n * one for op, (one, _) in used.items()},
+            "calls": {op: {"calls": n, "fixed_s": n * start}
+                      for op, (_, start) in used.items()}} if used else {}
 
 
 def _collective(cluster: Cluster, op: str, payload: float, size: int, stride: int,
