@@ -75,6 +75,11 @@ GOAL_MEAN, GOAL_MAX = 0.08, 0.20
 # DDP (Lightning) in 25 MiB ones; FSDP's gathers go unit by unit whatever the trainer.
 # NeMo's recipes set gradient_accumulation_fusion (the weight-gradient GEMM adds into the fp32
 # main gradient); Megatron-LM 2021's paper lists no such fusion, so its rows pay the pass.
+# Megatron-LM 2021 and Megatron-DeepSpeed take the loss with Megatron's unfused
+# vocab_parallel_cross_entropy on an fp32 copy of the logits (post_language_model_processing's
+# `vocab_parallel_cross_entropy(output.float(), labels)`, GPTModelPipe's CrossEntropy);
+# Megatron-Core and NeMo do too unless `cross_entropy_loss_fusion` is set (a run's own
+# `implementation` says which: MCORE_CE in runs.json).
 # Both run a SwiGLU through Megatron-Core's fused bias_swiglu_impl (bias_activation_fusion, on
 # in NeMo's recipes and Megatron-LM's defaults), which keeps only the first GEMM's output.
 # Under grouped-query attention, Megatron-Core and NeMo hand the shared K/V heads to
@@ -97,6 +102,7 @@ TRAINER_IMPL = {
              "dp_buckets": "mcore"},
     "megatron-deepspeed": {"compile": True, "selective_elementwise": False,
                            "p2p_blocking": True, "pp_scatter_gather": True,
+                           "cross_entropy": "megatron",
                            "dp_buckets": "deepspeed"},
     "flash-attention": {"compile": True, "attention_kernel": "fa1"},
     "tinyllama": {"compile": True, "expand_kv": False},
@@ -185,7 +191,7 @@ def megatron_rows() -> list[dict]:
                  "cp": 1, "micro_batch": 1, "zero": 0, "recompute": "full", "sp": False,
                  "compile": True, **OTHER_LOOP, "pp_split": "even",
                  "p2p_blocking": True, "pp_scatter_gather": True, "ddp_overlap": False,
-                 "dp_buckets": "whole",
+                 "dp_buckets": "whole", "cross_entropy": "megatron",
                  **({"schedule": "interleaved_1f1b"} if row["pp"] > 1 else {})}
         shape = PRESETS[row["name"]]
         # Table 1 quotes hardware TFLOP/s (recompute included): as throughput, tokens/s/GPU.

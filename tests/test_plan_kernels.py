@@ -355,6 +355,40 @@ def test_fused_elementwise_and_loss_move_fewer_bytes_than_eager():
     assert extra == pytest.approx((eager_b - fused_b) * logits / 2000e9)
 
 
+def test_megatrons_unfused_vocab_parallel_loss_is_priced_pass_by_pass():
+    """Megatron's `vocab_parallel_cross_entropy` on a tp = 4 rank: an fp32 copy of its 1/4 of
+    the logits (read 2, write 4), max (4), subtract (8), exp (8), sum (4), divide (8) forward;
+    backward a multiply in place (8) and the down-cast (6), against the fused loss's 2 and 4.
+    `cross_entropy` picks it whatever `compile` says; `auto` follows `compile`."""
+    shape, rates = PRESETS["llama3-8b"], _rates()  # launch gaps off: bytes alone
+    lay = Layout(tp=4, sp=True, micro_batch=2)
+    logits = 2 * 4096 * shape.vocab / 4
+
+    def cost(**impl):
+        return head_cost(shape, lay, rates, 4096, Implementation(**impl))
+    fused, megatron = cost(compile=True), cost(compile=True, cross_entropy="megatron")
+    forward = 2 + 4 + 4 + 8 + 8 + 4 + 8
+    assert megatron[0] - fused[0] == pytest.approx((forward - 2) * logits / 2000e9)
+    assert megatron[1] - fused[1] == pytest.approx((8 + 6 - 4) * logits / 2000e9)
+    assert cost(compile=False, cross_entropy="megatron") == megatron
+    assert cost(compile=False, cross_entropy="fused") == fused
+    assert cost(compile=True, cross_entropy="eager") == cost(compile=False)
+    assert cost(compile=True, cross_entropy="auto") == fused
+    # six kernels forward, two backward: with a launch gap longer than a pass, that is the cost
+    tiny = from_dims("llama", 64, 2, 4, 128)
+    slow = head_cost(tiny, Layout(micro_batch=1), _rates(launch_us=50.0), 16,
+                     Implementation(compile=True, cross_entropy="megatron"))
+    gemm_only = head_cost(tiny, Layout(micro_batch=1), _rates(launch_us=50.0), 16,
+                          Implementation(compile=True))
+    assert slow[0] - gemm_only[0] == pytest.approx((6 - 1) * 50e-6)
+    assert slow[1] - gemm_only[1] == pytest.approx((2 - 1) * 50e-6)
+    assert parse_fix("cross_entropy=megatron") == {"cross_entropy": "megatron"}
+    assert split_fix({"cross_entropy": "megatron"})[1].short() == "cross_entropy=megatron"
+    with pytest.raises(PlanError, match="cross_entropy=apex must be one of auto, fused, "
+                                        "eager, megatron"):
+        parse_fix("cross_entropy=apex")
+
+
 def test_a_kernel_never_takes_less_than_its_launch_gap():
     shape = from_dims("llama", 64, 2, 4, 128)  # tiny: every kernel shorter than 5 us
     lay = Layout(micro_batch=1)

@@ -117,6 +117,13 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   routed only its slice) and reduce-scatters the experts' output, and the reverse in
   backward. Off (meshloom): each tp rank holds whole experts and runs its own tokens through
   them (plan/moe.py). A no-op for a dense model or tp = 1.
+- `cross_entropy`: how the loss runs over the logits (plan/compute.py's CE_BYTES_PER_LOGIT):
+  `auto` (meshloom: its compiled loss with `compile`, else eager), `fused` (one pass each way:
+  a compiled loss, Megatron-Core's `cross_entropy_loss_fusion`), `eager` (`F.cross_entropy` on
+  16-bit logits) or `megatron` (Megatron's unfused `vocab_parallel_cross_entropy`: an fp32 copy
+  of the logits, then max, subtract, exp, sum and divide as separate passes, the softmax kept
+  for backward; Megatron-LM's and Megatron-Core's default, which NeMo keeps unless its config
+  sets `cross_entropy_loss_fusion`).
 """
 
 from __future__ import annotations
@@ -152,10 +159,16 @@ class Implementation:
     pp_scatter_gather: bool = False
     expand_kv: bool = True
     expert_tp: bool = False
+    cross_entropy: str = "auto"
 
     @property
     def elementwise(self) -> str:
         return "fused" if self.compile else "eager"
+
+    @property
+    def loss(self) -> str:
+        """The cross entropy's kind (a key of compute.CE_BYTES_PER_LOGIT)."""
+        return self.elementwise if self.cross_entropy == "auto" else self.cross_entropy
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -184,10 +197,12 @@ def parse_bool(key: str, value: str) -> bool:
     return v in TRUE
 
 
-STR_IMPL_KEYS = ("attention_kernel", "pp_split", "optimizer_state", "dp_buckets")
+STR_IMPL_KEYS = ("attention_kernel", "pp_split", "optimizer_state", "dp_buckets",
+                 "cross_entropy")
 # Bytes per parameter beside the bf16 parameter and gradient: (master copy, Adam moments).
 OPTIMIZER_STATES = {"fp32": (4, 8), "fp32_remainders": (2, 8), "bf16": (0, 4)}
 DP_BUCKETS = ("torch", "mcore", "deepspeed", "whole")
+CROSS_ENTROPY = ("auto", "fused", "eager", "megatron")
 # meshloom's parallel.ddp_bucket_mb default, which is PyTorch DDP's bucket_cap_mb (25 MiB)
 TORCH_BUCKET_BYTES = int(ParallelConfig.ddp_bucket_mb * 2**20)
 DEEPSPEED_BUCKET_ELEMENTS = 5e8  # DeepSpeed ZeRO's reduce/allgather_bucket_size defaults

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, fields
 from meshloom.parallel.pipeline_schedule import SCHEDULES
 from meshloom.plan import PlanError
 from meshloom.plan.implementation import (
+    CROSS_ENTROPY,
     DP_BUCKETS,
     IMPL_KEYS,
     OPTIMIZER_STATES,
@@ -95,7 +96,8 @@ def parse_fix(text: str) -> dict:
             options = {"recompute": RECOMPUTE, "attention_kernel": ATTENTION_KERNELS,
                        "pp_split": PP_SPLITS,
                        "optimizer_state": tuple(OPTIMIZER_STATES),
-                       "dp_buckets": DP_BUCKETS}.get(key, SCHEDULES)
+                       "dp_buckets": DP_BUCKETS,
+                       "cross_entropy": CROSS_ENTROPY}.get(key, SCHEDULES)
             if value not in options:
                 raise PlanError(f"--fix: {key}={value} must be one of {', '.join(options)}")
             out[key] = value
