@@ -75,6 +75,9 @@ GOAL_MEAN, GOAL_MAX = 0.08, 0.20
 # DDP (Lightning) in 25 MiB ones; FSDP's gathers go unit by unit whatever the trainer.
 # NeMo's recipes set gradient_accumulation_fusion (the weight-gradient GEMM adds into the fp32
 # main gradient); Megatron-LM 2021's paper lists no such fusion, so its rows pay the pass.
+# llm-foundry's MPT takes its loss with flash-attn's fused cross entropy (ComposerMPTCausalLM's
+# `loss_fn` defaults to `fused_crossentropy` since mosaicml/examples#251, March 2023; the
+# benchmark yamls leave it unset): source MPT_FUSED_CE in runs.json.
 # Megatron-LM 2021 and Megatron-DeepSpeed take the loss with Megatron's unfused
 # vocab_parallel_cross_entropy on an fp32 copy of the logits (post_language_model_processing's
 # `vocab_parallel_cross_entropy(output.float(), labels)`, GPTModelPipe's CrossEntropy);
@@ -106,7 +109,7 @@ TRAINER_IMPL = {
                            "dp_buckets": "deepspeed"},
     "flash-attention": {"compile": True, "attention_kernel": "fa1"},
     "tinyllama": {"compile": True, "expand_kv": False},
-    "llm-foundry": {"compile": False, "attention_kernel": "triton"},
+    "llm-foundry": {"compile": False, "attention_kernel": "triton", "cross_entropy": "fused"},
     "torchtitan": {"compile": False, "op_sac": True},
 }
 
