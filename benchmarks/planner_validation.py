@@ -81,8 +81,9 @@ GOAL_MEAN, GOAL_MAX = 0.08, 0.20
 # Megatron-LM 2021 and Megatron-DeepSpeed take the loss with Megatron's unfused
 # vocab_parallel_cross_entropy on an fp32 copy of the logits (post_language_model_processing's
 # `vocab_parallel_cross_entropy(output.float(), labels)`, GPTModelPipe's CrossEntropy);
-# Megatron-Core and NeMo do too unless `cross_entropy_loss_fusion` is set (a run's own
-# `implementation` says which: MCORE_CE in runs.json).
+# Megatron-Core and NeMo do too unless `cross_entropy_loss_fusion` is set, as NeMo's Nemotron
+# yaml and the launcher's llama3_1 yamls set it (`megatron_fused`); a run whose yaml leaves it
+# out says so in its own `implementation` (MCORE_CE in runs.json).
 # Both run a SwiGLU through Megatron-Core's fused bias_swiglu_impl (bias_activation_fusion, on
 # in NeMo's recipes and Megatron-LM's defaults), which keeps only the first GEMM's output.
 # Under grouped-query attention, Megatron-Core and NeMo hand the shared K/V heads to
@@ -98,9 +99,11 @@ OTHER_LOOP = {"meshloom_block": False, "free_unbucketed_grads": False, "clip_in_
 TRAINER_IMPL = {
     "megatron-lm": {"compile": True, "tp_overlap": True, "tp_overlap_chunks": True,
                     "dp_overlap": True, "selective_elementwise": False, "pp_split": "even",
-                    "fused_swiglu": True, "expand_kv": False, "dp_buckets": "mcore"},
+                    "fused_swiglu": True, "expand_kv": False, "dp_buckets": "mcore",
+                    "cross_entropy": "megatron"},
     "nemo": {"compile": True, "tp_overlap": True, "tp_overlap_chunks": True, "dp_overlap": True,
              "selective_elementwise": False, "fused_grad_accumulation": True,
+             "cross_entropy": "megatron_fused",
              "pp_split": "even", "fused_swiglu": True, "expand_kv": False,
              "dp_buckets": "mcore"},
     "megatron-deepspeed": {"compile": True, "selective_elementwise": False,

@@ -358,7 +358,8 @@ def test_fused_elementwise_and_loss_move_fewer_bytes_than_eager():
 def test_megatrons_unfused_vocab_parallel_loss_is_priced_pass_by_pass():
     """Megatron's `vocab_parallel_cross_entropy` on a tp = 4 rank: an fp32 copy of its 1/4 of
     the logits (read 2, write 4), max (4), subtract (8), exp (8), sum (4), divide (8) forward;
-    backward a multiply in place (8) and the down-cast (6), against the fused loss's 2 and 4.
+    backward a multiply in place (8) and the down-cast (6), against the fused loss's 2 and 4;
+    Megatron-Core's jit-fused version of the same steps in three passes and one.
     `cross_entropy` picks it whatever `compile` says; `auto` follows `compile`."""
     shape, rates = PRESETS["llama3-8b"], _rates()  # launch gaps off: bytes alone
     lay = Layout(tp=4, sp=True, micro_batch=2)
@@ -370,6 +371,11 @@ def test_megatrons_unfused_vocab_parallel_loss_is_priced_pass_by_pass():
     forward = 2 + 4 + 4 + 8 + 8 + 4 + 8
     assert megatron[0] - fused[0] == pytest.approx((forward - 2) * logits / 2000e9)
     assert megatron[1] - fused[1] == pytest.approx((8 + 6 - 4) * logits / 2000e9)
+    # with cross_entropy_loss_fusion: up-cast with max (6), sub-exp-sum (8), divide (8); the
+    # scaling with its down-cast (6)
+    mfused = cost(compile=True, cross_entropy="megatron_fused")
+    assert mfused[0] - fused[0] == pytest.approx((6 + 8 + 8 - 2) * logits / 2000e9)
+    assert mfused[1] - fused[1] == pytest.approx((6 - 4) * logits / 2000e9)
     assert cost(compile=False, cross_entropy="megatron") == megatron
     assert cost(compile=False, cross_entropy="fused") == fused
     assert cost(compile=True, cross_entropy="eager") == cost(compile=False)
@@ -385,7 +391,7 @@ def test_megatrons_unfused_vocab_parallel_loss_is_priced_pass_by_pass():
     assert parse_fix("cross_entropy=megatron") == {"cross_entropy": "megatron"}
     assert split_fix({"cross_entropy": "megatron"})[1].short() == "cross_entropy=megatron"
     with pytest.raises(PlanError, match="cross_entropy=apex must be one of auto, fused, "
-                                        "eager, megatron"):
+                                        "eager, megatron, megatron_fused"):
         parse_fix("cross_entropy=apex")
 
 

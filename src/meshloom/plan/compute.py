@@ -44,19 +44,24 @@ from meshloom.plan.step_kernels import (
 )
 
 # Cross entropy over the logits (`Implementation.cross_entropy`): (forward, backward) bytes per
-# logit beyond the head GEMM's own output. Fused (compiled / Megatron-Core's
-# `cross_entropy_loss_fusion`): forward reads the logits once; backward reads them again and
-# writes their gradient. Eager (F.cross_entropy on bf16 logits under autocast): forward
-# up-casts to fp32 (read 2, write 4) and takes the log-softmax (two reads of 4 for the max and
-# the sum, a write of 4); backward writes the scattered NLL gradient (4), runs log-softmax's
-# backward (read 4 twice, write 4) and down-casts (read 4, write 2). Megatron's unfused
-# vocab-parallel loss (megatron/core/tensor_parallel/cross_entropy.py): forward up-casts
-# (read 2, write 4), takes the max (read 4), subtracts it in place (read 4, write 4),
-# exponentiates in place (4, 4), sums (4) and divides by the sum in place (4, 4), keeping
-# that softmax for backward; backward multiplies it in place by the incoming gradient (4, 4)
-# and the up-cast's backward down-casts it (read 4, write 2).
-CE_BYTES_PER_LOGIT = {"fused": (2.0, 4.0), "eager": (18.0, 22.0), "megatron": (38.0, 14.0)}
-CE_KERNELS = {"fused": (1, 1), "eager": (4, 5), "megatron": (6, 2)}
+# logit beyond the head GEMM's own output. Fused (compiled, flash-attn's fused cross entropy):
+# forward reads the logits once; backward reads them again and writes their gradient. Eager
+# (F.cross_entropy on bf16 logits under autocast): forward up-casts to fp32 (read 2, write 4)
+# and takes the log-softmax (two reads of 4 for the max and the sum, a write of 4); backward
+# writes the scattered NLL gradient (4), runs log-softmax's backward (read 4 twice, write 4)
+# and down-casts (read 4, write 2). Megatron's unfused vocab-parallel loss
+# (megatron/core/tensor_parallel/cross_entropy.py): forward up-casts (read 2, write 4), takes
+# the max (read 4), subtracts it in place (read 4, write 4), exponentiates in place (4, 4),
+# sums (4) and divides by the sum in place (4, 4), keeping that softmax for backward; backward
+# multiplies it in place by the incoming gradient (4, 4) and the up-cast's backward
+# down-casts it (read 4, write 2). Megatron-Core's `cross_entropy_loss_fusion`
+# (megatron/core/fusions/fused_cross_entropy.py) runs the same steps as jit-fused functions,
+# each at least one pass: up-cast with the max (read 2, write 4), subtract, exponentiate and
+# sum (read 4, write 4), divide (read 4, write 4); backward the scaling with the down-cast
+# (read 4, write 2). Its softmax is still an fp32 copy.
+CE_BYTES_PER_LOGIT = {"fused": (2.0, 4.0), "eager": (18.0, 22.0), "megatron": (38.0, 14.0),
+                      "megatron_fused": (22.0, 6.0)}
+CE_KERNELS = {"fused": (1, 1), "eager": (4, 5), "megatron": (6, 2), "megatron_fused": (3, 1)}
 # AdamW (fused, fp32 state) reads and writes the master weight, m and v and reads the gradient
 # (28 bytes). A training loop's gradient bookkeeping (Implementation.grad_clip): the global
 # norm reads every gradient (4 bytes) and clipping scales it in place (read, write: 8), or,

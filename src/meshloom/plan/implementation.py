@@ -119,11 +119,13 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   them (plan/moe.py). A no-op for a dense model or tp = 1.
 - `cross_entropy`: how the loss runs over the logits (plan/compute.py's CE_BYTES_PER_LOGIT):
   `auto` (meshloom: its compiled loss with `compile`, else eager), `fused` (one pass each way:
-  a compiled loss, Megatron-Core's `cross_entropy_loss_fusion`), `eager` (`F.cross_entropy` on
-  16-bit logits) or `megatron` (Megatron's unfused `vocab_parallel_cross_entropy`: an fp32 copy
-  of the logits, then max, subtract, exp, sum and divide as separate passes, the softmax kept
-  for backward; Megatron-LM's and Megatron-Core's default, which NeMo keeps unless its config
-  sets `cross_entropy_loss_fusion`).
+  a compiled loss, flash-attn's fused cross entropy), `eager` (`F.cross_entropy` on 16-bit
+  logits), `megatron` (Megatron's unfused `vocab_parallel_cross_entropy`: an fp32 copy of the
+  logits, then max, subtract, exp, sum and divide as separate passes, the softmax kept for
+  backward; Megatron-LM's and Megatron-Core's default, which NeMo keeps unless its config sets
+  `cross_entropy_loss_fusion`) or `megatron_fused` (Megatron-Core with
+  `cross_entropy_loss_fusion`: the same steps in three jit-fused passes forward and one
+  backward, still on an fp32 copy).
 """
 
 from __future__ import annotations
@@ -202,7 +204,7 @@ STR_IMPL_KEYS = ("attention_kernel", "pp_split", "optimizer_state", "dp_buckets"
 # Bytes per parameter beside the bf16 parameter and gradient: (master copy, Adam moments).
 OPTIMIZER_STATES = {"fp32": (4, 8), "fp32_remainders": (2, 8), "bf16": (0, 4)}
 DP_BUCKETS = ("torch", "mcore", "deepspeed", "whole")
-CROSS_ENTROPY = ("auto", "fused", "eager", "megatron")
+CROSS_ENTROPY = ("auto", "fused", "eager", "megatron", "megatron_fused")
 # meshloom's parallel.ddp_bucket_mb default, which is PyTorch DDP's bucket_cap_mb (25 MiB)
 TORCH_BUCKET_BYTES = int(ParallelConfig.ddp_bucket_mb * 2**20)
 DEEPSPEED_BUCKET_ELEMENTS = 5e8  # DeepSpeed ZeRO's reduce/allgather_bucket_size defaults
