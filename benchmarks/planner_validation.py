@@ -75,9 +75,11 @@ GOAL_MEAN, GOAL_MAX = 0.08, 0.20
 # DDP (Lightning) in 25 MiB ones; FSDP's gathers go unit by unit whatever the trainer.
 # NeMo's recipes set gradient_accumulation_fusion (the weight-gradient GEMM adds into the fp32
 # main gradient); Megatron-LM 2021's paper lists no such fusion, so its rows pay the pass.
-# llm-foundry's MPT takes its loss with flash-attn's fused cross entropy (ComposerMPTCausalLM's
-# `loss_fn` defaults to `fused_crossentropy` since mosaicml/examples#251, March 2023; the
-# benchmark yamls leave it unset): source MPT_FUSED_CE in runs.json.
+# llm-foundry's MPT takes its loss with flash-attn 1's xentropy kernel (ComposerMPTCausalLM's
+# `loss_fn` defaults to `fused_crossentropy` since mosaicml/examples#251, March 2023, which
+# imports flash-attn v1.0.3's; the benchmark yamls leave it unset: MPT_FUSED_CE in runs.json),
+# flash-attention's training scripts with apex's, the same kernel (`xentropy`), and TinyLlama
+# with flash-attn 2's `CrossEntropyLoss` on the csrc/xentropy extension its README builds.
 # Megatron-LM 2021 and Megatron-DeepSpeed take the loss with Megatron's unfused
 # vocab_parallel_cross_entropy on an fp32 copy of the logits (post_language_model_processing's
 # `vocab_parallel_cross_entropy(output.float(), labels)`, GPTModelPipe's CrossEntropy);
@@ -110,9 +112,10 @@ TRAINER_IMPL = {
                            "p2p_blocking": True, "pp_scatter_gather": True,
                            "cross_entropy": "megatron",
                            "dp_buckets": "deepspeed"},
-    "flash-attention": {"compile": True, "attention_kernel": "fa1"},
-    "tinyllama": {"compile": True, "expand_kv": False},
-    "llm-foundry": {"compile": False, "attention_kernel": "triton", "cross_entropy": "fused"},
+    "flash-attention": {"compile": True, "attention_kernel": "fa1", "cross_entropy": "xentropy"},
+    "tinyllama": {"compile": True, "expand_kv": False, "cross_entropy": "xentropy"},
+    "llm-foundry": {"compile": False, "attention_kernel": "triton",
+                    "cross_entropy": "xentropy"},
     "torchtitan": {"compile": False, "op_sac": True},
 }
 

@@ -376,6 +376,10 @@ def test_megatrons_unfused_vocab_parallel_loss_is_priced_pass_by_pass():
     mfused = cost(compile=True, cross_entropy="megatron_fused")
     assert mfused[0] - fused[0] == pytest.approx((6 + 8 + 8 - 2) * logits / 2000e9)
     assert mfused[1] - fused[1] == pytest.approx((6 - 4) * logits / 2000e9)
+    # apex's / flash-attn 1's xentropy kernel: two reads forward, a read and a write backward
+    xent = cost(compile=False, cross_entropy="xentropy")
+    assert xent[0] - fused[0] == pytest.approx((4 - 2) * logits / 2000e9)
+    assert xent[1] == pytest.approx(fused[1])
     assert cost(compile=False, cross_entropy="megatron") == megatron
     assert cost(compile=False, cross_entropy="fused") == fused
     assert cost(compile=True, cross_entropy="eager") == cost(compile=False)
@@ -391,7 +395,7 @@ def test_megatrons_unfused_vocab_parallel_loss_is_priced_pass_by_pass():
     assert parse_fix("cross_entropy=megatron") == {"cross_entropy": "megatron"}
     assert split_fix({"cross_entropy": "megatron"})[1].short() == "cross_entropy=megatron"
     with pytest.raises(PlanError, match="cross_entropy=apex must be one of auto, fused, "
-                                        "eager, megatron, megatron_fused"):
+                                        "eager, xentropy, megatron, megatron_fused"):
         parse_fix("cross_entropy=apex")
 
 

@@ -58,10 +58,14 @@ from meshloom.plan.step_kernels import (
 # (megatron/core/fusions/fused_cross_entropy.py) runs the same steps as jit-fused functions,
 # each at least one pass: up-cast with the max (read 2, write 4), subtract, exponentiate and
 # sum (read 4, write 4), divide (read 4, write 4); backward the scaling with the down-cast
-# (read 4, write 2). Its softmax is still an fp32 copy.
+# (read 4, write 2). Its softmax is still an fp32 copy. Apex's and flash-attn 1's xentropy
+# kernel (csrc/xentropy/xentropy_kernel.cu) reads each row twice forward, once for its max and
+# sum and once for the sum of exponentials, and backward reads it once more and writes the
+# gradient: 4 and 4.
 CE_BYTES_PER_LOGIT = {"fused": (2.0, 4.0), "eager": (18.0, 22.0), "megatron": (38.0, 14.0),
-                      "megatron_fused": (22.0, 6.0)}
-CE_KERNELS = {"fused": (1, 1), "eager": (4, 5), "megatron": (6, 2), "megatron_fused": (3, 1)}
+                      "megatron_fused": (22.0, 6.0), "xentropy": (4.0, 4.0)}
+CE_KERNELS = {"fused": (1, 1), "eager": (4, 5), "megatron": (6, 2), "megatron_fused": (3, 1),
+              "xentropy": (1, 1)}
 # AdamW (fused, fp32 state) reads and writes the master weight, m and v and reads the gradient
 # (28 bytes). A training loop's gradient bookkeeping (Implementation.grad_clip): the global
 # norm reads every gradient (4 bytes) and clipping scales it in place (read, write: 8), or,

@@ -119,7 +119,8 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   them (plan/moe.py). A no-op for a dense model or tp = 1.
 - `cross_entropy`: how the loss runs over the logits (plan/compute.py's CE_BYTES_PER_LOGIT):
   `auto` (meshloom: its compiled loss with `compile`, else eager), `fused` (one pass each way:
-  a compiled loss, flash-attn's fused cross entropy), `eager` (`F.cross_entropy` on 16-bit
+  a compiled loss, flash-attn 2's Triton cross entropy), `xentropy` (apex's and flash-attn 1's
+  CUDA kernel, which reads the logits twice forward), `eager` (`F.cross_entropy` on 16-bit
   logits), `megatron` (Megatron's unfused `vocab_parallel_cross_entropy`: an fp32 copy of the
   logits, then max, subtract, exp, sum and divide as separate passes, the softmax kept for
   backward; Megatron-LM's and Megatron-Core's default, which NeMo keeps unless its config sets
@@ -204,7 +205,7 @@ STR_IMPL_KEYS = ("attention_kernel", "pp_split", "optimizer_state", "dp_buckets"
 # Bytes per parameter beside the bf16 parameter and gradient: (master copy, Adam moments).
 OPTIMIZER_STATES = {"fp32": (4, 8), "fp32_remainders": (2, 8), "bf16": (0, 4)}
 DP_BUCKETS = ("torch", "mcore", "deepspeed", "whole")
-CROSS_ENTROPY = ("auto", "fused", "eager", "megatron", "megatron_fused")
+CROSS_ENTROPY = ("auto", "fused", "eager", "xentropy", "megatron", "megatron_fused")
 # meshloom's parallel.ddp_bucket_mb default, which is PyTorch DDP's bucket_cap_mb (25 MiB)
 TORCH_BUCKET_BYTES = int(ParallelConfig.ddp_bucket_mb * 2**20)
 DEEPSPEED_BUCKET_ELEMENTS = 5e8  # DeepSpeed ZeRO's reduce/allgather_bucket_size defaults
