@@ -177,12 +177,18 @@ def test_cudnn_attention_is_priced_from_a_measured_table_that_has_it():
     default = evaluate(shape, lay, cl, 2048, 8, impl=Implementation(compile=True))
     assert default.timing.step_time_s == cud.timing.step_time_s
     # The rates line names the kernel each plan priced, not SDPA's pick whatever was fixed.
-    assert default.timing.detail["rates"].endswith("; attention: cudnn, SDPA's pick")
-    assert fa2.timing.detail["rates"].endswith("; attention: fa2")
-    assert cud.timing.detail["rates"].endswith("; attention: cudnn")
+    # ... and the loss it priced (compiled: the one-pass fused loss).
+    loss = "; loss: fused, 6 bytes per logit"
+    assert default.timing.detail["rates"].endswith("; attention: cudnn, SDPA's pick" + loss)
+    assert fa2.timing.detail["rates"].endswith("; attention: fa2" + loss)
+    assert cud.timing.detail["rates"].endswith("; attention: cudnn" + loss)
     unfused = evaluate(shape, lay, cl, 2048, 8, flash=False)
     assert unfused.timing.detail["rates"].endswith("; attention: unfused (batched GEMMs, "
-                                                   "every score written)")
+                                                   "every score written); loss: eager, 40 "
+                                                   "bytes per logit")
+    megatron = evaluate(shape, lay, cl, 2048, 8,
+                        impl=Implementation(compile=True, cross_entropy="megatron"))
+    assert megatron.timing.detail["rates"].endswith("; loss: megatron, 52 bytes per logit")
     a100 = make_cluster("a100-80g", 1)
     assert evaluate(shape, lay, a100, 2048, 8).timing.step_time_s == evaluate(
         shape, lay, a100, 2048, 8, impl=Implementation(attention_kernel="fa2")).timing.step_time_s

@@ -188,6 +188,12 @@ def attention_source(rates: Rates, kernel: str, flash: bool) -> str:
     return f"attention: {kernel}"
 
 
+def loss_source(impl: Implementation) -> str:
+    """Which cross entropy the head is priced with, for the rates line (`auto` resolved)."""
+    fwd, bwd = CE_BYTES_PER_LOGIT[impl.loss]
+    return f"loss: {impl.loss}, {fwd + bwd:g} bytes per logit"
+
+
 @dataclass
 class PassCost:
     """Seconds of one pass of one block, by kind of kernel."""

@@ -34,6 +34,7 @@ from meshloom.plan.compute import (
     attention_source,
     block_cost,
     head_cost,
+    loss_source,
     optimizer_seconds,
     rates_for,
 )
@@ -259,7 +260,8 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     per_step = m * layers
     detail = {
         "rates": "; ".join(filter(None, (rates.source, attention_source(
-            rates, impl.attention_kernel, flash)))), "implementation": impl.to_dict(),
+            rates, impl.attention_kernel, flash), loss_source(impl)))),
+        "implementation": impl.to_dict(),
         "compute_s": {"gemm": per_step * (blk.fwd.gemm + blk.bwd.gemm),
                       "attention": per_step * (blk.fwd.attention + blk.bwd.attention),
                       "elementwise": per_step * (blk.fwd.elementwise + blk.bwd.elementwise),
