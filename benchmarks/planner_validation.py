@@ -80,6 +80,9 @@ GOAL_MEAN, GOAL_MAX = 0.08, 0.20
 # imports flash-attn v1.0.3's; the benchmark yamls leave it unset: MPT_FUSED_CE in runs.json),
 # flash-attention's training scripts with apex's, the same kernel (`xentropy`), and TinyLlama
 # with flash-attn 2's `CrossEntropyLoss` on the csrc/xentropy extension its README builds.
+# torchtitan's loss stays eager with torch.compile on: `apply_compile` compiles each
+# TransformerBlock, and `loss_fn` is `F.cross_entropy(pred.flatten(0, 1).float(), ...)` outside
+# them (torchtitan's parallelize_llama.py and train.py of its 2024 performance runs).
 # Megatron-LM 2021 and Megatron-DeepSpeed take the loss with Megatron's unfused
 # vocab_parallel_cross_entropy on an fp32 copy of the logits (post_language_model_processing's
 # `vocab_parallel_cross_entropy(output.float(), labels)`, GPTModelPipe's CrossEntropy);
@@ -116,7 +119,7 @@ TRAINER_IMPL = {
     "tinyllama": {"compile": True, "expand_kv": False, "cross_entropy": "xentropy"},
     "llm-foundry": {"compile": False, "attention_kernel": "triton",
                     "cross_entropy": "xentropy"},
-    "torchtitan": {"compile": False, "op_sac": True},
+    "torchtitan": {"compile": False, "op_sac": True, "cross_entropy": "eager"},
 }
 
 

@@ -398,6 +398,14 @@ def test_megatrons_unfused_vocab_parallel_loss_is_priced_pass_by_pass():
                           Implementation(compile=True))
     assert slow[0] - gemm_only[0] == pytest.approx((6 - 1) * 50e-6)
     assert slow[1] - gemm_only[1] == pytest.approx((2 - 1) * 50e-6)
+    # memory: Megatron's losses keep an fp32 copy beside the bf16 logits (6 bytes per logit);
+    # a one-kernel loss holds the logits and their bf16 gradient (4)
+    from meshloom.plan.memory import logits_bytes
+    other = {"meshloom_block": False}
+    for kind, per_logit in (("megatron", 6), ("megatron_fused", 6), ("eager", 6),
+                            ("xentropy", 4), ("fused", 4)):
+        impl = Implementation(cross_entropy=kind, **other)
+        assert logits_bytes(shape, 4096, 2, lay, "bf16", impl) == logits * per_logit, kind
     assert parse_fix("cross_entropy=megatron") == {"cross_entropy": "megatron"}
     assert split_fix({"cross_entropy": "megatron"})[1].short() == "cross_entropy=megatron"
     with pytest.raises(PlanError, match="cross_entropy=apex must be one of auto, fused, "

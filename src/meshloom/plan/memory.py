@@ -419,13 +419,17 @@ def logits_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype: str,
                  impl: Implementation | None = None) -> float:
     """The last rank's loss: logits in the compute dtype plus one fp32 copy for the cross
     entropy (its softmax, later overwritten by the gradient), vocabulary-parallel over tp.
+    A loss that makes no fp32 copy (`cross_entropy` fused or xentropy: one kernel reads the
+    16-bit logits and writes their 16-bit gradient) holds the logits and that gradient.
     meshloom's own loss at tp = 1 (`meshloom_block`): eager, its peak is the backward's fp32
     log-softmax, the fp32 gradient it receives and the one it writes (12 bytes per logit, the
     bf16 logits already freed); compiled (`parallel.compiled_loss`), the bf16 logits it saves
     and their bf16 gradient (4 bytes)."""
     if lay.tp == 1 and uses_meshloom_block(shape, dtype, impl):
         return s * b * shape.vocab * (4 if impl.compile else 12)
-    return s * b * shape.vocab / lay.tp * (act_elem_bytes(dtype) + 4)
+    e = act_elem_bytes(dtype)
+    no_fp32_copy = impl is not None and impl.cross_entropy in ("fused", "xentropy")
+    return s * b * shape.vocab / lay.tp * (e + (e if no_fp32_copy else 4))
 
 
 def final_norm_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype: str,
