@@ -32,6 +32,11 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results" / "planner" / "profile_vs_plan_llama1b.json"
 # Profiler ranges that are not kernels (their device time is the kernels' inside them).
 ANNOTATIONS = ("ProfilerStep", "Optimizer.step", "Optimizer.zero_grad")
+# The token-table lookup (`index_select`'s gather) and `embedding_dense_backward`: the zero
+# fill of the table's gradient, the sort of the ids and the per-id partial sums scattered.
+EMBEDDING_KERNELS = ("vectorized_gather_kernel", "fillfunctor", "radix_sort", "unique_by_key",
+                     "partial_segment", "partials_per_segment", "compute_grad_weight",
+                     "sum_and_scatter")
 
 
 def kernel_class(name: str) -> str:
@@ -46,6 +51,8 @@ def kernel_class(name: str) -> str:
         return "gemm"
     if "log_softmax" in low or "nll_loss" in low:
         return "loss"
+    if any(k in low for k in EMBEDDING_KERNELS):
+        return "embedding"
     if "triton" in low:
         return "elementwise"
     return "other"
@@ -74,6 +81,7 @@ def planned_ms(kernels: str) -> dict:
     return {"gemm": (c["gemm"] + head_s) * 1e3, "attention": c["attention"] * 1e3,
             "elementwise": c["elementwise"] * 1e3,
             "loss": (c["head_and_loss"] - head_s - tied_s) * 1e3, "gradient add": tied_s * 1e3,
+            "embedding": c["embedding"] * 1e3,
             "optimizer": ev.timing.detail["optimizer_s"] * 1e3,
             "step": ev.timing.step_time_s * 1e3}
 
@@ -89,16 +97,18 @@ def main(argv: list[str] | None = None) -> dict:
     rows = [{"class": c, "profiled_ms": round(got.get(c, 0.0), 2),
              "planned_ms": round(want[c], 2) if c in want else None,
              "ratio": round(got.get(c, 0.0) / want[c], 3) if want.get(c) else None}
-            for c in ("gemm", "attention", "elementwise", "loss", "gradient add", "optimizer",
-                      "other")]
+            for c in ("gemm", "attention", "elementwise", "loss", "gradient add", "embedding",
+                      "optimizer", "other")]
     result = {"run": "llama3-1b, 8 x 2048 tokens, one H100, compile, cuDNN attention",
               "profile": str(args.profile), "kernels": str(args.kernels),
               "profiled_kernels_ms_per_step": round(sum(got.values()), 2),
               "planned_step_ms": round(want["step"], 2), "rows": rows,
               "note": "'optimizer' holds the fused AdamW kernel and the gradient norm (foreach), "
                       "as the planner prices them together; 'gradient add' the float adds, "
-                      "chiefly the tied token table's two gradients summed; 'other' copies and "
-                      "small kernels", "config": provenance()}
+                      "chiefly the tied token table's two gradients summed; 'embedding' the "
+                      "lookup's gather and embedding_dense_backward's fill, sort and scatter "
+                      "(every fp32 fill is counted here: the table's gradient is the large "
+                      "one); 'other' copies and small kernels", "config": provenance()}
 
     def show(r: dict) -> None:
         for row in r["rows"]:

@@ -539,6 +539,89 @@ def test_a_tied_token_tables_two_gradients_are_summed_each_micro_batch():
         head_cost(untied, Layout(), rates, 2048, Implementation(), 2)[0]  # backward only
 
 
+def test_the_token_table_lookup_is_priced_pass_by_pass():
+    """The lookup on the first stage: forward the gather reads and writes the micro-batch's rows,
+    zeroing the out-of-slice ones over tp (read, write) and adding a position table's (read,
+    write); backward the table's gradient is zero-filled whole, then 4 passes over the rows
+    (sorted rows read, partial sums written and read, scattered), the batch's sum into a
+    position table's gradient (1), and Megatron's hook adding the table's gradient into the fp32
+    main gradient (read e, read and write 4) where the GEMMs fuse their own adds."""
+    rates = _rates()  # launch gaps off: bytes alone
+    shape = PRESETS["llama3-8b"]
+    h, vocab, tokens = shape.hidden, shape.vocab, 2 * 4096
+
+    def cost(lay, impl=MESHLOOM, model=shape):
+        return compute_mod.embedding_cost(model, lay, rates, 4096, impl, 2)
+    gb = 2000e9
+    # meshloom on one GPU: the fp32 masters are the table (4 bytes), no tp, no position table
+    f, b = cost(Layout(micro_batch=2))
+    assert f == pytest.approx(2 * tokens * h * 4 / gb)
+    assert b == pytest.approx((vocab * h * 4 + 4 * tokens * h * 4) / gb)
+    # bf16 working copies (ZeRO), tp = 4: the out-of-slice rows zeroed; 1/4 of the table
+    f, b = cost(Layout(tp=4, dp=2, zero=1, micro_batch=2))
+    assert f == pytest.approx((2 + 2) * tokens * h * 2 / gb)
+    assert b == pytest.approx((vocab / 4 * h * 2 + 4 * tokens * h * 2) / gb)
+    # Megatron: the hook's add into the fp32 main gradient, every micro-batch
+    megatron = Implementation(meshloom_block=False, fused_grad_accumulation=True)
+    f2, b2 = cost(Layout(tp=4, dp=2, zero=1, micro_batch=2), megatron)
+    assert f2 == pytest.approx(f)
+    assert b2 - b == pytest.approx(vocab / 4 * h * (2 + 4 + 4) / gb)
+    # a learned position table: its rows added forward, summed over the batch backward
+    gpt = PRESETS["gpt2-xl"]
+    assert gpt.positions
+    f3, b3 = cost(Layout(dp=2, zero=1, micro_batch=2), MESHLOOM, gpt)
+    rows = tokens * gpt.hidden * 2
+    assert f3 == pytest.approx((2 + 2) * rows / gb)
+    assert b3 == pytest.approx((gpt.vocab * gpt.hidden * 2 + (4 + 1) * rows) / gb)
+    # its kernels: one gather forward (two more over tp), fill, partial sums and scatter back
+    tiny = from_dims("llama", 64, 2, 4, 128)
+    slow = compute_mod.embedding_cost(tiny, Layout(tp=2, micro_batch=1), _rates(launch_us=50.0),
+                                      16, megatron, 2)
+    assert slow == pytest.approx((2 * 50e-6, 4 * 50e-6))
+
+
+def test_the_lookup_lands_on_the_first_stage_and_the_ends_collectives_on_theirs():
+    """The step carries the lookup on pipeline rank 0 (`compute_s["embedding"]` when that rank
+    is the busiest) and one all-reduce's worth of tp collectives at each end per micro-batch:
+    with SP four calls (the lookup's reduce-scatter and its all-gather back, the head's
+    all-gather and its gradient's reduce-scatter), without it two all-reduces. Megatron-style
+    overlap hides the head's backward one behind its weight-gradient GEMM."""
+    shape, cluster = PRESETS["llama3-8b"], make_cluster("h100", 8)
+    m, layers = 4, shape.layers
+
+    def run(lay, impl=MESHLOOM):
+        return evaluate(shape, lay, cluster, 4096, m * lay.micro_batch * lay.dp,
+                        impl=impl).timing
+    t = run(Layout(tp=4, dp=2, zero=1, sp=True, micro_batch=1))
+    tp = t.detail["comm_s"]["tp"]
+    one = tp["ops"]["collectives"] / (m * layers * 4)  # 4 all-reduces' worth per block pass
+    assert tp["ops"]["embedding_and_head"] == pytest.approx(m * 2 * one)
+    assert tp["calls"]["embedding_and_head"]["calls"] == m * 4
+    # meshloom hides no tp collective: the ends wait in full
+    assert tp["exposed"] == pytest.approx(tp["ops"]["collectives"]
+                                          + tp["ops"]["embedding_and_head"])
+    emb = compute_mod.embedding_cost(shape, Layout(tp=4, dp=2, zero=1, sp=True, micro_batch=1),
+                                     rates_for(cluster), 4096, MESHLOOM, 2)
+    assert t.detail["compute_s"]["embedding"] == pytest.approx(m * sum(emb))
+    assert sum(t.detail["compute_s"].values()) == pytest.approx(t.compute, rel=1e-9)
+    t2 = run(Layout(tp=4, dp=2, zero=1, sp=False, micro_batch=1))
+    assert t2.detail["comm_s"]["tp"]["calls"]["embedding_and_head"]["calls"] == m * 2
+    # under tp_overlap the head's backward collective runs beside its weight-gradient GEMM
+    over = run(Layout(tp=4, dp=2, zero=1, sp=True, micro_batch=1),
+               Implementation(tp_overlap=True, meshloom_block=False))
+    otp = over.detail["comm_s"]["tp"]
+    assert otp["ops"]["embedding_and_head"] == pytest.approx(tp["ops"]["embedding_and_head"])
+    assert otp["hidden"] > 0
+    # without tp, no ends' collectives; with two stages the lookup sits on rank 0 and the head
+    # on rank 1: the busiest rank's breakdown has one of them and still sums to its compute
+    assert "embedding_and_head" not in run(Layout(dp=8, zero=1)).detail["comm_s"]["tp"].get(
+        "ops", {})
+    piped = run(Layout(pp=2, dp=4, zero=1, micro_batch=1))
+    ends = (piped.detail["compute_s"]["embedding"], piped.detail["compute_s"]["head_and_loss"])
+    assert min(ends) == 0.0 < max(ends)  # the busiest rank holds one end, not both
+    assert sum(piped.detail["compute_s"].values()) == pytest.approx(piped.compute, rel=1e-9)
+
+
 def test_every_micro_batch_that_finds_a_gradient_adds_into_it():
     """A loop that keeps its gradients accumulates on each of the m micro-batches, one that
     frees them on m - 1 (the first takes the fresh gradient over); a fused weight-gradient

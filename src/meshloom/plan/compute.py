@@ -82,6 +82,16 @@ ZERO_BYTES_PER_PARAM = 4.0
 # meshloom's ZeRO-1 in bf16 keeps whole bf16 gradients in its flat buffers (parallel/zero.py):
 # 6 bytes there (`accumulate_seconds(..., grad_bytes=2)`).
 ACCUMULATE_BYTES_PER_PARAM = 12.0
+# The token-table lookup (`embedding_cost`), in passes over the micro-batch's rows (tokens x
+# hidden at the table's dtype). Forward, the gather reads the table's rows and writes them.
+# Backward, PyTorch's CUDA `embedding_dense_backward` reads the sorted incoming rows, writes
+# per-segment partial sums, reads them and scatters them into the table's gradient: 4 passes,
+# in 3 kernels besides the sort (fill, compute_grad_weight, sum_and_scatter). The profiled 1B
+# Llama step (benchmarks/measured/h100-2026-11-26) spends 0.73 ms in these and the gather, where
+# this prices 0.62 (benchmarks/results/planner/profile_vs_plan_llama1b.json).
+EMBED_FWD_PASSES = 2
+EMBED_BWD_PASSES = 4
+EMBED_BWD_KERNELS = 3
 
 
 # TransformerEngine's comm-GEMM overlap (Implementation.tp_overlap_chunks): forward, the GEMMs
@@ -314,6 +324,35 @@ def tied_gradient_add(shape: ModelShape, lay: Layout, rates: Rates, impl: Implem
     if not shape.tied or lay.pp > 1 or impl.fused_grad_accumulation:
         return 0.0
     return rates.stream(3 * grad_bytes * shape.vocab / lay.tp * shape.hidden, 1)
+
+
+def embedding_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, impl: Implementation,
+                   e: int = 2) -> tuple[float, float]:
+    """(forward, backward) seconds of the token-table lookup on the first stage, one
+    micro-batch, vocabulary-parallel over tp (its collectives are timing.py's `end_collectives`).
+    Forward: the lookup reads each token's row and writes it (`EMBED_FWD_PASSES`); over tp > 1
+    the rows of ids outside the rank's slice are then zeroed (read, write); a learned position
+    table's rows are added (read, write). Backward (`embedding_dense_backward`): the table's
+    gradient is zero-filled whole, then the incoming rows are sorted by id, summed per id into
+    partial sums and scattered (`EMBED_BWD_PASSES`); with a position table the batch's rows are
+    summed into its gradient (read). Where the weight-gradient GEMMs add into the fp32 main
+    gradient themselves (`fused_grad_accumulation`, Megatron), the table's gradient is not a
+    GEMM's: a hook adds it to the main gradient every micro-batch (read it, read and write 4
+    bytes); elsewhere that add is `accumulate_seconds`' with every other gradient."""
+    tokens = lay.micro_batch * (seq // lay.cp)
+    w = 4 if casts_weights(lay, e, impl) else e  # the table's dtype: fp32 where the masters are
+    rows = tokens * shape.hidden * w
+    table = shape.vocab / lay.tp * shape.hidden
+    fwd_passes, fwd_kernels = EMBED_FWD_PASSES, 1
+    if lay.tp > 1:
+        fwd_passes, fwd_kernels = fwd_passes + 2, fwd_kernels + 1
+    bwd_bytes, bwd_kernels = table * w + EMBED_BWD_PASSES * rows, EMBED_BWD_KERNELS
+    if shape.positions:
+        fwd_passes, fwd_kernels = fwd_passes + 2, fwd_kernels + 2
+        bwd_bytes, bwd_kernels = bwd_bytes + rows, bwd_kernels + 1
+    if impl.fused_grad_accumulation:
+        bwd_bytes, bwd_kernels = bwd_bytes + table * (w + 8), bwd_kernels + 1
+    return rates.stream(fwd_passes * rows, fwd_kernels), rates.stream(bwd_bytes, bwd_kernels)
 
 
 def casts_weights(lay: Layout, e: int, impl: Implementation) -> bool:

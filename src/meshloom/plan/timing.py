@@ -33,6 +33,7 @@ from meshloom.plan.compute import (
     accumulate_seconds,
     attention_source,
     block_cost,
+    embedding_cost,
     head_cost,
     loss_source,
     optimizer_seconds,
@@ -57,6 +58,7 @@ from meshloom.plan.moe import (
 )
 from meshloom.plan.reruns import dispatch_reruns, ring_reruns, tp_reruns
 from meshloom.plan.stages import rank_layers, stage_layers
+from meshloom.plan.step_kernels import head_gemm
 
 SIMULATE_LIMIT = 6000  # GPipe: micro-batches x stages simulated directly before extrapolating
 # Cluster.action_cv > 0: the expected span is the mean of this many seeded simulations (the
@@ -181,21 +183,34 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     stages = stage_layers(shape, p, v, seq, impl.pp_split)
     held = rank_layers(stages, p)
     head_f, head_b = head_cost(shape, lay, rates, seq, impl, e)
+    emb_f, emb_b = embedding_cost(shape, lay, rates, seq, impl, e)
+    head_wgrad = head_gemm(shape, tokens, t).backward()[1]
+    ends = end_collectives(lay, tp_one, tp_start / (2 if lay.sp else 1), rates.gemm(head_wgrad),
+                           impl)
     n_stages = p * v
 
     def cost(a: Action, comm: bool = True) -> float:
-        last, n = a.stage == n_stages - 1, stages[a.stage]
+        first, last, n = a.stage == 0, a.stage == n_stages - 1, stages[a.stage]
         if a.kind == "F":
             c = n * (f_layer + (tp_f + cp_f) * comm) + (head_f if last else 0.0)
+            c += (emb_f + ends.emb_f * comm if first else 0.0) + (
+                ends.head_f * comm if last else 0.0)
         else:
             c = n * (b_layer + (tp_b + cp_b) * comm) + (head_b if last else 0.0)
+            c += (emb_b + ends.emb_b * comm if first else 0.0) + (
+                ends.head_b * comm if last else 0.0)
             if a.kind in ("I", "W"):  # zero-bubble halves: I carries the comm
                 c = c / 2 if a.kind == "W" else c / 2 + n * (tp_b + cp_b) * comm / 2
         return c
 
+    def end_comm(r: int) -> float:  # the ends' exposed tp collectives on pipeline rank r
+        return (ends.emb_f + ends.emb_b if r == 0 else 0.0) + (
+            ends.head_f + ends.head_b if r == p - 1 else 0.0)
+
     def work(r: int) -> float:  # one micro-batch's compute and comm on pipeline rank r
         return held[r] * (f_layer + tp_f + cp_f + b_layer + tp_b + cp_b) + (
-            head_f + head_b if r == p - 1 else 0.0)
+            head_f + head_b if r == p - 1 else 0.0) + (
+            emb_f + emb_b if r == 0 else 0.0) + end_comm(r)
 
     busiest = max(range(p), key=lambda r: (work(r), r))  # a tie goes to the last (the head)
     layers = held[busiest]
@@ -215,9 +230,9 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
             hop_pp = act / cluster.link_bandwidth(2, stride) + start
 
     busy_mb = work(busiest)
-    comm_mb = layers * (tp_f + tp_b + cp_f + cp_b)
+    comm_mb = layers * (tp_f + tp_b + cp_f + cp_b) + end_comm(busiest)
     ep_total = m * layers * (ep_f + ep_b)
-    tp_total = m * layers * tp_only
+    tp_total = m * layers * tp_only + m * end_comm(busiest)
     cp_total = m * layers * (cp_f + cp_b)
     if p == 1:
         span_nolat = span = m * busy_mb
@@ -265,10 +280,14 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
         "compute_s": {"gemm": per_step * (blk.fwd.gemm + blk.bwd.gemm),
                       "attention": per_step * (blk.fwd.attention + blk.bwd.attention),
                       "elementwise": per_step * (blk.fwd.elementwise + blk.bwd.elementwise),
-                      "head_and_loss": m * (head_f + head_b)},
-        "comm_s": {"tp": {"exposed": tp_total, "hidden": m * layers * (tp_f_all + tp_b_all)
-                          - tp_total} | _tp_calls(m * layers, tp_f_all + tp_b_all, tp_one,
-                                                  tp_start, 2 if lay.sp else 1),
+                      # the ends, where the busiest rank holds them
+                      "head_and_loss": m * (head_f + head_b) if busiest == p - 1 else 0.0,
+                      "embedding": m * (emb_f + emb_b) if busiest == 0 else 0.0},
+        "comm_s": {"tp": {"exposed": tp_total,
+                          "hidden": m * (layers * (tp_f_all + tp_b_all - tp_only)
+                                         + ends.hidden(busiest == p - 1))}
+                   | _tp_calls(m * layers, tp_f_all + tp_b_all, tp_one, tp_start,
+                               2 if lay.sp else 1, ends.calls(m, busiest == 0, busiest == p - 1)),
                    "cp": {"exposed": cp_total},
                    "dp": {"exposed": dp["exposed"], "hidden": dp["total"] - dp["exposed"],
                           "ops": dp["ops"], "calls": dp["calls"]},
@@ -416,18 +435,70 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     return result(out, max(out, sum(ops.values())))
 
 
-def _tp_calls(blocks: int, per_block: float, one: float, start: float, pieces: int) -> dict:
+def _tp_calls(blocks: int, per_block: float, one: float, start: float, pieces: int,
+              ends: tuple[float, int, float] = (0.0, 0, 0.0)) -> dict:
     """The TP collectives of a step, reported as the data-parallel ones are ({"ops",
     "calls"}; empty without TP): `blocks` passes of one micro-batch through one block (forward
     and backward), each with `per_block` seconds of collectives, that is per_block / `one`
     all-reduces' worth; each all-reduce's worth is `pieces` calls (with SP an all-gather and a
-    reduce-scatter) that start in `start` seconds together."""
+    reduce-scatter) that start in `start` seconds together. `ends`: the embedding's and the
+    head's collectives on this rank (seconds, calls, their start; `EndCollectives.calls`)."""
     if not one:
         return {}
     n = per_block / one  # all-reduces' worth per block pass
-    return {"ops": {"collectives": blocks * per_block},
-            "calls": {"collectives": {"calls": round(blocks * n * pieces),
-                                      "fixed_s": blocks * n * start}}}
+    out = {"ops": {"collectives": blocks * per_block},
+           "calls": {"collectives": {"calls": round(blocks * n * pieces),
+                                     "fixed_s": blocks * n * start}}}
+    if ends[1]:
+        out["ops"]["embedding_and_head"] = ends[0]
+        out["calls"]["embedding_and_head"] = {"calls": ends[1], "fixed_s": ends[2]}
+    return out
+
+
+@dataclass
+class EndCollectives:
+    """Seconds of the embedding's and the head's tp collectives per micro-batch, exposed, and
+    what each moves in all (`total`, for the calls). The vocabulary-parallel lookup sums its
+    partial rows over tp: an all-reduce forward, or under SP a reduce-scatter forward and its
+    all-gather backward. The head's input enters the tp group: without SP its gradient is
+    all-reduced backward; under SP it is all-gathered forward and its gradient reduce-scattered
+    backward. Each end is one all-reduce's worth either way, on the step's critical path,
+    except the head's backward collective, which Megatron-style implementations (`tp_overlap`)
+    issue beside the head's weight-gradient GEMM: only what outlasts that GEMM waits."""
+    emb_f: float = 0.0
+    emb_b: float = 0.0
+    head_f: float = 0.0
+    head_b: float = 0.0
+    head_b_all: float = 0.0
+    start: float = 0.0  # one call's start
+    sp: bool = False
+
+    def hidden(self, last: bool) -> float:
+        return self.head_b_all - self.head_b if last else 0.0
+
+    def calls(self, m: int, first: bool, last: bool) -> tuple[float, int, float]:
+        """(seconds, calls, their starts) in a step of `m` micro-batches on a rank holding the
+        first stage, the last, or both."""
+        per_end = 2 if self.sp else 1
+        n = m * per_end * (first + last)
+        secs = m * ((self.emb_f + self.emb_b if first else 0.0)
+                    + (self.head_f + self.head_b_all if last else 0.0))
+        return secs, n, n * self.start
+
+
+def end_collectives(lay: Layout, tp_one: float, start: float, head_wgrad_s: float,
+                    impl: Implementation) -> EndCollectives:
+    """The embedding's and the head's tp collectives for one micro-batch (`EndCollectives`);
+    none without tp. `tp_one`: one all-reduce's worth of the micro-batch's activations;
+    `start`: one call's start; `head_wgrad_s`: the head's weight-gradient GEMM."""
+    if lay.tp == 1 or not tp_one:
+        return EndCollectives()
+    if lay.sp:  # each end an all-gather and a reduce-scatter, half an all-reduce each
+        emb_f = emb_b = head_f = head_b = tp_one / 2
+    else:
+        emb_f, emb_b, head_f, head_b = tp_one, 0.0, 0.0, tp_one
+    exposed_b = _exposed(head_b, head_wgrad_s) if impl.tp_overlap else head_b
+    return EndCollectives(emb_f, emb_b, head_f, exposed_b, head_b, start, lay.sp)
 
 
 def _pp_sends(m: int, rank: int, p: int, n_stages: int, hop: float, start: float) -> dict:
