@@ -134,12 +134,14 @@ def trainer_impl(trainer: str) -> dict:
 
 def _row(set_name: str, rid: str, gpu: str, gpus: int, shape, seq: int, batch: int,
          fixed: dict, published_tps: float, flash: bool = True, gpus_per_node: int = 8,
-         extra: dict | None = None, memory_gb: float | None = None) -> dict:
-    cluster = make_cluster(gpu, gpus, gpus_per_node, memory_gb=memory_gb)
+         extra: dict | None = None, memory_gb: float | None = None,
+         inter_gbps: float | None = None) -> dict:
+    cluster = make_cluster(gpu, gpus, gpus_per_node, memory_gb=memory_gb, inter_gbps=inter_gbps)
     best = search(shape, cluster, seq, batch, fixed, flash=flash, top=1)[0]
     got = best.tokens_per_s_per_gpu
     if gpu == "h100" and MEASURED_H100.exists():
         measured = make_cluster(gpu, gpus, gpus_per_node, memory_gb=memory_gb,
+                                inter_gbps=inter_gbps,
                                 kernels=str(MEASURED_H100))
         alt = search(shape, measured, seq, batch, fixed, flash=flash, top=1)[0]
         extra = {**(extra or {}), "error_measured_kernels": round(
@@ -292,7 +294,7 @@ def _published_row(run: dict, shape, fixed: dict, extra: dict) -> dict:
                run["seq"], run["global_batch"], fixed, run["published"]["tokens_per_s_per_gpu"],
                flash=run.get("attention", "flash") == "flash",
                gpus_per_node=run.get("gpus_per_node", 8), extra=extra,
-               memory_gb=run.get("gpu_memory_gb"))
+               memory_gb=run.get("gpu_memory_gb"), inter_gbps=run.get("inter_gbps"))
     reserved = run["published"].get("peak_memory_gib_reserved")
     if reserved:  # the caching allocator's peak reservation: allocated bytes and its free blocks
         row["published_reserved_gb"] = round(reserved * 2**30 / 1e9, 2)

@@ -378,3 +378,20 @@ def test_published_peak_reservations_are_reported_and_quoted():
     assert (f"the planner's peak falls {few['allocated_gb'] - many['allocated_gb']:.1f} GB and "
             f"the published one {few['published_reserved_gb'] - many['published_reserved_gb']:.1f}"
             " GB") in doc
+
+
+def test_a_rows_own_network_replaces_the_presets():
+    """BLOOM ran on Jean Zay's Omni-Path (four 100 Gb/s links per node of 8 GPUs): its row
+    carries `inter_gbps` 6.25 and is priced with it, so its data-parallel and pipeline traffic,
+    which crosses nodes, takes four times the preset's 25 GB/s port; the committed row is that."""
+    pv = _validation()
+    runs = json.loads(pv.RUNS.read_text())
+    bloom = next(r for r in runs["runs"] if r["id"].startswith("bloom"))
+    assert bloom["inter_gbps"] == 4 * 100 / 8 / 8 and "bloom-hardware" in runs["sources"]
+    shape, (fixed, _) = pv.run_shape(bloom), pv.run_fixed(bloom)
+    own = pv._published_row(bloom, shape, fixed, {})
+    preset = pv._published_row({k: v for k, v in bloom.items() if k != "inter_gbps"}, shape,
+                               fixed, {})
+    assert own["step_s"] > preset["step_s"] and own["error"] < preset["error"]
+    committed = {r["id"]: r for r in json.loads(pv.DEFAULT_OUT.read_text())["rows"]}
+    assert committed[bloom["id"]]["error"] == own["error"]
