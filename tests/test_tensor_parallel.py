@@ -148,7 +148,15 @@ def test_tp_comm_volume_per_layer_is_exact(sp):
     all-reduce becomes an all-gather plus a reduce-scatter, each of the same b*s*h payload (on
     the wire an all-reduce is exactly such a pair). Outside the layers: the embedding's output
     forward and the head's input backward (one more of each kind), the loss's three reductions
-    of b*s numbers, and under SP one batched sum of the norm gains' partial gradients."""
+    of b*s numbers, and under SP one batched sum of the norm gains' partial gradients. The
+    planner's step counts the same calls: the layers' (`collectives`) and the two ends'
+    (`embedding_and_head`, timing.end_collectives)."""
+    from meshloom.models.llama import config_from_preset
+    from meshloom.plan.hardware import make_cluster
+    from meshloom.plan.layout import Layout
+    from meshloom.plan.models import from_llama_config
+    from meshloom.plan.search import evaluate
+
     act = B * S * 64 * 4  # b*s*h fp32 bytes (tiny: dim 64)
     ops = ["all_gather", "reduce_scatter"] if sp else ["all_reduce"]
     per_op = {}
@@ -160,6 +168,12 @@ def test_tp_comm_volume_per_layer_is_exact(sp):
             assert c[("tp", op)] == calls, (op, c)
             assert b[("tp", op)] == calls * act, (op, b)
             per_op[(n_layers, op)] = b[("tp", op)]
+        shape = from_llama_config(config_from_preset("tiny", n_layers=n_layers, n_kv_heads=4))
+        planned = evaluate(shape, Layout(tp=2, sp=sp, micro_batch=B), make_cluster("h100", 2),
+                           S, B, "fp32").timing.detail["comm_s"]["tp"]["calls"]
+        assert planned["embedding_and_head"]["calls"] == 2 * len(ops)
+        assert planned["collectives"]["calls"] + planned["embedding_and_head"]["calls"] == \
+            sum(c[("tp", op)] for op in ops)
         assert b[("tp", "all_reduce_loss")] == 3 * B * S * 4
         assert c[("tp", "all_reduce_loss")] == 3
         if sp:
