@@ -121,6 +121,11 @@ def test_pp_tied_embeddings_stay_in_sync(tmp_path, token_cache, extra):
     first, last = got[0]["state"], got[world - 1]["state"]
     # The last stage's copy of the table is the first stage's, bit for bit, after 4 steps.
     assert torch.equal(first["tok_embeddings.weight"], last["output.weight"])
+    # One all-reduce of the table's fp32 gradient per step between the two ends, as the planner
+    # prices it (timing.tied_table_sync: one call a step, V x h x the gradient's bytes).
+    table = first["tok_embeddings.weight"]
+    for r in (got[0], got[world - 1]):
+        assert r["bytes"][("pp_ends", "all_reduce_tied")] == STEPS * table.numel() * 4
 
 
 def test_pp_activation_counts_and_timeline(tmp_path, token_cache):

@@ -61,9 +61,12 @@ def test_scatter_gather_sends_a_tp_slice_and_gathers_it():
     # Each send starts in NCCL's 8.4 us plus one network hop of 14.0 us (stages are 16 ranks
     # apart, in other nodes).
     start = 1e-6 * (8.4 + 14.0)
-    assert whole.pp == pytest.approx(6 * (act / link + start), rel=1e-9)
+
+    def sends(t):  # the pipeline's time less the tied table's one all-reduce a step
+        return t.pp - t.detail["comm_s"]["pp"]["ops"].get("tied_table_all_reduce", 0.0)
+    assert sends(whole) == pytest.approx(6 * (act / link + start), rel=1e-9)
     gather = ring_time("all_gather", act, 8, cl.bus_bandwidth(8, 1)) + 1e-6 * (8.4 + 7 * 3.4)
-    assert split.pp == pytest.approx(6 * (act / 8 / link + start + gather), rel=1e-9)
+    assert sends(split) == pytest.approx(6 * (act / 8 / link + start + gather), rel=1e-9)
     sp = Layout(tp=8, pp=4, dp=2, micro_batch=1, recompute="full", schedule="1f1b", sp=True)
     assert _timing(sp, pp_scatter_gather=True).step_time_s == _timing(sp).step_time_s
 
@@ -96,3 +99,35 @@ def test_context_ring_steps_pay_a_send_start():
     assert t.cp == pytest.approx(
         shape.layers * (exposed(hop, block) + exposed(2 * hop, 2 * block)), rel=1e-12)
     assert cl.send_latency(2, 1) == pytest.approx(11.8e-6, rel=1e-12)
+
+
+def test_a_tied_table_split_over_the_ends_is_summed_once_a_step():
+    """A token table tied to the head, with the two on the first and the last pipeline stage:
+    one all-reduce of its V x h gradient (at the gradient's bytes) between those two ranks
+    after the backward, on the critical path; across nodes it runs on the network. Nothing
+    without a pipeline or without tying (tests/test_pipeline.py counts meshloom's own)."""
+    from dataclasses import replace
+
+    shape = PRESETS["llama3-1b"]
+    assert shape.tied
+    lay = Layout(pp=2, dp=4, zero=1, micro_batch=1)
+
+    def run(model, layout, per_node=8):
+        return step_time(model, layout, make_cluster("h100", 8, per_node), 2048, 32)
+    t = run(shape, lay)
+    pp = t.detail["comm_s"]["pp"]
+    cluster = make_cluster("h100", 8)
+    far = 4  # stage 1's rank 0 is dp x cp x tp = 4 ranks on
+    want = ring_time("all_reduce", shape.vocab * shape.hidden * 2, 2,
+                     cluster.bus_bandwidth(2, far), cluster.ring_latency("all_reduce", 2, far))
+    assert pp["ops"]["tied_table_all_reduce"] == pytest.approx(want)
+    assert pp["calls"]["tied_table_all_reduce"]["calls"] == 1
+    untied = run(replace(shape, tied=False), lay)
+    assert "tied_table_all_reduce" not in untied.detail["comm_s"]["pp"].get("ops", {})
+    assert t.pp - untied.pp == pytest.approx(want)
+    assert t.step_time_s == pytest.approx(sum(t.breakdown().values()))
+    assert "tied_table_all_reduce" not in run(shape, Layout(dp=8, zero=1)).detail["comm_s"][
+        "pp"].get("ops", {})
+    # four GPUs a node: the two ends sit on different nodes, the sum crosses the network
+    split = run(shape, lay, 4).detail["comm_s"]["pp"]["ops"]["tied_table_all_reduce"]
+    assert split > 3 * want

@@ -268,7 +268,8 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
          for r in sorted({p - 1, held.index(max(held))}, reverse=True)),
         key=lambda d: d[0]["exposed"] + d[1])
 
-    total = span + dp["exposed"] + optimizer
+    tied_s, tied_start = tied_table_sync(shape, lay, cluster, dtype)
+    total = span + dp["exposed"] + optimizer + tied_s
     mf = model_flops(shape, seq, global_batch)
     hw = mf + recompute_flops(shape, seq, global_batch, lay.recompute)
     compute = m * busy_mb - m * comm_mb
@@ -291,8 +292,8 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
                    "cp": {"exposed": cp_total},
                    "dp": {"exposed": dp["exposed"], "hidden": dp["total"] - dp["exposed"],
                           "ops": dp["ops"], "calls": dp["calls"]},
-                   "pp": {"exposed": pp_comm} | _pp_sends(m, busiest, p, n_stages, hop_pp,
-                                                           pp_start)}
+                   "pp": _with_tied({"exposed": pp_comm} | _pp_sends(
+                       m, busiest, p, n_stages, hop_pp, pp_start), tied_s, tied_start)}
         | ({"ep": {"exposed": ep_total} | _ep_calls(
             m * layers * all_to_alls(dispatch_reruns(lay, impl)),
             {"all_to_all": (a2a, cluster.send_latency(lay.ep, t)),
@@ -300,7 +301,7 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
            if shape.is_moe else {}),
         "bubble_s": bubble, "optimizer_s": optimizer, "accumulate_s": accumulate,
     }
-    return Timing(total, compute, tp_total, cp_total, pp_comm, dp["exposed"], bubble,
+    return Timing(total, compute, tp_total, cp_total, pp_comm + tied_s, dp["exposed"], bubble,
                   optimizer, max(0.0, 1.0 - mean_busy / span_nolat) if span_nolat else 0.0, mf,
                   hw, ep_total, shape.is_moe, detail)
 
@@ -511,6 +512,31 @@ def _pp_sends(m: int, rank: int, p: int, n_stages: int, hop: float, start: float
     stages = range(rank, n_stages, p)
     n = m * (sum(s < n_stages - 1 for s in stages) + sum(s > 0 for s in stages))
     return {"ops": {"sends": n * hop}, "calls": {"sends": {"calls": n, "fixed_s": n * start}}}
+
+
+def tied_table_sync(shape: ModelShape, lay: Layout, cluster: Cluster,
+                    dtype: str) -> tuple[float, float]:
+    """(seconds, its start) of summing a tied token table's two gradients when the first and
+    the last pipeline stage hold one copy each: after the backward, one all-reduce of the
+    table's V/t x h gradient between those two ranks, (p - 1) stages apart, on the step's
+    critical path (meshloom's parallel/pipeline.py `_sum_tied` over its "pp_ends" group;
+    Megatron-Core's `_allreduce_embedding_grads` in finalize_model_grads)."""
+    if not shape.tied or lay.pp == 1:
+        return 0.0, 0.0
+    far = (lay.pp - 1) * lay.dp * lay.cp * lay.tp
+    grad = shape.vocab / lay.tp * shape.hidden * precision(dtype).grad_bytes
+    start = cluster.ring_latency("all_reduce", 2, far)
+    return ring_time("all_reduce", grad, 2, cluster.bus_bandwidth(2, far), start), start
+
+
+def _with_tied(pp: dict, seconds: float, start: float) -> dict:
+    """The pipeline's detail with the tied table's all-reduce (`tied_table_sync`) added."""
+    if not seconds:
+        return pp
+    pp["exposed"] += seconds
+    pp.setdefault("ops", {})["tied_table_all_reduce"] = seconds
+    pp.setdefault("calls", {})["tied_table_all_reduce"] = {"calls": 1, "fixed_s": start}
+    return pp
 
 
 def _ep_calls(n: int, per_call: dict[str, tuple[float, float]]) -> dict:
