@@ -418,3 +418,22 @@ def test_action_variability_lengthens_the_pipeline():
     for bad in (-0.1, 1.0):
         with pytest.raises(PlanError, match="--action-cv"):
             make_cluster("h100", 2, action_cv=bad)
+
+
+def test_zero_bubble_halves_carry_the_backward_once():
+    """zb_h1 splits each backward into I (input gradients, with the backward's tp and cp
+    collectives) and W (weight gradients, none): together they are the 1F1B backward, so the
+    ranks' busy time is the same under both schedules and only the idle time differs. (W once
+    carried half the collectives again, which the simulated span counted as bubble.)"""
+    from meshloom.plan.hardware import make_cluster
+    from meshloom.plan.layout import Layout
+    from meshloom.plan.models import PRESETS
+    from meshloom.plan.search import evaluate
+
+    def busy(schedule: str) -> float:  # the ranks' mean busy seconds in the simulated span
+        t = evaluate(PRESETS["llama3-8b"], Layout(tp=2, pp=4, dp=2, sp=True, micro_batch=1,
+                                                 zero=1, schedule=schedule),
+                     make_cluster("h100", 16), 4096, 64).timing
+        span = t.bubble + t.compute + t.tp + t.cp + t.ep
+        return (1 - t.bubble_fraction) * span
+    assert busy("zb_h1") == pytest.approx(busy("1f1b"), rel=1e-9)

@@ -196,11 +196,12 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
             c += (emb_f + ends.emb_f * comm if first else 0.0) + (
                 ends.head_f * comm if last else 0.0)
         else:
-            c = n * (b_layer + (tp_b + cp_b) * comm) + (head_b if last else 0.0)
-            c += (emb_b + ends.emb_b * comm if first else 0.0) + (
-                ends.head_b * comm if last else 0.0)
-            if a.kind in ("I", "W"):  # zero-bubble halves: I carries the comm
-                c = c / 2 if a.kind == "W" else c / 2 + n * (tp_b + cp_b) * comm / 2
+            work_b = n * b_layer + (head_b if last else 0.0) + (emb_b if first else 0.0)
+            comm_b = (n * (tp_b + cp_b) + (ends.emb_b if first else 0.0)
+                      + (ends.head_b if last else 0.0)) * comm
+            if a.kind == "W":  # zero-bubble halves: I carries the comm, W none of it
+                return work_b / 2
+            c = work_b / 2 + comm_b if a.kind == "I" else work_b + comm_b
         return c
 
     def end_comm(r: int) -> float:  # the ends' exposed tp collectives on pipeline rank r
@@ -459,13 +460,14 @@ def _tp_calls(blocks: int, per_block: float, one: float, start: float, pieces: i
 @dataclass
 class EndCollectives:
     """Seconds of the embedding's and the head's tp collectives per micro-batch, exposed, and
-    what each moves in all (`total`, for the calls). The vocabulary-parallel lookup sums its
-    partial rows over tp: an all-reduce forward, or under SP a reduce-scatter forward and its
-    all-gather backward. The head's input enters the tp group: without SP its gradient is
-    all-reduced backward; under SP it is all-gathered forward and its gradient reduce-scattered
-    backward. Each end is one all-reduce's worth either way, on the step's critical path,
-    except the head's backward collective, which Megatron-style implementations (`tp_overlap`)
-    issue beside the head's weight-gradient GEMM: only what outlasts that GEMM waits."""
+    the head's backward one in all (`head_b_all`, for the calls). The vocabulary-parallel
+    lookup sums its partial rows over tp: an all-reduce forward, or under SP a reduce-scatter
+    forward and its all-gather backward. The head's input enters the tp group: without SP its
+    gradient is all-reduced backward; under SP it is all-gathered forward and its gradient
+    reduce-scattered backward. Each end is one all-reduce's worth either way, on the step's
+    critical path, except the head's backward collective, which Megatron-style
+    implementations (`tp_overlap`) issue beside the head's weight-gradient GEMM: only what
+    outlasts that GEMM waits."""
     emb_f: float = 0.0
     emb_b: float = 0.0
     head_f: float = 0.0
