@@ -527,8 +527,8 @@ def tied_table_sync(shape: ModelShape, lay: Layout, cluster: Cluster,
         return 0.0, 0.0
     far = (lay.pp - 1) * lay.dp * lay.cp * lay.tp
     grad = shape.vocab / lay.tp * shape.hidden * precision(dtype).grad_bytes
-    start = cluster.ring_latency("all_reduce", 2, far)
-    return ring_time("all_reduce", grad, 2, cluster.bus_bandwidth(2, far), start), start
+    return (_collective(cluster, "all_reduce", grad, 2, far, 1),
+            cluster.ring_latency("all_reduce", 2, far))
 
 
 def _with_tied(pp: dict, seconds: float, start: float) -> dict:
