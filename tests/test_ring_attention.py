@@ -1,5 +1,7 @@
 """Ring attention alone: forward output and input gradients equal full causal attention (fp32)
-for cp 2 and 4, with and without grouped-query attention; the zigzag split; the bytes moved."""
+for cp 2 and 4, with and without grouped-query attention, through each of its kernel paths
+(CPU's fused kernel, explicit scores, and the CUDA path's code with CPU kernels standing in);
+the CUDA kernels' calls as the ring makes them; the zigzag split; the bytes moved."""
 
 from __future__ import annotations
 
@@ -18,11 +20,26 @@ from meshloom.parallel.context import attention_work, ring_attention, zigzag_ind
 B, H, S, D = 2, 4, 32, 8
 
 
-def _job(world, kv_heads, fused=True):
-    if not fused:  # the explicit per-block path (what non-CPU devices run)
-        import meshloom.parallel.context as context
+def _cpu_flash_fwd(q, k, v, diagonal, scale):
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, diagonal, scale=scale)
+    return out, lse
 
+
+def _cpu_flash_bwd(do, q, k, v, out, lse, diagonal, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        do, q, k, v, out, lse.contiguous(), 0.0, diagonal, scale=scale)
+
+
+def _job(world, kv_heads, path="cpu"):
+    import meshloom.parallel.context as context
+
+    if path == "explicit":  # scores formed per block (devices without a fused kernel)
         context._fused_cpu = lambda q: False
+    elif path == "flash":  # the CUDA path's code: inputs kept in their dtype, the kernel's
+        # own delta, with CPU's fused kernels standing in for the CUDA ones
+        context._kernel = lambda q: "flash"
+        context._flash_fwd, context._flash_bwd = _cpu_flash_fwd, _cpu_flash_bwd
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
     mesh = Mesh(ParallelDims(cp=world), rank, "cpu", CommCounter())
@@ -45,10 +62,11 @@ def _job(world, kv_heads, fused=True):
             "calls": dict(mesh.counter.calls)}
 
 
-@pytest.mark.parametrize("world,kv_heads,fused", [(2, 4, True), (2, 2, True), (4, 4, True),
-                                                   (4, 1, True), (2, 2, False), (4, 1, False)])
-def test_ring_attention_equals_full_causal_attention(world, kv_heads, fused):
-    for r in run_ranks(_job, world, world, kv_heads, fused):
+@pytest.mark.parametrize("world,kv_heads,path", [
+    (2, 4, "cpu"), (2, 2, "cpu"), (4, 4, "cpu"), (4, 1, "cpu"), (2, 2, "explicit"),
+    (4, 1, "explicit"), (2, 2, "flash"), (4, 1, "flash")])
+def test_ring_attention_equals_full_causal_attention(world, kv_heads, path):
+    for r in run_ranks(_job, world, world, kv_heads, path):
         for key in ("out", "dq", "dk", "dv"):
             torch.testing.assert_close(r[key], r[f"{key}_ref"], rtol=1e-5, atol=1e-5, msg=key)
         # Forward: cp-1 K/V block exchanges; backward: cp-1 K/V and cp gradient exchanges,
@@ -56,6 +74,49 @@ def test_ring_attention_equals_full_causal_attention(world, kv_heads, fused):
         block = 2 * B * kv_heads * (S // world) * D * 4
         assert r["calls"][("cp", "send")] == (world - 1) + (world - 1) + world
         assert r["bytes"][("cp", "send")] == r["calls"][("cp", "send")] * block
+
+
+def test_cuda_kernel_calls_take_the_ring_blocks():
+    """The CUDA FlashAttention calls as the ring makes them, on meta tensors (shapes and dtypes
+    only): a chunk pair's output in bf16 with each row's fp32 log-sum-exp, and its backward
+    from the merged rows' output and log-sum-exp, a slice of the whole (not contiguous)."""
+    from meshloom.parallel.context import _flash_bwd, _flash_fwd
+
+    b, h, c, d = 2, 4, 16, 64
+    q, k, v = (torch.empty(b, h, 2 * c, d, dtype=torch.bfloat16, device="meta")
+               for _ in range(3))
+    rows = slice(c, 2 * c)
+    out, lse = _flash_fwd(q[:, :, rows], k[:, :, :c], v[:, :, :c], False, d ** -0.5)
+    assert out.shape == (b, h, c, d) and out.dtype == torch.bfloat16
+    assert lse.shape == (b, h, c) and lse.dtype == torch.float32
+    whole_lse = torch.empty(b, h, 2 * c, device="meta")
+    grads = _flash_bwd(out, q[:, :, rows], k[:, :, rows], v[:, :, rows], out,
+                       whole_lse[:, :, rows], True, d ** -0.5)
+    assert [g.shape for g in grads] == [(b, h, c, d)] * 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_block_kernels_match_explicit_attention():
+    """One chunk pair on the GPU: FlashAttention's output, log-sum-exp and gradients (bf16)
+    against the explicit fp32 computation, diagonal (masked) and off-diagonal."""
+    from meshloom.parallel.context import _attend, _attend_grads, _kernel
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(2, 4, 128, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+                   for _ in range(4))
+    assert _kernel(q) == "flash"
+    scale = 64 ** -0.5
+    for diagonal in (True, False):
+        out, lse = _attend(q, k, v, diagonal, scale, "flash")
+        ref, ref_lse = _attend(q.float(), k.float(), v.float(), diagonal, scale, "explicit")
+        torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(lse, ref_lse, rtol=1e-2, atol=1e-2)
+        delta = (do.float() * out.float()).sum(-1, keepdim=True)
+        got = _attend_grads(do, q, k, v, out, lse, None, diagonal, scale, "flash")
+        want = _attend_grads(do.float(), q.float(), k.float(), v.float(), out.float(), lse,
+                             delta, diagonal, scale, "explicit")
+        for a, w in zip(got, want, strict=True):
+            torch.testing.assert_close(a.float(), w, rtol=5e-2, atol=5e-2)
 
 
 def test_zigzag_split():

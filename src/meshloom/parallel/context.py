@@ -4,13 +4,15 @@ The sequence is cut into 2·cp chunks and rank i holds chunks i and 2·cp-1-i (`
 so that under the causal mask every rank has the same amount of work. Attention of the local
 queries against the whole sequence runs as a ring: each of cp steps computes the local queries
 against the K/V block currently held while that block travels on to the next rank
-(asynchronous p2p, overlapping the compute), and the partial results are merged with the
-log-sum-exp rule; chunk pairs that the mask hides entirely are skipped, and only the diagonal
-pairs are masked. The backward pass sends K/V around the ring again,
-with an accumulator of their gradients that arrives back at its owner after cp steps. No rank
-ever holds the scores of the whole sequence: at most a (2 chunks x 2 chunks) block of them.
+(asynchronous p2p, overlapping the compute). Each (query chunk, key chunk) pair the mask leaves
+anything of is one kernel call (only the diagonal pairs masked), and its output is merged into
+the rows' running output by the log-sum-exp rule. On a CUDA GPU with 16-bit inputs the call is
+PyTorch's FlashAttention kernel, in the inputs' dtype; on CPU PyTorch's fused CPU kernel, in
+fp32; elsewhere the chunk pair's scores are formed in fp32. The backward pass sends K/V around
+the ring again, each step's transfer overlapping that step's work, with an accumulator of their
+gradients that follows its block one step behind and arrives back at its owner after cp steps.
 
-Grouped-query attention: K/V travel with their own (fewer) heads and are expanded per block.
+Grouped-query attention: K/V travel with their own (fewer) heads and are expanded per step.
 """
 
 from __future__ import annotations
@@ -86,14 +88,50 @@ def _scores(q, k, diagonal: bool, scale: float) -> torch.Tensor:
 
 def _fused_cpu(q: torch.Tensor) -> bool:
     """CPU has a fused attention kernel that returns the log-sum-exp: it never builds a block's
-    scores in memory (other devices use the explicit block below)."""
+    scores in memory."""
     return q.device.type == "cpu" and hasattr(torch.ops.aten,
                                               "_scaled_dot_product_flash_attention_for_cpu")
 
 
-def _attend(q, k, v, diagonal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _flash_usable(q: torch.Tensor) -> bool:
+    """PyTorch's CUDA FlashAttention kernel takes 16-bit inputs with head widths up to 256 (a
+    multiple of 8) on Ampere or newer, and returns each row's log-sum-exp."""
+    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+            and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
+            and torch.backends.cuda.flash_sdp_enabled()
+            and torch.cuda.get_device_capability(q.device) >= (8, 0))
+
+
+def _kernel(q: torch.Tensor) -> str:
+    """What computes one sub-block: `flash` (CUDA, in the inputs' 16-bit dtype), `cpu`
+    (PyTorch's fused CPU kernel, fp32) or `explicit` (its scores in memory, fp32: any other
+    device or dtype)."""
+    if _flash_usable(q):
+        return "flash"
+    return "cpu" if _fused_cpu(q) else "explicit"
+
+
+def _flash_fwd(q, k, v, diagonal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, diagonal, False,
+                                                             scale=scale)
+    return out[0], out[1]
+
+
+def _flash_bwd(do, q, k, v, out, lse, diagonal: bool, scale: float):
+    # No dropout: the kernel reads no random state, so empty seed and offset tensors stand in.
+    seed = torch.empty(2, dtype=torch.uint64, device=q.device)
+    offset = torch.empty((), dtype=torch.uint64, device=q.device)
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        do, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, diagonal,
+        seed, offset, scale=scale)
+
+
+def _attend(q, k, v, diagonal: bool, scale: float,
+            kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of one sub-block: q [b, h, c, d] against k, v [b, h, c, d]."""
-    if _fused_cpu(q):
+    if kernel == "flash":
+        return _flash_fwd(q, k, v, diagonal, scale)
+    if kernel == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, diagonal, scale=scale)
         return out.float(), lse.float()
@@ -102,10 +140,13 @@ def _attend(q, k, v, diagonal: bool, scale: float) -> tuple[torch.Tensor, torch.
     return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v), lse
 
 
-def _attend_grads(do, q, k, v, out, lse, delta, diagonal: bool, scale: float):
+def _attend_grads(do, q, k, v, out, lse, delta, diagonal: bool, scale: float, kernel: str):
     """(dq, dk, dv) of one sub-block, given the rows' final output and log-sum-exp (so the
-    block's probabilities are the exact ones of the whole row)."""
-    if _fused_cpu(q):
+    block's probabilities are the exact ones of the whole row); the fused kernels compute
+    `delta`, rowsum(dO * O), themselves."""
+    if kernel == "flash":
+        return _flash_bwd(do, q, k, v, out, lse, diagonal, scale)
+    if kernel == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do, q, k, v, out, lse, 0.0, diagonal, scale=scale)
     s = _scores(q, k, diagonal, scale)
@@ -157,23 +198,29 @@ class _RingAttention(torch.autograd.Function):
         cp, me = mesh.size(AXIS), mesh.coord(AXIS)
         b, h, s2, d = q.shape
         c, n_rep, scale = s2 // 2, h // k.shape[1], d ** -0.5
+        kernel = _kernel(q)
+        # The CUDA kernel reads the 16-bit inputs as they are; the others work in fp32.
+        low = kernel == "flash"
         q_chunks = _chunks_of(me, cp)
         out = torch.zeros_like(q, dtype=torch.float32)
         lse = torch.full((b, h, s2), float("-inf"), device=q.device)
-        qf = q.float()
+        qw = q if low else q.float()
         kv = torch.stack([k, v])
         ring = _Ring(mesh, 0)
         for step in range(cp):
             pending = ring.start(kv) if step < cp - 1 else None
             owner = (me - step) % cp
-            kk, vv = _expand(kv[0].float(), n_rep), _expand(kv[1].float(), n_rep)
+            kk, vv = _expand(kv[0], n_rep), _expand(kv[1], n_rep)
+            if not low:
+                kk, vv = kk.float(), vv.float()
             for rows, cols, diagonal in _pairs(q_chunks, _chunks_of(owner, cp), c):
-                blk_out, blk_lse = _attend(qf[:, :, rows], kk[:, :, cols],
-                                           vv[:, :, cols], diagonal, scale)
+                blk_out, blk_lse = _attend(qw[:, :, rows], kk[:, :, cols], vv[:, :, cols],
+                                           diagonal, scale, kernel)
                 new_lse = torch.logaddexp(lse[:, :, rows], blk_lse)
-                w_old = torch.exp(lse[:, :, rows] - new_lse).unsqueeze(-1)
-                w_new = torch.exp(blk_lse - new_lse).unsqueeze(-1)
-                out[:, :, rows] = out[:, :, rows] * w_old + blk_out * w_new
+                # The old rows' weight exp(lse - new) and the block's exp(blk_lse - new) sum
+                # to 1, so one in-place interpolation merges them (one pass over the rows).
+                out[:, :, rows].lerp_(blk_out.float(),
+                                      torch.exp(blk_lse - new_lse).unsqueeze(-1))
                 lse[:, :, rows] = new_lse
             if pending is not None:
                 kv = _Ring.finish(pending)
@@ -188,34 +235,43 @@ class _RingAttention(torch.autograd.Function):
         cp, me = mesh.size(AXIS), mesh.coord(AXIS)
         b, h, s2, d = q.shape
         c, n_rep, scale = s2 // 2, h // k.shape[1], d ** -0.5
+        kernel = _kernel(q)
         q_chunks = _chunks_of(me, cp)
-        qf, do = q.float(), dout.float()
-        delta = (do * out).sum(-1, keepdim=True)  # rowsum(dO * O)
-        dq = torch.zeros_like(qf)
-        kv = torch.stack([k, v]).float()
-        dkv = torch.zeros_like(kv)
-        ring = _Ring(mesh, 1 << 16)
+        if kernel == "flash":
+            qw, do, ow, delta = q, dout.to(q.dtype), out.to(q.dtype), None
+            kv = torch.stack([k, v])
+        else:
+            qw, do, ow = q.float(), dout.float(), out
+            delta = (do * out).sum(-1, keepdim=True)  # rowsum(dO * O)
+            kv = torch.stack([k, v]).float()
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        kv_ring, acc_ring = _Ring(mesh, 1 << 16), _Ring(mesh, 1 << 17)
+        acc_pending = None
         for step in range(cp):
+            # The next step's K/V travel while this step computes; so does the gradient
+            # accumulator of the block held now, which the previous rank sent after its step.
+            kv_pending = kv_ring.start(kv) if step < cp - 1 else None
             owner = (me - step) % cp
             kk, vv = _expand(kv[0], n_rep), _expand(kv[1], n_rep)
-            dk, dv = torch.zeros_like(kk), torch.zeros_like(vv)
+            dk = torch.zeros_like(kk, dtype=torch.float32)
+            dv = torch.zeros_like(vv, dtype=torch.float32)
             for rows, cols, diagonal in _pairs(q_chunks, _chunks_of(owner, cp), c):
-                gq, gk, gv = _attend_grads(do[:, :, rows], qf[:, :, rows], kk[:, :, cols],
-                                           vv[:, :, cols], out[:, :, rows], lse[:, :, rows],
-                                           delta[:, :, rows], diagonal, scale)
-                dq[:, :, rows] += gq
-                dk[:, :, cols] += gk
-                dv[:, :, cols] += gv
-            dkv = dkv + torch.stack([_reduce_heads(dk, n_rep), _reduce_heads(dv, n_rep)])
-            # K/V move on for the next step; their gradient accumulator moves with them and,
-            # after the last step, arrives back at its owner.
-            pend_dkv = ring.start(dkv)
-            pend_kv = ring.start(kv) if step < cp - 1 else None
-            dkv = _Ring.finish(pend_dkv)
-            if pend_kv is not None:
-                kv = _Ring.finish(pend_kv)
-        dk, dv = dkv[0].to(k.dtype), dkv[1].to(v.dtype)
-        return dq.to(q.dtype), dk, dv, None
+                gq, gk, gv = _attend_grads(do[:, :, rows], qw[:, :, rows], kk[:, :, cols],
+                                           vv[:, :, cols], ow[:, :, rows], lse[:, :, rows],
+                                           None if delta is None else delta[:, :, rows],
+                                           diagonal, scale, kernel)
+                # add_ on the views: `x[i] += y` would copy the sum back onto itself
+                dq[:, :, rows].add_(gq)
+                dk[:, :, cols].add_(gk)
+                dv[:, :, cols].add_(gv)
+            mine = torch.stack([_reduce_heads(dk, n_rep), _reduce_heads(dv, n_rep)])
+            acc = mine if acc_pending is None else _Ring.finish(acc_pending) + mine
+            # The accumulator moves on with its block; after the last step it is back home.
+            acc_pending = acc_ring.start(acc)
+            if kv_pending is not None:
+                kv = _Ring.finish(kv_pending)
+        dkv = _Ring.finish(acc_pending)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
