@@ -33,6 +33,11 @@ _L70 = "--model llama3-70b --gpus 64 --gpu h100 --seq 8192 --global-batch 256"
 _BEST = ("tp=4,pp=4,dp=4,cp=1,micro_batch=1,zero=1,recompute=selective,"
          "schedule=interleaved_1f1b,v=20,sp=true")
 
+_CP4 = ("tp=1,pp=8,dp=4,cp=4,ep=8,micro_batch=1,zero=1,recompute=none,"
+        "schedule=interleaved_1f1b,v=7")
+_CP = "--model llama3-8b --gpus 16 --gpu h100 --seq 16384 --global-batch 64 --top 1"
+_CP_FIX = "tp=1,pp=1,dp={dp},cp={cp},micro_batch=1,zero=1,recompute=none"
+
 EXAMPLES: dict[str, str] = {
     "moe_mixtral_8x7b_64xh100": f"{_MOE} --model mixtral-8x7b --gpus 64 --top 5",
     "moe_mixtral_8x7b_64xh100_balanced":
@@ -47,6 +52,19 @@ EXAMPLES: dict[str, str] = {
     "schedule=interleaved_1f1b,v=8",
     "moe_mixtral_8x22b_128xh100_zero3": f"{_MOE} --model mixtral-8x22b --gpus 128 --top 1 "
     "--fix tp=1,pp=1,dp=128,cp=1,ep=1,zero=3,micro_batch=4,recompute=full",
+    # The 8x22B pipeline with cp 4 that the search ranked second before the ring was priced
+    # as meshloom runs it, with meshloom's ring and with TransformerEngine's.
+    "moe_mixtral_8x22b_128xh100_cp4": f"{_MOE} --model mixtral-8x22b --gpus 128 --top 1 "
+    f"--fix {_CP4}",
+    "moe_mixtral_8x22b_128xh100_cp4_te": f"{_MOE} --model mixtral-8x22b --gpus 128 --top 1 "
+    f"--fix {_CP4},cp_ring=te",
+    # Context parallel's ring (docs/plan.md, "Context parallel's ring"): Llama 3 8B at 16384
+    # tokens on 16 H100s without cp, with meshloom's ring at cp 2, and with TransformerEngine's
+    # ring on cuDNN's kernel (NeMo's Llama 3.1 rows).
+    "cp_llama3_8b_16xh100_cp1": f"{_CP} --fix {_CP_FIX.format(dp=16, cp=1)}",
+    "cp_llama3_8b_16xh100_cp2": f"{_CP} --fix {_CP_FIX.format(dp=8, cp=2)}",
+    "cp_llama3_8b_16xh100_cp2_te":
+        f"{_CP} --fix {_CP_FIX.format(dp=8, cp=2)},cp_ring=te,attention_kernel=cudnn",
     "llama3_70b_64xh100": f"{_L70} --top 5",
     "llama3_70b_64xh100_compile": f"{_L70} --top 1 --fix {_BEST},compile=true",
     "llama3_70b_64xh100_tp_overlap": f"{_L70} --top 1 --fix {_BEST},tp_overlap=true",

@@ -80,9 +80,11 @@ def test_the_options_are_fix_keys():
 
 def test_context_ring_steps_pay_a_send_start():
     """A context-parallel ring step is a send: its K, V block's bytes over the link plus NCCL's
-    start and one hop (8.4 + 3.4 us over NVLink), hidden behind the attention of the block the
-    rank already holds, less the overlap's contention charge; backward passes the block and its
-    gradient. Worked by hand for Llama 3 8B at cp 2, one micro-batch, no recompute."""
+    start and one hop (8.4 + 3.4 us over NVLink), hidden behind the ring's work on the block
+    the rank already holds, less the overlap's contention charge. Backward (meshloom's ring,
+    parallel/context.py): step 0 passes the bf16 block on, step 1 the fp32 accumulator of
+    the block's gradients, and the last accumulator goes home after the last step, exposed.
+    Worked by hand for Llama 3 8B at cp 2, one micro-batch, no recompute."""
     from meshloom.plan.compute import block_cost, rates_for
     from meshloom.plan.hardware import OVERLAP_SLOWDOWN
 
@@ -90,14 +92,16 @@ def test_context_ring_steps_pay_a_send_start():
     lay = Layout(cp=2, dp=8, micro_batch=1, zero=1, recompute="none")
     t = step_time(shape, lay, cl, seq, 8)
     blk = block_cost(shape, lay, rates_for(cl), seq, 2, True, Implementation())
-    hop = 2 * (seq // 2) * shape.kv_dim * 2 / cl.link_bandwidth(2, 1) + 1e-6 * (8.4 + 3.4)
-    block = blk.fwd.attention / 2
+    kv = 2 * (seq // 2) * shape.kv_dim * 2
+    link, start = cl.link_bandwidth(2, 1), 1e-6 * (8.4 + 3.4)
 
     def exposed(comm, compute):
         return max(0.0, comm - compute) + OVERLAP_SLOWDOWN * min(comm, compute)
 
-    assert t.cp == pytest.approx(
-        shape.layers * (exposed(hop, block) + exposed(2 * hop, 2 * block)), rel=1e-12)
+    fwd = exposed(kv / link + start, blk.ring.fwd / 2)
+    bwd = (exposed(kv / link + start, blk.ring.bwd / 2)
+           + exposed(2 * kv / link + start, blk.ring.bwd / 2) + 2 * kv / link + start)
+    assert t.cp == pytest.approx(shape.layers * (fwd + bwd), rel=1e-12)
     assert cl.send_latency(2, 1) == pytest.approx(11.8e-6, rel=1e-12)
 
 

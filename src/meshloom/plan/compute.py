@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 
+from meshloom.plan.cp_ring import RingCost, ring_cost
 from meshloom.plan.hardware import GB, GPUS, Cluster
 from meshloom.plan.implementation import Implementation
 from meshloom.plan.kernel_table import KernelTable, attention_flops, for_gpu, load, sdpa_kernel
@@ -186,16 +187,29 @@ def rates_for(cluster: Cluster) -> Rates:
                  adam)
 
 
-def attention_source(rates: Rates, kernel: str, flash: bool) -> str:
+def attention_source(rates: Rates, kernel: str, flash: bool, cp_ring: str | None = None
+                     ) -> str:
     """Which attention the step is priced with, for the rates line: the implementation's
-    kernel (SDPA's pick named as such), the unfused core, or nothing without a table."""
+    kernel (SDPA's pick named as such), the unfused core, or nothing without a table; under
+    context parallel (`cp_ring`) the ring's kernel and how it cuts the work."""
     if not flash:
         return "attention: unfused (batched GEMMs, every score written)"
     if rates.table is None:
         return ""
+    if cp_ring is not None:
+        how = "per chunk pair" if cp_ring == "meshloom" else "per step"
+        kernel = ring_kernel(kernel, cp_ring)
+        named = sdpa_kernel(rates.table) if kernel == "sdpa" else kernel
+        return f"attention: {named}, {cp_ring} ring {how}"
     if kernel == "sdpa":
         return f"attention: {sdpa_kernel(rates.table)}, SDPA's pick"
     return f"attention: {kernel}"
+
+
+def ring_kernel(kernel: str, cp_ring: str) -> str:
+    """The attention kernel a ring calls: meshloom's calls PyTorch's FlashAttention op itself
+    (parallel/context.py), not SDPA, unless the plan fixes another kernel."""
+    return "fa2" if cp_ring == "meshloom" and kernel == "sdpa" else kernel
 
 
 def loss_source(impl: Implementation) -> str:
@@ -228,6 +242,7 @@ class BlockCost:
     fwd: PassCost
     bwd: PassCost  # input and weight gradients, plus any recompute
     attention_fwd: PassCost  # the attention core's forward alone (what selective reruns)
+    ring: RingCost | None = None  # context parallel's ring attention (cp > 1, fused attention)
 
 
 def block_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, e: int, flash: bool,
@@ -254,8 +269,17 @@ def block_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, e: int, f
     bh = lay.micro_batch * shape.heads / t
     kv_len = seq if shape.sliding_window is None else min(seq, shape.sliding_window)
     windowed = kv_len < seq
-    att = PassCost()
-    if flash:
+    att, ring = PassCost(), None
+    expand_kv = impl.expand_kv
+    if flash and lay.cp > 1:  # the ring's own calls and merges (plan/cp_ring.py)
+        if impl.cp_ring == "meshloom":  # it expands K/V per step, not the block once
+            expand_kv = False
+        ring = ring_cost(shape, lay, rates, seq, e, impl.cp_ring,
+                         ring_kernel(impl.attention_kernel, impl.cp_ring))
+        att = PassCost(attention=ring.fwd_attention, elementwise=ring.fwd_elementwise)
+        bwd.attention += ring.bwd_attention
+        bwd.elementwise += ring.bwd_elementwise
+    elif flash:
         for direction, cost in (("fwd", att), ("bwd", bwd)):
             fl = attention_flops(bh, s, kv_len, shape.head_dim, not windowed, direction)
             cost.attention += rates.attention(fl, s, shape.head_dim, True, direction,
@@ -271,11 +295,11 @@ def block_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, e: int, f
            if shape.is_moe else None)
     impl_ew = impl.elementwise
     ew_bytes = tokens * elementwise_bytes_per_token(shape, t, lay.sp, e, impl_ew, ffn,
-                                                    impl.expand_kv)
+                                                    expand_kv)
     score_bytes = tokens * bh / lay.micro_batch * kv_len * score_bytes_per_entry(shape, e, flash)
-    n_ew = block_kernels(shape, impl_ew, flash, impl.expand_kv) - len(gemms) - (1 if flash else 4)
-    fwd.elementwise = rates.stream(ew_bytes + score_bytes, n_ew)
-    bwd.elementwise = rates.stream(2 * (ew_bytes + score_bytes), 2 * n_ew)
+    n_ew = block_kernels(shape, impl_ew, flash, expand_kv) - len(gemms) - (1 if flash else 4)
+    fwd.elementwise = rates.stream(ew_bytes + score_bytes, n_ew) + att.elementwise
+    bwd.elementwise += rates.stream(2 * (ew_bytes + score_bytes), 2 * n_ew)
     if casts_weights(lay, e, impl):  # recompute reruns the forward's casts too (below)
         weights = sum(g.n * g.k * g.count for g in gemms)
         fwd.elementwise += rates.stream(weights * (4 + e), len(gemms))
@@ -293,7 +317,7 @@ def block_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, e: int, f
         bwd = bwd + att
         if impl.selective_elementwise:  # the rest of the forward but its GEMMs
             bwd = bwd + PassCost(elementwise=fwd.elementwise - att.elementwise)
-    return BlockCost(fwd, bwd, att)
+    return BlockCost(fwd, bwd, att, ring)
 
 
 def head_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int,

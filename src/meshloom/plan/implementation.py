@@ -127,6 +127,12 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   `cross_entropy_loss_fusion`) or `megatron_fused` (Megatron-Core with
   `cross_entropy_loss_fusion`: the same steps in three jit-fused passes forward and one
   backward, still on an fp32 copy).
+- `cp_ring`: how context parallel's ring attention cuts its work into kernel calls and merges
+  them (plan/cp_ring.py): `meshloom` (parallel/context.py: one FlashAttention call per chunk
+  pair the causal mask leaves anything of, merged into an fp32 running output; the K/V
+  gradients' accumulator travels one step behind its block) or `te` (TransformerEngine's
+  `AttnFuncWithCPAndKVP2P`, Megatron-Core and NeMo: one call per step over the local
+  sequence or half of it, TE's fused corrections). A no-op with cp = 1.
 """
 
 from __future__ import annotations
@@ -163,6 +169,7 @@ class Implementation:
     expand_kv: bool = True
     expert_tp: bool = False
     cross_entropy: str = "auto"
+    cp_ring: str = "meshloom"
 
     @property
     def elementwise(self) -> str:
@@ -201,7 +208,7 @@ def parse_bool(key: str, value: str) -> bool:
 
 
 STR_IMPL_KEYS = ("attention_kernel", "pp_split", "optimizer_state", "dp_buckets",
-                 "cross_entropy")
+                 "cross_entropy", "cp_ring")
 # Bytes per parameter beside the bf16 parameter and gradient: (master copy, Adam moments).
 OPTIMIZER_STATES = {"fp32": (4, 8), "fp32_remainders": (2, 8), "bf16": (0, 4)}
 DP_BUCKETS = ("torch", "mcore", "deepspeed", "whole")

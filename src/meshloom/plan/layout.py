@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, fields
 
 from meshloom.parallel.pipeline_schedule import SCHEDULES
 from meshloom.plan import PlanError
+from meshloom.plan.cp_ring import CP_RINGS
 from meshloom.plan.implementation import (
     CROSS_ENTROPY,
     DP_BUCKETS,
@@ -97,7 +98,8 @@ def parse_fix(text: str) -> dict:
                        "pp_split": PP_SPLITS,
                        "optimizer_state": tuple(OPTIMIZER_STATES),
                        "dp_buckets": DP_BUCKETS,
-                       "cross_entropy": CROSS_ENTROPY}.get(key, SCHEDULES)
+                       "cross_entropy": CROSS_ENTROPY,
+                       "cp_ring": CP_RINGS}.get(key, SCHEDULES)
             if value not in options:
                 raise PlanError(f"--fix: {key}={value} must be one of {', '.join(options)}")
             out[key] = value

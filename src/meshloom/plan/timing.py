@@ -150,14 +150,19 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
         tp_f, tp_b = tp_f_all, tp_b_all
 
     # Context parallel: cp - 1 ring steps of this rank's K, V block per layer, each hidden
-    # behind the attention of the block it already holds; backward also passes their gradients.
+    # behind the ring's work on the block it already holds; backward also passes their
+    # gradients (cp_ring_backward).
     cp_f = cp_b = 0.0
     if lay.cp > 1:
         kv_bytes = 2 * tokens * shape.kv_dim * e / t
-        hop = kv_bytes / cluster.link_bandwidth(lay.cp, t) + cluster.send_latency(lay.cp, t)
-        block = blk.fwd.attention / lay.cp
-        cp_f = (lay.cp - 1) * _exposed(hop, block)
-        cp_b = (lay.cp - 1) * _exposed(2 * hop, 2 * block)
+        link, latency = cluster.link_bandwidth(lay.cp, t), cluster.send_latency(lay.cp, t)
+        if blk.ring is not None:
+            f_step, b_step = blk.ring.fwd / lay.cp, blk.ring.bwd / lay.cp
+        else:  # the unfused core: its score GEMMs, backward twice the forward's
+            f_step = blk.fwd.attention / lay.cp
+            b_step = 2 * f_step
+        cp_f = (lay.cp - 1) * _exposed(kv_bytes / link + latency, f_step)
+        cp_b = cp_ring_backward(lay.cp, kv_bytes, e, link, latency, b_step, impl.cp_ring)
         if ring_reruns(lay, impl):
             cp_b += cp_f
 
@@ -277,7 +282,8 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     per_step = m * layers
     detail = {
         "rates": "; ".join(filter(None, (rates.source, attention_source(
-            rates, impl.attention_kernel, flash), loss_source(impl)))),
+            rates, impl.attention_kernel, flash, impl.cp_ring if lay.cp > 1 else None),
+            loss_source(impl)))),
         "implementation": impl.to_dict(),
         "compute_s": {"gemm": per_step * (blk.fwd.gemm + blk.bwd.gemm),
                       "attention": per_step * (blk.fwd.attention + blk.bwd.attention),
@@ -557,6 +563,24 @@ def _collective(cluster: Cluster, op: str, payload: float, size: int, stride: in
     `stride` apart: the bytes at the group's bus bandwidth, and each call's fixed cost."""
     return ring_time(op, payload, size, cluster.bus_bandwidth(size, stride),
                      calls * cluster.ring_latency(op, size, stride))
+
+
+def cp_ring_backward(cp: int, kv_bytes: float, e: int, link: float, latency: float,
+                     step: float, scheme: str) -> float:
+    """Exposed seconds of the ring's backward transfers, one block and micro-batch, each step's
+    hidden behind `step` seconds of the ring's backward work. Step i sends the K/V block on
+    (i < cp - 1, at e bytes an element) and the gradient accumulator of a block (i > 0).
+    meshloom (parallel/context.py): the accumulator is fp32 and is the one of the block held
+    at step i - 1, so the last one goes home after the last step, with nothing left to hide
+    behind. TE (`AttnFuncWithCPAndKVP2P`): the accumulator is in the 16-bit dtype and each
+    step's transfers end within that step."""
+    acc = kv_bytes * 4 / e if scheme == "meshloom" else kv_bytes
+    out = 0.0
+    for i in range(cp):
+        nbytes = (kv_bytes if i < cp - 1 else 0.0) + (acc if i > 0 else 0.0)
+        sends = (i < cp - 1) + (i > 0)
+        out += _exposed(nbytes / link + sends * latency, step)
+    return out + (acc / link + latency if scheme == "meshloom" else 0.0)
 
 
 def _exposed(comm: float, compute: float) -> float:
