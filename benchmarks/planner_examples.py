@@ -36,7 +36,7 @@ _BEST = ("tp=4,pp=4,dp=4,cp=1,micro_batch=1,zero=1,recompute=selective,"
 _CP4 = ("tp=1,pp=8,dp=4,cp=4,ep=8,micro_batch=1,zero=1,recompute=none,"
         "schedule=interleaved_1f1b,v=7")
 _CP = "--model llama3-8b --gpus 16 --gpu h100 --seq 16384 --global-batch 64 --top 1"
-_CP_FIX = "tp=1,pp=1,dp={dp},cp={cp},micro_batch=1,zero=1,recompute=none"
+_CP_FIX = "tp=1,pp=1,dp={dp},cp={cp},micro_batch=1,zero=1,recompute={rc}"
 
 EXAMPLES: dict[str, str] = {
     "moe_mixtral_8x7b_64xh100": f"{_MOE} --model mixtral-8x7b --gpus 64 --top 5",
@@ -59,12 +59,14 @@ EXAMPLES: dict[str, str] = {
     "moe_mixtral_8x22b_128xh100_cp4_te": f"{_MOE} --model mixtral-8x22b --gpus 128 --top 1 "
     f"--fix {_CP4},cp_ring=te",
     # Context parallel's ring (docs/plan.md, "Context parallel's ring"): Llama 3 8B at 16384
-    # tokens on 16 H100s without cp, with meshloom's ring at cp 2, and with TransformerEngine's
-    # ring on cuDNN's kernel (NeMo's Llama 3.1 rows).
-    "cp_llama3_8b_16xh100_cp1": f"{_CP} --fix {_CP_FIX.format(dp=16, cp=1)}",
-    "cp_llama3_8b_16xh100_cp2": f"{_CP} --fix {_CP_FIX.format(dp=8, cp=2)}",
-    "cp_llama3_8b_16xh100_cp2_te":
-        f"{_CP} --fix {_CP_FIX.format(dp=8, cp=2)},cp_ring=te,attention_kernel=cudnn",
+    # tokens on 16 H100s with selective recompute, without cp (does not fit), with meshloom's
+    # ring at cp 2, and with TransformerEngine's ring on cuDNN's kernel (NeMo's Llama 3.1
+    # rows); and without cp under full recompute, which fits.
+    "cp_llama3_8b_16xh100_cp1": f"{_CP} --fix {_CP_FIX.format(dp=16, cp=1, rc='selective')}",
+    "cp_llama3_8b_16xh100_cp1_full": f"{_CP} --fix {_CP_FIX.format(dp=16, cp=1, rc='full')}",
+    "cp_llama3_8b_16xh100_cp2": f"{_CP} --fix {_CP_FIX.format(dp=8, cp=2, rc='selective')}",
+    "cp_llama3_8b_16xh100_cp2_te": f"{_CP} --fix {_CP_FIX.format(dp=8, cp=2, rc='selective')}"
+    ",cp_ring=te,attention_kernel=cudnn",
     "llama3_70b_64xh100": f"{_L70} --top 5",
     "llama3_70b_64xh100_compile": f"{_L70} --top 1 --fix {_BEST},compile=true",
     "llama3_70b_64xh100_tp_overlap": f"{_L70} --top 1 --fix {_BEST},tp_overlap=true",

@@ -92,39 +92,45 @@ def _traffic_job(world, kv_heads, s2):
     grad = torch.randn(out.shape, generator=g).bfloat16()
     with bwd:
         out.backward(grad)
-    return fwd.bytes, sum(fwd.kernels.values()), bwd.bytes, sum(bwd.kernels.values())
+    return rank, (fwd.bytes, sum(fwd.kernels.values()), bwd.bytes, sum(bwd.kernels.values()))
 
 
 @pytest.mark.parametrize("cp", [2, 3, 4])
-def test_meshloom_ring_calls_are_its_chunk_pairs(cp):
-    """Every rank's ring makes the planner's calls: the two diagonal chunk pairs causal and
-    2cp - 1 whole ones, each c queries against c keys."""
-    from meshloom.parallel.context import _chunks_of, _pairs
+def test_meshloom_ring_calls_are_the_planners(cp):
+    """Every rank's ring makes the planner's calls: step 0 causal over its 2c local tokens,
+    then one call of 2c queries against c keys per earlier rank and of c against 2c per
+    later one (the same work, priced alike)."""
+    from meshloom.parallel.context import _step_block
 
     c = 16
-    want = Counter({(c, c, True): 2, (c, c, False): 2 * cp - 1})
     for rank in range(cp):
         got = Counter()
         for step in range(cp):
-            owner = (rank - step) % cp
-            for rows, cols, diagonal in _pairs(_chunks_of(rank, cp), _chunks_of(owner, cp), c):
-                got[(rows.stop - rows.start, cols.stop - cols.start, diagonal)] += 1
-        assert got == want
-    assert Counter({(x.q_len, x.kv_len, x.causal): x.count
-                    for x in ring_calls("meshloom", 2 * c, cp)}) == want
+            rows, cols, causal = _step_block(rank, (rank - step) % cp, c)
+            got[(rows.stop - rows.start, cols.stop - cols.start, causal)] += 1
+        assert got == Counter({(2 * c, 2 * c, True): 1, (2 * c, c, False): rank,
+                               (c, 2 * c, False): cp - 1 - rank})
+    assert [(x.q_len, x.kv_len, x.causal, x.count) for x in ring_calls(2 * c, cp)] == [
+        (2 * c, 2 * c, True, 1), (2 * c, c, False, cp - 1)]
 
 
 @pytest.mark.parametrize("world,kv_heads", [(2, 4), (2, 1), (4, 2)])
 def test_meshloom_ring_passes_are_its_memory_traffic(world, kv_heads):
     """The bytes and kernels the planner prices for the ring outside its attention calls
-    equal what meshloom's ring runs, counted op by op on real cp ranks (bf16, with and
-    without grouped-query attention)."""
+    equal what meshloom's ring runs on each rank, counted op by op on real cp ranks (bf16,
+    with and without grouped-query attention); the plan takes the rank that moves most."""
+    from meshloom.plan.cp_ring import _meshloom_rank_passes
+
     s2 = 32
     shape = from_dims("llama", H * D, 2, H, 64, kv_heads=kv_heads)
-    f_bytes, f_kernels, b_bytes, b_kernels = meshloom_passes(
-        shape, Layout(cp=world, micro_batch=B), s2 * world, 2)
-    for got in run_ranks(_traffic_job, world, world, kv_heads, s2):
-        assert got == (f_bytes, f_kernels, b_bytes, b_kernels)
+    lay = Layout(cp=world, micro_batch=B)
+    q_el, kv_el, rows = B * s2 * H * D, B * s2 * kv_heads * D, B * s2 * H
+    want = {r: _meshloom_rank_passes(r, world, q_el, kv_el, rows, 2, kv_heads != H)
+            for r in range(world)}
+    got = dict(run_ranks(_traffic_job, world, world, kv_heads, s2))
+    assert got == want
+    assert meshloom_passes(shape, lay, s2 * world, 2) == max(
+        want.values(), key=lambda x: x[0] + x[2])
 
 
 def test_meshloom_ring_backward_sends_as_priced():
@@ -150,8 +156,8 @@ def test_cp_ring_is_a_fix_key():
 
 def test_a_cp_plan_prices_meshlooms_ring():
     """On an H100 a cp = 2 plan of meshloom's ring pays for its merges (elementwise) and runs
-    FlashAttention-2 on chunk pairs, where cp = 1 runs SDPA's cuDNN kernel; TE's ring, one
-    call per step with fused corrections, is cheaper."""
+    FlashAttention-2, where cp = 1 runs SDPA's cuDNN kernel; TE's ring on cuDNN's kernel,
+    with its 16-bit fused corrections, is cheaper."""
     shape = PRESETS["llama3-8b"]
     cl = make_cluster("h100", 16)
     fixed = {"tp": 1, "pp": 1, "micro_batch": 1, "zero": 1, "recompute": "none"}
@@ -162,27 +168,22 @@ def test_a_cp_plan_prices_meshlooms_ring():
     c1, c2, ct = (t.detail["compute_s"] for t in (one, two, te))
     assert c2["elementwise"] > c1["elementwise"] and c2["attention"] > c1["attention"]
     assert te.step_time_s < two.step_time_s
-    assert "attention: fa2, meshloom ring per chunk pair" in two.detail["rates"]
-    assert "attention: cudnn, te ring per step" in te.detail["rates"]
+    assert "attention: fa2, meshloom's ring" in two.detail["rates"]
+    assert "attention: cudnn, te's ring" in te.detail["rates"]
     assert "cudnn, SDPA's pick" in one.detail["rates"]
 
 
 @pytest.mark.parametrize("cp", [2, 3, 4])
-def test_both_rings_calls_cover_the_causal_work(cp):
-    """Either way of cutting the ring computes each rank's causal share exactly once: s
-    queries against the seq = cp * s keys they see, half of them masked."""
+def test_the_rings_calls_cover_the_causal_work(cp):
+    """The ring's calls (meshloom's and TransformerEngine's alike) compute each rank's causal
+    share exactly once: s queries against the seq = cp * s keys they see, half masked."""
     from meshloom.plan.kernel_table import attention_flops
 
     s, bh, d = 64, 8, 16
     whole = attention_flops(bh, s, cp * s, d, True, "fwd")
-    for scheme in ("meshloom", "te"):
-        calls = ring_calls(scheme, s, cp)
-        got = sum(c.count * attention_flops(bh, c.q_len, c.kv_len, d, c.causal, "fwd")
-                  for c in calls)
-        assert got == pytest.approx(whole, rel=1e-12)
-    # TE: step 0 causal over the local sequence, each later step half a whole call
-    assert [(c.q_len, c.kv_len, c.causal, c.count) for c in ring_calls("te", s, cp)] == [
-        (s, s, True, 1), (s, s // 2, False, cp - 1)]
+    got = sum(c.count * attention_flops(bh, c.q_len, c.kv_len, d, c.causal, "fwd")
+              for c in ring_calls(s, cp))
+    assert got == pytest.approx(whole, rel=1e-12)
 
 
 def test_te_ring_passes_by_hand():

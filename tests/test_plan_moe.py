@@ -340,12 +340,12 @@ def test_written_config_names_the_preset_and_ep():
 # (compute.embedding_cost, timing.end_collectives), and when a tied table split over the
 # pipeline's ends was summed by an all-reduce each step (timing.tied_table_sync: GPT-2 XL's
 # over the Titans' PCIe), and when context parallel's ring was priced as meshloom's runs it
-# (plan/cp_ring.py: FlashAttention-2 per chunk pair, fp32 merges; the cp = 2 layout, whose
-# selective recompute reruns the ring, 2.565 -> 2.975 s); memory and DP did not move then;
+# (plan/cp_ring.py: FlashAttention-2 per ring step, fp32 merges; the cp = 2 layout, whose
+# selective recompute reruns the ring, 2.565 -> 2.841 s); memory and DP did not move then;
 # the structural checks below are what keeps MoE terms out of dense plans.
 DENSE_EVALUATIONS = [
     (Layout(tp=2, pp=2, dp=2, cp=2, micro_batch=1, zero=1, recompute="selective", sp=True),
-     2.975383255382119, 26103253504.0, 0.022216750702702702),
+     2.841159407724119, 26103253504.0, 0.022216750702702702),
     (Layout(dp=16, micro_batch=2, zero=3), 1.8314000109394195, 83447749120.0,
      0.05745668127264865),
     (Layout(dp=16, micro_batch=2, zero=0), 2.038204504858182, 224097192448.0,

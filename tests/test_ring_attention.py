@@ -78,26 +78,54 @@ def test_ring_attention_equals_full_causal_attention(world, kv_heads, path):
 
 def test_cuda_kernel_calls_take_the_ring_blocks():
     """The CUDA FlashAttention calls as the ring makes them, on meta tensors (shapes and dtypes
-    only): a chunk pair's output in bf16 with each row's fp32 log-sum-exp, and its backward
-    from the merged rows' output and log-sum-exp, a slice of the whole (not contiguous)."""
-    from meshloom.parallel.context import _flash_bwd, _flash_fwd
+    only), for each kind of step: the block's output in bf16 with each row's fp32
+    log-sum-exp, and its backward from the merged rows' output and their slice of the
+    log-sum-exp (not contiguous)."""
+    from meshloom.parallel.context import _flash_bwd, _flash_fwd, _step_block
 
     b, h, c, d = 2, 4, 16, 64
     q, k, v = (torch.empty(b, h, 2 * c, d, dtype=torch.bfloat16, device="meta")
                for _ in range(3))
-    rows = slice(c, 2 * c)
-    out, lse = _flash_fwd(q[:, :, rows], k[:, :, :c], v[:, :, :c], False, d ** -0.5)
-    assert out.shape == (b, h, c, d) and out.dtype == torch.bfloat16
-    assert lse.shape == (b, h, c) and lse.dtype == torch.float32
     whole_lse = torch.empty(b, h, 2 * c, device="meta")
-    grads = _flash_bwd(out, q[:, :, rows], k[:, :, rows], v[:, :, rows], out,
-                       whole_lse[:, :, rows], True, d ** -0.5)
-    assert [g.shape for g in grads] == [(b, h, c, d)] * 3
+    for owner in (0, 1, 2):  # rank 1's own block, an earlier rank's, a later rank's
+        rows, cols, causal = _step_block(1, owner, c)
+        n_q, n_k = rows.stop - rows.start, cols.stop - cols.start
+        out, lse = _flash_fwd(q[:, :, rows], k[:, :, cols], v[:, :, cols], causal, d ** -0.5)
+        assert out.shape == (b, h, n_q, d) and out.dtype == torch.bfloat16
+        assert lse.shape == (b, h, n_q) and lse.dtype == torch.float32
+        grads = _flash_bwd(out, q[:, :, rows], k[:, :, cols], v[:, :, cols], out,
+                           whole_lse[:, :, rows], causal, d ** -0.5)
+        assert [g.shape for g in grads] == [(b, h, n_q, d), (b, h, n_k, d), (b, h, n_k, d)]
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_each_step_is_the_chunk_pairs_the_mask_leaves(cp):
+    """A ring step's one block leaves out nothing the causal mask lets a local query see,
+    computes nothing it hides, and is masked exactly when it is the rank's own block (whose
+    two chunks the local order keeps in causal order, so the mask is the ordinary one)."""
+    from meshloom.parallel.context import _step_block
+
+    c = 4
+    for rank in range(cp):
+        mine = zigzag_indices(2 * cp * c, cp, rank)
+        for owner in range(cp):
+            theirs = zigzag_indices(2 * cp * c, cp, owner)
+            rows, cols, causal = _step_block(rank, owner, c)
+            seen = mine.unsqueeze(1) >= theirs.unsqueeze(0)  # query position >= key position
+            inside = torch.zeros_like(seen)
+            inside[rows, cols] = True
+            assert not (seen & ~inside).any()  # nothing visible is left out
+            block = seen[rows, cols]
+            assert causal == (owner == rank)
+            if causal:
+                assert torch.equal(block, torch.ones_like(block).tril())
+            else:
+                assert block.all()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_block_kernels_match_explicit_attention():
-    """One chunk pair on the GPU: FlashAttention's output, log-sum-exp and gradients (bf16)
+    """One ring block on the GPU: FlashAttention's output, log-sum-exp and gradients (bf16)
     against the explicit fp32 computation, diagonal (masked) and off-diagonal."""
     from meshloom.parallel.context import _attend, _attend_grads, _kernel
 

@@ -4,13 +4,15 @@ The sequence is cut into 2·cp chunks and rank i holds chunks i and 2·cp-1-i (`
 so that under the causal mask every rank has the same amount of work. Attention of the local
 queries against the whole sequence runs as a ring: each of cp steps computes the local queries
 against the K/V block currently held while that block travels on to the next rank
-(asynchronous p2p, overlapping the compute). Each (query chunk, key chunk) pair the mask leaves
-anything of is one kernel call (only the diagonal pairs masked), and its output is merged into
-the rows' running output by the log-sum-exp rule. On a CUDA GPU with 16-bit inputs the call is
-PyTorch's FlashAttention kernel, in the inputs' dtype; on CPU PyTorch's fused CPU kernel, in
-fp32; elsewhere the chunk pair's scores are formed in fp32. The backward pass sends K/V around
-the ring again, each step's transfer overlapping that step's work, with an accumulator of their
-gradients that follows its block one step behind and arrives back at its owner after cp steps.
+(asynchronous p2p, overlapping the compute). A step is one kernel call (`_step_block`): its own
+block is plain causal attention over the 2 local chunks; an earlier rank's block is seen whole
+through its first chunk by every local query; a later rank's is seen whole by the second local
+chunk only. The call's output is merged into the rows' fp32 running output by the log-sum-exp
+rule. On a CUDA GPU with 16-bit inputs the call is PyTorch's FlashAttention kernel, in the
+inputs' dtype; on CPU PyTorch's fused CPU kernel, in fp32; elsewhere the block's scores are
+formed in fp32. The backward pass sends K/V around the ring again, each step's transfer
+overlapping that step's work, with an accumulator of their gradients that follows its block one
+step behind and arrives back at its owner after cp steps.
 
 Grouped-query attention: K/V travel with their own (fewer) heads and are expanded per step.
 """
@@ -60,21 +62,6 @@ def attention_work(seq_len: int, cp: int, rank: int, zigzag: bool = True) -> int
         n = seq_len // cp
         pos = torch.arange(rank * n, (rank + 1) * n)
     return int((pos + 1).sum())  # query at position t sees keys 0..t
-
-
-def _chunks_of(rank: int, cp: int) -> tuple[int, int]:
-    return rank, 2 * cp - 1 - rank
-
-
-def _pairs(q_chunks, k_chunks, c):
-    """The (query chunk, key chunk) sub-blocks the causal mask leaves anything of: (query
-    rows, key rows, diagonal?) as slices; pairs with the key chunk later are skipped."""
-    out = []
-    for qi, qc in enumerate(q_chunks):
-        for ki, kc in enumerate(k_chunks):
-            if kc <= qc:
-                out.append((slice(qi * c, (qi + 1) * c), slice(ki * c, (ki + 1) * c), kc == qc))
-    return out
 
 
 def _scores(q, k, diagonal: bool, scale: float) -> torch.Tensor:
@@ -192,32 +179,43 @@ class _Ring:
         return buf
 
 
+def _step_block(me: int, owner: int, c: int) -> tuple[slice, slice, bool]:
+    """The one (query rows, key rows, causal?) block this rank computes against the K/V of
+    `owner`: with the zigzag split, its own block is plain causal attention over its 2c local
+    tokens; an earlier rank's first chunk is seen whole by all its queries; a later rank's
+    two chunks are seen whole by its second chunk only (the first sees neither)."""
+    whole, first, second = slice(0, 2 * c), slice(0, c), slice(c, 2 * c)
+    if owner == me:
+        return whole, whole, True
+    return (whole, first, False) if owner < me else (second, whole, False)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mesh):
         cp, me = mesh.size(AXIS), mesh.coord(AXIS)
-        b, h, s2, d = q.shape
-        c, n_rep, scale = s2 // 2, h // k.shape[1], d ** -0.5
+        d = q.shape[-1]
+        c, n_rep, scale = q.shape[2] // 2, q.shape[1] // k.shape[1], d ** -0.5
         kernel = _kernel(q)
         # The CUDA kernel reads the 16-bit inputs as they are; the others work in fp32.
         low = kernel == "flash"
-        q_chunks = _chunks_of(me, cp)
-        out = torch.zeros_like(q, dtype=torch.float32)
-        lse = torch.full((b, h, s2), float("-inf"), device=q.device)
         qw = q if low else q.float()
         kv = torch.stack([k, v])
         ring = _Ring(mesh, 0)
+        out = lse = None
         for step in range(cp):
             pending = ring.start(kv) if step < cp - 1 else None
-            owner = (me - step) % cp
+            rows, cols, causal = _step_block(me, (me - step) % cp, c)
             kk, vv = _expand(kv[0], n_rep), _expand(kv[1], n_rep)
             if not low:
                 kk, vv = kk.float(), vv.float()
-            for rows, cols, diagonal in _pairs(q_chunks, _chunks_of(owner, cp), c):
-                blk_out, blk_lse = _attend(qw[:, :, rows], kk[:, :, cols], vv[:, :, cols],
-                                           diagonal, scale, kernel)
+            blk_out, blk_lse = _attend(qw[:, :, rows], kk[:, :, cols], vv[:, :, cols], causal,
+                                       scale, kernel)
+            if out is None:  # step 0 covers every row: the running output starts as its own
+                out, lse = blk_out.float(), blk_lse.float()
+            else:
                 new_lse = torch.logaddexp(lse[:, :, rows], blk_lse)
-                # The old rows' weight exp(lse - new) and the block's exp(blk_lse - new) sum
+                # The rows' old weight exp(lse - new) and the block's exp(blk_lse - new) sum
                 # to 1, so one in-place interpolation merges them (one pass over the rows).
                 out[:, :, rows].lerp_(blk_out.float(),
                                       torch.exp(blk_lse - new_lse).unsqueeze(-1))
@@ -233,10 +231,9 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         mesh = ctx.mesh
         cp, me = mesh.size(AXIS), mesh.coord(AXIS)
-        b, h, s2, d = q.shape
-        c, n_rep, scale = s2 // 2, h // k.shape[1], d ** -0.5
+        d = q.shape[-1]
+        c, n_rep, scale = q.shape[2] // 2, q.shape[1] // k.shape[1], d ** -0.5
         kernel = _kernel(q)
-        q_chunks = _chunks_of(me, cp)
         if kernel == "flash":
             qw, do, ow, delta = q, dout.to(q.dtype), out.to(q.dtype), None
             kv = torch.stack([k, v])
@@ -244,28 +241,29 @@ class _RingAttention(torch.autograd.Function):
             qw, do, ow = q.float(), dout.float(), out
             delta = (do * out).sum(-1, keepdim=True)  # rowsum(dO * O)
             kv = torch.stack([k, v]).float()
-        dq = torch.zeros_like(q, dtype=torch.float32)
         kv_ring, acc_ring = _Ring(mesh, 1 << 16), _Ring(mesh, 1 << 17)
-        acc_pending = None
+        dq = acc_pending = None
         for step in range(cp):
             # The next step's K/V travel while this step computes; so does the gradient
             # accumulator of the block held now, which the previous rank sent after its step.
             kv_pending = kv_ring.start(kv) if step < cp - 1 else None
-            owner = (me - step) % cp
+            rows, cols, causal = _step_block(me, (me - step) % cp, c)
             kk, vv = _expand(kv[0], n_rep), _expand(kv[1], n_rep)
-            dk = torch.zeros_like(kk, dtype=torch.float32)
-            dv = torch.zeros_like(vv, dtype=torch.float32)
-            for rows, cols, diagonal in _pairs(q_chunks, _chunks_of(owner, cp), c):
-                gq, gk, gv = _attend_grads(do[:, :, rows], qw[:, :, rows], kk[:, :, cols],
-                                           vv[:, :, cols], ow[:, :, rows], lse[:, :, rows],
-                                           None if delta is None else delta[:, :, rows],
-                                           diagonal, scale, kernel)
-                # add_ on the views: `x[i] += y` would copy the sum back onto itself
+            gq, gk, gv = _attend_grads(do[:, :, rows], qw[:, :, rows], kk[:, :, cols],
+                                       vv[:, :, cols], ow[:, :, rows], lse[:, :, rows],
+                                       None if delta is None else delta[:, :, rows], causal,
+                                       scale, kernel)
+            if dq is None:  # step 0's rows are all of them; dq takes q's layout
+                dq = torch.empty_like(q, dtype=torch.float32).copy_(gq)
+            else:
                 dq[:, :, rows].add_(gq)
-                dk[:, :, cols].add_(gk)
-                dv[:, :, cols].add_(gv)
-            mine = torch.stack([_reduce_heads(dk, n_rep), _reduce_heads(dv, n_rep)])
-            acc = mine if acc_pending is None else _Ring.finish(acc_pending) + mine
+            mine = torch.stack([_reduce_heads(gk.float(), n_rep),
+                                _reduce_heads(gv.float(), n_rep)])
+            if acc_pending is None:  # step 0: this rank's own block, every key row
+                acc = mine
+            else:
+                acc = _Ring.finish(acc_pending)
+                acc[:, :, :, cols].add_(mine)
             # The accumulator moves on with its block; after the last step it is back home.
             acc_pending = acc_ring.start(acc)
             if kv_pending is not None:

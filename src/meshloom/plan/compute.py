@@ -197,10 +197,9 @@ def attention_source(rates: Rates, kernel: str, flash: bool, cp_ring: str | None
     if rates.table is None:
         return ""
     if cp_ring is not None:
-        how = "per chunk pair" if cp_ring == "meshloom" else "per step"
         kernel = ring_kernel(kernel, cp_ring)
         named = sdpa_kernel(rates.table) if kernel == "sdpa" else kernel
-        return f"attention: {named}, {cp_ring} ring {how}"
+        return f"attention: {named}, {cp_ring}'s ring"
     if kernel == "sdpa":
         return f"attention: {sdpa_kernel(rates.table)}, SDPA's pick"
     return f"attention: {kernel}"

@@ -2,25 +2,22 @@
 
 With cp > 1 each rank holds s = seq/cp tokens of every sequence, load-balanced as two halves
 (meshloom's zigzag chunks i and 2cp-1-i; TransformerEngine's the same), and the attention of
-its queries against the whole sequence runs as cp ring steps. What a step costs depends on
-how the implementation cuts the work into kernel calls and merges the partial results:
+its queries against the whole sequence runs as cp ring steps, one kernel call each: step 0
+causal over the s local tokens, every later step half that work (all queries against the
+first half of an earlier rank's K/V, or the second half of the queries against all of a later
+rank's). The rings differ in the kernel and in what they do around it:
 
-- `meshloom` (parallel/context.py): every (query chunk, key chunk) pair the causal mask
-  leaves anything of is one FlashAttention call on c = s/2 queries and c keys: per rank the
-  two diagonal pairs causal, the other 2cp-1 whole. Each call's output is merged into the
-  rows' fp32 running output (cast, one in-place interpolation, a few passes over the rows'
-  log-sum-exp). K/V are stacked for the ring and, under grouped-query attention, copied out
-  to every query head at each step. Backward: per pair one FlashAttention backward, its
-  gradients added into fp32 accumulators; per step the K/V gradients summed back to their own
-  heads and added into the accumulator that travels with the block.
-- `te` (TransformerEngine's `AttnFuncWithCPAndKVP2P`, Megatron-Core and NeMo): per step one
-  call over the local sequence (step 0, causal) or over half of it (later steps: all queries
-  against the first half of the received keys, or the second half of the queries against
-  all of them), with TE's jit-fused corrections of the output and its log-sum-exp.
+- `meshloom` (parallel/context.py): PyTorch's FlashAttention op; each step's output merged
+  into the rows' fp32 running output (cast, one in-place interpolation, a few passes over the
+  rows' log-sum-exp); K/V stacked for the ring and, under grouped-query attention, copied out
+  to every query head at each step. Backward: dq and each step's dK, dV made fp32, dK, dV
+  summed back to their heads and added into the accumulator that travels with the block.
+- `te` (TransformerEngine's `AttnFuncWithCPAndKVP2P`, Megatron-Core and NeMo): the output and
+  the gradients kept in the 16-bit dtype, TE's jit-fused corrections of the output and its
+  log-sum-exp.
 
-Each kernel call is priced at the table's rate for its own length (the geometric mean of the
-query and key lengths for an unequal pair, which has the work of that square); the passes
-over memory at the table's bandwidth, with one launch each.
+Each call is priced at the table's rate for the square of its work (the geometric mean of the
+query and key lengths); the passes over memory at the table's bandwidth, one launch each.
 """
 
 from __future__ import annotations
@@ -76,13 +73,11 @@ class RingCost:
         return self.bwd_attention + self.bwd_elementwise
 
 
-def ring_calls(scheme: str, s: int, cp: int) -> list[RingCall]:
-    """The attention calls of one rank's ring, all steps (the busiest rank's for `te`)."""
-    c = s // 2
-    if scheme == "meshloom":
-        return [RingCall(c, c, True, 2), RingCall(c, c, False, 2 * cp - 1)]
-    # te: step 0 causal over the local s; every later step one call of half the work.
-    return [RingCall(s, s, True), RingCall(s, c, False, cp - 1)]
+def ring_calls(s: int, cp: int) -> list[RingCall]:
+    """The attention calls of one rank's ring, all steps, in either scheme: step 0 causal over
+    the local s tokens, every later step one call of half that work (s queries against s/2
+    keys, or s/2 against s: the same work, so the same price)."""
+    return [RingCall(s, s, True), RingCall(s, s // 2, False, cp - 1)]
 
 
 def _kernels_seconds(calls: list[RingCall], bh: float, d: int, direction: str, rates: Rates,
@@ -92,44 +87,62 @@ def _kernels_seconds(calls: list[RingCall], bh: float, d: int, direction: str, r
         call.causal, direction, kernel) for call in calls)
 
 
-def meshloom_passes(shape: ModelShape, lay: Layout, seq: int, e: int
-                    ) -> tuple[float, int, float, int]:
-    """(bytes, kernels) forward and (bytes, kernels) backward of meshloom's ring outside the
-    attention kernels, per block and micro-batch (parallel/context.py, the CUDA path: inputs
-    in their 16-bit dtype e, fp32 running output and gradient accumulators)."""
-    s, cp, t = seq // lay.cp, lay.cp, lay.tp
-    q_el = lay.micro_batch * s * shape.q_dim / t  # this rank's output elements
-    kv_el = lay.micro_batch * s * shape.kv_dim / t  # of K (and of V)
-    rows = lay.micro_batch * s * shape.heads / t
-    blocks = 2 * cp + 1  # chunk pairs, each over half the rows
-    gqa = shape.kv_heads != shape.heads
+def _meshloom_rank_passes(me: int, cp: int, q_el: float, kv_el: float, rows: float, e: int,
+                          gqa: bool) -> tuple[float, int, float, int]:
+    """meshloom's ring outside its attention calls on cp rank `me` (parallel/context.py, the
+    CUDA path: inputs in their 16-bit dtype e, fp32 running output and gradient
+    accumulators): forward and backward (bytes, kernels) per block and micro-batch. Step 0
+    covers every row and key; a step on an earlier rank's block every row against half the
+    keys; on a later rank's half the rows against every key."""
     cast = 4 + e if e < 4 else 0  # between fp32 and the 16-bit dtype (none in fp32)
     casts = 1 if cast else 0
-    # forward: stack K, V; zero the output, fill the log-sum-exp; per step the K/V copies to
-    # every head; per pair cast, interpolate, the rows' log-sum-exp; the output cast back.
-    f_bytes = 2 * kv_el * 2 * e + 4 * q_el + 4 * rows + cast * q_el
-    f_kernels = 1 + 2 + casts
+    kv2 = 2 * kv_el  # K and V
+    # (row share, key share) of each step after the first
+    steps = [(1.0, 0.5)] * me + [(0.5, 1.0)] * (cp - 1 - me)
+    # forward: stack K, V; per step the K/V copies to every head; step 0's output made fp32;
+    # per later step cast, interpolate, the rows' log-sum-exp; the output cast back.
+    f = 2 * kv2 * e + 2 * cast * q_el
+    fk = 1 + 2 * casts
     if gqa:
-        f_bytes += cp * 2 * (kv_el + q_el) * e
-        f_kernels += 2 * cp
-    f_bytes += blocks * (q_el / 2 * (cast + 12) + rows / 2 * MERGE_LSE_BYTES)
-    f_kernels += blocks * (casts + 1 + MERGE_LSE_KERNELS)
-    # backward: the output cast to e, stack K, V, zero dq; per step the copies, zero the
-    # step's fp32 K/V gradients (every head), sum them back to their heads, stack them and add
-    # them to the travelling accumulator; per pair add dq, dk, dv into fp32; the casts back.
-    b_bytes = cast * q_el + 2 * kv_el * 2 * e + 4 * q_el
-    b_kernels = casts + 2
-    per_step = 8 * q_el + 2 * kv_el * 8 + 2 * kv_el * 12
-    b_kernels += cp * 3 + cp - 1
-    if gqa:
-        per_step += 2 * (kv_el + q_el) * e + 2 * q_el * 4 + 2 * kv_el * 4
-        b_kernels += cp * 4
-    b_bytes += cp * per_step - 2 * kv_el * 12  # the first step's accumulator is not added
-    b_bytes += blocks * (3 * q_el / 2 * (8 + e) + rows / 2 * 8)
-    b_kernels += blocks * 4
-    b_bytes += cast * (q_el + 2 * kv_el)
-    b_kernels += 3 * casts
-    return f_bytes, f_kernels, b_bytes, b_kernels
+        f, fk = f + cp * 2 * (kv_el + q_el) * e, fk + 2 * cp
+    for row, _ in steps:
+        f += row * (q_el * (cast + 12) + rows * MERGE_LSE_BYTES)
+        fk += casts + 1 + MERGE_LSE_KERNELS
+    # backward: the output cast to e, stack K, V; per step the K/V copies, the rows' lse made
+    # contiguous, dq (step 0's made fp32, later ones added), dK and dV made fp32, summed back to
+    # their heads and stacked, then added into the travelling accumulator; the casts back.
+    b = cast * q_el + 2 * kv2 * e + 2 * cast * q_el + cast * kv2
+    bk = casts + 1 + 2 * casts + 2 * casts
+    for i, (row, key) in enumerate([(1.0, 1.0)] + steps):
+        if gqa:
+            b, bk = b + 2 * (kv_el + q_el) * e, bk + 2
+        b, bk = b + 8 * rows * row, bk + 1
+        if i:
+            b, bk = b + (8 + e) * q_el * row, bk + 1
+        b, bk = b + 2 * cast * q_el * key, bk + 2 * casts
+        if gqa:
+            b, bk = b + 8 * q_el * key + 4 * kv2 * key, bk + 2
+        b, bk = b + 16 * kv_el * key, bk + 1
+        if i:
+            b, bk = b + 12 * kv2 * key, bk + 1
+    return f, fk, b, bk
+
+
+def meshloom_passes(shape: ModelShape, lay: Layout, seq: int, e: int
+                    ) -> tuple[float, int, float, int]:
+    """(bytes, kernels) forward and backward of meshloom's ring outside its attention calls,
+    per block and micro-batch, on the rank that moves the most."""
+    ranks = [_meshloom_rank_passes(r, lay.cp, *_elements(shape, lay, seq), e,
+                                   shape.kv_heads != shape.heads) for r in range(lay.cp)]
+    return max(ranks, key=lambda x: x[0] + x[2])
+
+
+def _elements(shape: ModelShape, lay: Layout, seq: int) -> tuple[float, float, float]:
+    """This rank's output elements, K elements (and V's) and (query, head) rows, per block and
+    micro-batch."""
+    tokens = lay.micro_batch * (seq // lay.cp)
+    return (tokens * shape.q_dim / lay.tp, tokens * shape.kv_dim / lay.tp,
+            tokens * shape.heads / lay.tp)
 
 
 def ring_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, e: int, scheme: str,
@@ -137,7 +150,7 @@ def ring_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, e: int, sc
     """One block's ring attention (cp > 1), one micro-batch, as `scheme` runs it."""
     s = seq // lay.cp
     bh = lay.micro_batch * shape.heads / lay.tp
-    calls = ring_calls(scheme, s, lay.cp)
+    calls = ring_calls(s, lay.cp)
     fa = _kernels_seconds(calls, bh, shape.head_dim, "fwd", rates, kernel)
     ba = _kernels_seconds(calls, bh, shape.head_dim, "bwd", rates, kernel)
     if scheme == "meshloom":
@@ -216,11 +229,7 @@ def te_passes(shape: ModelShape, lay: Layout, seq: int, e: int, bshd: bool, flas
               ) -> tuple[float, int, float, int]:
     """(bytes, kernels) forward and backward of TransformerEngine's ring outside its attention
     calls, per block and micro-batch, on the rank that moves the most."""
-    s, t = seq // lay.cp, lay.tp
-    q_el = lay.micro_batch * s * shape.q_dim / t
-    kv_el = lay.micro_batch * s * shape.kv_dim / t
-    rows = lay.micro_batch * s * shape.heads / t
-    ranks = [_te_rank_passes(r, lay.cp, q_el, kv_el, rows, e, bshd, lay.micro_batch, flash)
-             for r in range(lay.cp)]
+    ranks = [_te_rank_passes(r, lay.cp, *_elements(shape, lay, seq), e, bshd, lay.micro_batch,
+                             flash) for r in range(lay.cp)]
     return max(ranks, key=lambda x: x[0] + x[2])
 
