@@ -110,7 +110,7 @@ TRAINER_IMPL = {
              "selective_elementwise": False, "fused_grad_accumulation": True,
              "cross_entropy": "megatron_fused",
              "pp_split": "even", "fused_swiglu": True, "expand_kv": False,
-             "dp_buckets": "mcore", "cp_ring": "te"},
+             "dp_buckets": "mcore", "cp_ring": "te", "qkv_transpose": True},
     "megatron-deepspeed": {"compile": True, "selective_elementwise": False,
                            "p2p_blocking": True, "pp_scatter_gather": True,
                            "cross_entropy": "megatron",
@@ -247,6 +247,8 @@ def run_fixed(run: dict) -> tuple[dict, dict]:
     fixed["micro_batch"] = run["micro_batch"]
     impl = trainer_impl(run["trainer"])
     impl.update(run.get("implementation") or {})
+    if impl.get("attention_kernel") == "cudnn":  # TE's cuDNN backend reads sequence-first
+        impl["qkv_transpose"] = False
     unpriced = {}
     table = kernel_table.for_gpu(run["gpu"])
     kernel = impl.get("attention_kernel", "fa2")

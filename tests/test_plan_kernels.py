@@ -413,6 +413,35 @@ def test_megatrons_unfused_vocab_parallel_loss_is_priced_pass_by_pass():
         parse_fix("cross_entropy=apex")
 
 
+def test_te_flash_backends_layout_copies_are_priced_with_the_attention_core():
+    """`qkv_transpose` (TransformerEngine's FlashAttention backend under Megatron's
+    sequence-first tensors): q, k, v and the output each copied once a pass, read and written,
+    their gradients once backward; one kernel for interleaved multi-head q, k, v of width 128,
+    one per tensor else. They belong to the attention core, which selective recompute reruns."""
+    rates = rates_for(make_cluster("h100", 8))
+    for name, kernels in (("llama3-8b", 4), ("megatron-145.6b", 2)):
+        shape = PRESETS[name]
+        lay = Layout(tp=2, micro_batch=1, recompute="none")
+        tokens, e = 4096, 2
+        nbytes = tokens * 2 * (2 * shape.q_dim + 2 * shape.kv_dim) / 2 * e
+        want = rates.stream(nbytes, kernels)
+        base = block_cost(shape, lay, rates, tokens, e, True, Implementation(compile=True))
+        got = block_cost(shape, lay, rates, tokens, e, True,
+                         Implementation(compile=True, qkv_transpose=True))
+        assert got.fwd.elementwise - base.fwd.elementwise == pytest.approx(want, rel=1e-12)
+        assert got.bwd.elementwise - base.bwd.elementwise == pytest.approx(want, rel=1e-12)
+        assert got.attention_fwd.elementwise == pytest.approx(want, rel=1e-12)
+        sel = replace(lay, recompute="selective")
+        base_s = block_cost(shape, sel, rates, tokens, e, True,
+                            Implementation(compile=True, selective_elementwise=False))
+        got_s = block_cost(shape, sel, rates, tokens, e, True,
+                           Implementation(compile=True, selective_elementwise=False,
+                                          qkv_transpose=True))
+        assert got_s.bwd.elementwise - base_s.bwd.elementwise == pytest.approx(2 * want,
+                                                                                rel=1e-12)
+    assert parse_fix("qkv_transpose=true") == {"qkv_transpose": True}
+
+
 def test_a_kernel_never_takes_less_than_its_launch_gap():
     shape = from_dims("llama", 64, 2, 4, 128)  # tiny: every kernel shorter than 5 us
     lay = Layout(micro_batch=1)

@@ -288,6 +288,10 @@ def block_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, e: int, f
         pv = Gemm("pv", s, shape.head_dim, kv_len, bh)
         att.attention = rates.gemm(qk) + rates.gemm(pv)
         bwd.attention += sum(rates.gemm(b) for g in (qk, pv) for b in g.backward())
+    if flash and impl.qkv_transpose:  # part of the attention core: selective reruns it
+        copies = qkv_transpose_cost(shape, t, tokens, e, rates)
+        att.elementwise += copies
+        bwd.elementwise += copies
     fwd.attention = att.attention
 
     ffn = (ffn_elementwise_elems_per_token(shape, lay) * ffn_tokens(lay, tokens) / tokens
@@ -376,6 +380,16 @@ def embedding_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, impl:
     if impl.fused_grad_accumulation:
         bwd_bytes, bwd_kernels = bwd_bytes + table * (w + 8), bwd_kernels + 1
     return rates.stream(fwd_passes * rows, fwd_kernels), rates.stream(bwd_bytes, bwd_kernels)
+
+
+def qkv_transpose_cost(shape: ModelShape, tp: int, tokens: int, e: int, rates: Rates) -> float:
+    """Seconds of one pass's layout copies around the attention kernel (`qkv_transpose`), one
+    block and micro-batch: q, k, v and the output each read and written once (their
+    gradients the same backward). Interleaved q, k, v of head width 128 (multi-head
+    attention) go in one kernel, else one each."""
+    nbytes = tokens * 2 * (2 * shape.q_dim + 2 * shape.kv_dim) / tp * e
+    one = shape.kv_heads == shape.heads and shape.head_dim == 128
+    return rates.stream(nbytes, 2 if one else 4)
 
 
 def casts_weights(lay: Layout, e: int, impl: Implementation) -> bool:

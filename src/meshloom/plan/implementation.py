@@ -133,6 +133,11 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   gradients' accumulator travels one step behind its block) or `te` (TransformerEngine's
   `AttnFuncWithCPAndKVP2P`, Megatron-Core and NeMo: one call per step over the local
   sequence or half of it, TE's fused corrections). A no-op with cp = 1.
+- `qkv_transpose`: q, k and v are copied from sequence-first to batch-first before the
+  attention kernel and its output back after it, and the gradients likewise (TransformerEngine's
+  FlashAttention backend under Megatron's sequence-first tensors: `transpose(0, 1).contiguous()`
+  each, or one `_PrepareQKVForFA` kernel for interleaved q, k, v of width 128). Off (meshloom,
+  and TE's cuDNN backend, which reads sequence-first tensors as they are): no copies.
 """
 
 from __future__ import annotations
@@ -170,6 +175,7 @@ class Implementation:
     expert_tp: bool = False
     cross_entropy: str = "auto"
     cp_ring: str = "meshloom"
+    qkv_transpose: bool = False
 
     @property
     def elementwise(self) -> str:
