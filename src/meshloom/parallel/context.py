@@ -64,9 +64,9 @@ def attention_work(seq_len: int, cp: int, rank: int, zigzag: bool = True) -> int
     return int((pos + 1).sum())  # query at position t sees keys 0..t
 
 
-def _scores(q, k, diagonal: bool, scale: float) -> torch.Tensor:
+def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if diagonal:  # the causal triangle within one chunk
+    if causal:  # a square block in causal order: the ordinary triangle
         n = s.shape[-1]
         mask = torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1)
         s = s.masked_fill(mask, float("-inf"))
@@ -90,7 +90,7 @@ def _flash_usable(q: torch.Tensor) -> bool:
 
 
 def _kernel(q: torch.Tensor) -> str:
-    """What computes one sub-block: `flash` (CUDA, in the inputs' 16-bit dtype), `cpu`
+    """What computes a ring step's block: `flash` (CUDA, in the inputs' 16-bit dtype), `cpu`
     (PyTorch's fused CPU kernel, fp32) or `explicit` (its scores in memory, fp32: any other
     device or dtype)."""
     if _flash_usable(q):
@@ -98,45 +98,46 @@ def _kernel(q: torch.Tensor) -> str:
     return "cpu" if _fused_cpu(q) else "explicit"
 
 
-def _flash_fwd(q, k, v, diagonal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, diagonal, False,
+def _flash_fwd(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
                                                              scale=scale)
     return out[0], out[1]
 
 
-def _flash_bwd(do, q, k, v, out, lse, diagonal: bool, scale: float):
+def _flash_bwd(do, q, k, v, out, lse, causal: bool, scale: float):
     # No dropout: the kernel reads no random state, so empty seed and offset tensors stand in.
     seed = torch.empty(2, dtype=torch.uint64, device=q.device)
     offset = torch.empty((), dtype=torch.uint64, device=q.device)
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        do, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, diagonal,
+        do, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal,
         seed, offset, scale=scale)
 
 
-def _attend(q, k, v, diagonal: bool, scale: float,
+def _attend(q, k, v, causal: bool, scale: float,
             kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of one sub-block: q [b, h, c, d] against k, v [b, h, c, d]."""
+    """(out, lse) of one block: q [b, h, n_q, d] against k, v [b, h, n_k, d], causal only when
+    square (a rank's own block)."""
     if kernel == "flash":
-        return _flash_fwd(q, k, v, diagonal, scale)
+        return _flash_fwd(q, k, v, causal, scale)
     if kernel == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, diagonal, scale=scale)
+            q, k, v, 0.0, causal, scale=scale)
         return out.float(), lse.float()
-    s = _scores(q, k, diagonal, scale)
+    s = _scores(q, k, causal, scale)
     lse = torch.logsumexp(s, dim=-1)
     return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v), lse
 
 
-def _attend_grads(do, q, k, v, out, lse, delta, diagonal: bool, scale: float, kernel: str):
-    """(dq, dk, dv) of one sub-block, given the rows' final output and log-sum-exp (so the
+def _attend_grads(do, q, k, v, out, lse, delta, causal: bool, scale: float, kernel: str):
+    """(dq, dk, dv) of one block, given the rows' final output and log-sum-exp (so the
     block's probabilities are the exact ones of the whole row); the fused kernels compute
     `delta`, rowsum(dO * O), themselves."""
     if kernel == "flash":
-        return _flash_bwd(do, q, k, v, out, lse, diagonal, scale)
+        return _flash_bwd(do, q, k, v, out, lse, causal, scale)
     if kernel == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            do, q, k, v, out, lse, 0.0, diagonal, scale=scale)
-    s = _scores(q, k, diagonal, scale)
+            do, q, k, v, out, lse, 0.0, causal, scale=scale)
+    s = _scores(q, k, causal, scale)
     p = torch.exp(s - lse.unsqueeze(-1))
     dv = torch.matmul(p.transpose(-1, -2), do)
     ds = p * (torch.matmul(do, v.transpose(-1, -2)) - delta) * scale

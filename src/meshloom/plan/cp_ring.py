@@ -161,11 +161,11 @@ def ring_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, e: int, sc
     return RingCost(fa, rates.stream(fb, fk), ba, rates.stream(bb, bk))
 
 
-
 def _te_rank_passes(r: int, cp: int, q_el: float, kv_el: float, rows: float, e: int,
                     bshd: bool, batch: int, flash: bool) -> tuple[float, int, float, int]:
     """TransformerEngine 1.10/1.11's `AttnFuncWithCPAndKVP2P` outside its attention calls on
-    cp rank r, causal, no FP8 (attention.py, the counts of docs/plan.md): forward and backward
+    cp rank r, causal, no FP8 (transformer_engine/pytorch/attention.py, the class from line
+    1302 in 1.10 and 1405 in 1.11, identical here but for FP8 arguments): forward and backward
     (bytes, kernels). K/V, the output and every gradient stay in the 16-bit dtype e; the
     running log-sum-exp is fp64. `bshd`: the class sees batch-first tensors (the
     FlashAttention backend converts Megatron's sequence-first ones), whose halves are copied
