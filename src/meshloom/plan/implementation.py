@@ -127,12 +127,13 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   `cross_entropy_loss_fusion`) or `megatron_fused` (Megatron-Core with
   `cross_entropy_loss_fusion`: the same steps in three jit-fused passes forward and one
   backward, still on an fp32 copy).
-- `cp_ring`: how context parallel's ring attention cuts its work into kernel calls and merges
-  them (plan/cp_ring.py): `meshloom` (parallel/context.py: one FlashAttention call per chunk
-  pair the causal mask leaves anything of, merged into an fp32 running output; the K/V
-  gradients' accumulator travels one step behind its block) or `te` (TransformerEngine's
-  `AttnFuncWithCPAndKVP2P`, Megatron-Core and NeMo: one call per step over the local
-  sequence or half of it, TE's fused corrections). A no-op with cp = 1.
+- `cp_ring`: which ring runs context parallel's attention (plan/cp_ring.py); both make one
+  kernel call per step, over the local sequence or half of it: `meshloom`
+  (parallel/context.py: PyTorch's FlashAttention op, each step merged into an fp32 running
+  output, the K/V gradients' fp32 accumulator one step behind its block) or `te`
+  (TransformerEngine's `AttnFuncWithCPAndKVP2P`, Megatron-Core and NeMo: the attention
+  kernel the plan names, 16-bit outputs and gradients, TE's fused corrections). A no-op with
+  cp = 1.
 - `qkv_transpose`: q, k and v are copied from sequence-first to batch-first before the
   attention kernel and its output back after it, and the gradients likewise (TransformerEngine's
   FlashAttention backend under Megatron's sequence-first tensors: `transpose(0, 1).contiguous()`
