@@ -64,21 +64,14 @@ def _traffic_job(world, kv_heads, s2):
     """One layer's ring attention in bf16 through the CUDA path's code (CPU kernels standing
     in for FlashAttention's): (forward bytes, kernels, backward bytes, kernels)."""
     import torch.distributed as dist
+    from test_ring_attention import _cpu_flash_bwd, _cpu_flash_fwd
 
     import meshloom.parallel.context as context
     from meshloom.comm import CommCounter
     from meshloom.mesh import Mesh, ParallelDims
 
-    def flash_fwd(q, k, v, diagonal, scale):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, diagonal, scale=scale)[:2]
-
-    def flash_bwd(do, q, k, v, out, lse, diagonal, scale):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            do, q, k, v, out, lse.contiguous(), 0.0, diagonal, scale=scale)
-
     context._kernel = lambda q: "flash"
-    context._flash_fwd, context._flash_bwd = flash_fwd, flash_bwd
+    context._flash_fwd, context._flash_bwd = _cpu_flash_fwd, _cpu_flash_bwd
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
     mesh = Mesh(ParallelDims(cp=world), rank, "cpu", CommCounter())
