@@ -14,7 +14,7 @@ import pytest
 from meshloom.config import load_config
 from meshloom.parallel.pipeline_schedule import build_schedule, simulate
 from meshloom.plan import PlanError
-from meshloom.plan.hardware import make_cluster, ring_time
+from meshloom.plan.hardware import make_cluster
 from meshloom.plan.implementation import Implementation, dp_calls
 from meshloom.plan.layout import Layout, parse_fix
 from meshloom.plan.memory import in_flight, layer_activation_bytes
@@ -134,13 +134,20 @@ def test_model_flops_is_megatrons_formula():
 
 
 def test_ring_time_uses_the_bus_bandwidth_convention():
-    assert ring_time("all_reduce", 8e9, 8, 1e9) == pytest.approx(2 * 7 / 8 * 8)
-    assert ring_time("all_gather", 8e9, 8, 1e9) == pytest.approx(7 / 8 * 8)
-    assert ring_time("all_reduce", 8e9, 1, 1e9) == 0.0
+    """The Simple ring's bytes: an all-reduce moves 2(n-1)/n of the tensor through each
+    GPU's link, an all-gather or reduce-scatter (n-1)/n, at the bus bandwidth."""
     cl = make_cluster("h100", 64)
-    assert cl.bus_bandwidth(8, 1) > cl.bus_bandwidth(8, 8)  # NVLink inside, network across
-    assert ring_time("all_gather", 8e9, 8, 1e9, latency=0.25) == pytest.approx(7 + 0.25)
-    assert ring_time("all_gather", 0.0, 8, 1e9, latency=0.25) == 0.0  # no bytes, no call
+    bw = cl.bus_bandwidth(8, 1)
+    assert bw > cl.bus_bandwidth(8, 8)  # NVLink inside, network across
+
+    def bytes_s(op, nbytes, n):
+        c = cl.collective(op, nbytes, n, 1, "simple")
+        return c.seconds - c.start
+    assert bytes_s("all_reduce", 8e9, 8) == pytest.approx(2 * 7 / 8 * 8e9 / bw)
+    assert bytes_s("all_gather", 8e9, 8) == pytest.approx(7 / 8 * 8e9 / bw)
+    assert bytes_s("reduce_scatter", 8e9, 8) == pytest.approx(7 / 8 * 8e9 / bw)
+    assert cl.collective("all_reduce", 8e9, 1, 1).seconds == 0.0  # one rank: no call
+    assert cl.collective("all_gather", 0.0, 8, 1).seconds == 0.0  # no bytes, no call
 
 
 def test_ring_latency_is_nccls_ring_model():
@@ -149,7 +156,10 @@ def test_ring_latency_is_nccls_ring_model():
     gather or reduce-scatter, of which nodes - 1 cross the network, 2(n - 1) for an all-reduce,
     of which 2 x nodes do."""
     cl = make_cluster("h100", 1024)
-    us = {(k, n, stride): 1e6 * cl.ring_latency(k, n, stride) for k, n, stride in (
+
+    def start_us(cluster, op, n, stride):  # a small call: no plateau (tests/test_plan_nccl.py)
+        return 1e6 * cluster.collective(op, 1e3, n, stride, "simple").start
+    us = {(k, n, stride): start_us(cl, k, n, stride) for k, n, stride in (
         ("all_gather", 8, 1), ("all_reduce", 8, 1), ("all_gather", 16, 1),
         ("reduce_scatter", 16, 8), ("all_reduce", 16, 1), ("all_gather", 1, 1))}
     assert us[("all_gather", 8, 1)] == pytest.approx(8.4 + 7 * 3.4)
@@ -157,11 +167,11 @@ def test_ring_latency_is_nccls_ring_model():
     assert us[("all_gather", 16, 1)] == pytest.approx(8.4 + 14 * 3.4 + 1 * 14.0)  # 2 nodes
     assert us[("reduce_scatter", 16, 8)] == pytest.approx(8.4 + 15 * 14.0)  # one rank a node
     assert us[("all_reduce", 16, 1)] == pytest.approx(8.4 + 26 * 3.4 + 4 * 14.0)
-    assert 1e6 * cl.ring_latency("all_reduce", 16, 8) == pytest.approx(8.4 + 30 * 14.0)
+    assert start_us(cl, "all_reduce", 16, 8) == pytest.approx(8.4 + 30 * 14.0)
     assert us[("all_gather", 1, 1)] == 0.0
     assert [cl.nodes_spanned(n, s) for n, s in ((8, 1), (16, 1), (16, 8), (3, 4))] == [1, 2, 16, 2]
     pci = make_cluster("titan-rtx-24g", 2)
-    assert 1e6 * pci.ring_latency("all_gather", 2, 1) == pytest.approx(8.4 + 5.7)
+    assert start_us(pci, "all_gather", 2, 1) == pytest.approx(8.4 + 5.7)
 
 
 def test_zero3_pays_a_call_per_unit_and_pass():
@@ -171,9 +181,12 @@ def test_zero3_pays_a_call_per_unit_and_pass():
     shape = PRESETS["gpt2"]
     cl = make_cluster("h100", 512)
     lay = Layout(dp=512, zero=3, micro_batch=1)
-    got = evaluate(shape, lay, cl, 1024, 512).timing.detail["comm_s"]["dp"]["ops"]
+    simple = Implementation(nccl_protocols="simple")  # the Simple ring's start, by hand
+    dp = evaluate(shape, lay, cl, 1024, 512, impl=simple).timing.detail["comm_s"]["dp"]
+    got = dp["ops"]
     units = shape.layers
-    calls = {op: cl.ring_latency(op, 512, 1) for op in ("all_gather", "reduce_scatter")}
+    calls = {op: dp["calls"][op]["fixed_s"] / dp["calls"][op]["calls"]
+             for op in ("all_gather", "reduce_scatter")}
     assert calls["all_gather"] == pytest.approx(1e-6 * (8.4 + 448 * 3.4 + 63 * 14.0))
     bytes_only = {op: got[op] - n * units * calls[op]
                   for op, n in (("all_gather", 2), ("reduce_scatter", 1))}
@@ -190,17 +203,18 @@ def test_explain_counts_the_calls_and_their_start():
     shape, cl = PRESETS["llama3-70b"], make_cluster("h100", 64)
     lay = Layout(tp=4, pp=4, dp=4, micro_batch=1, zero=2, recompute="selective",
                  schedule="interleaved_1f1b", v=20, sp=True)
-    c = evaluate(shape, lay, cl, 8192, 256)
+    simple = Implementation(nccl_protocols="simple")  # every call the Simple ring's start
+    c = evaluate(shape, lay, cl, 8192, 256, impl=simple)
     dp = c.timing.detail["comm_s"]["dp"]["calls"]
     m, layers = 64, 20
     buckets = math.ceil(c.memory.params / (25 * 2**20))  # bf16 gradients, as many bytes
     assert dp["reduce_scatter"]["calls"] == m * buckets and dp["all_gather"]["calls"] == buckets
-    start = cl.ring_latency("reduce_scatter", 4, 4)  # 4 ranks, 2 a node
+    start = cl.collective("reduce_scatter", 1e3, 4, 4, "simple").start  # 4 ranks, 2 a node
     assert dp["reduce_scatter"]["fixed_s"] == pytest.approx(m * buckets * start)
     tp = c.timing.detail["comm_s"]["tp"]["calls"]["collectives"]
     assert tp["calls"] == m * layers * 2 * (4 + 1.5)  # 1.5 rerun all-reduces' worth
     assert tp["fixed_s"] == pytest.approx(m * layers * (4 + 1.5) * 2
-                                          * cl.ring_latency("all_gather", 4, 1))
+                                          * cl.collective("all_gather", 1e3, 4, 1, "simple").start)
     # The busiest pipeline rank, the last (it holds the head), runs stages 3, 7, ..., 79: each
     # sends its activation forward but stage 79, and its input's gradient back: 39 sends per
     # micro-batch, each starting in 8.4 + 14.0 us (the next stage is 16 ranks on, another node).
@@ -210,7 +224,7 @@ def test_explain_counts_the_calls_and_their_start():
     text = explain(c)
     assert f"{m * buckets:,} calls starting in" in text
     assert f"{m * 39:,} calls starting in" in text
-    one = evaluate(shape, replace(lay, zero=1), cl, 8192, 256)
+    one = evaluate(shape, replace(lay, zero=1), cl, 8192, 256, impl=simple)
     assert one.timing.detail["comm_s"]["dp"]["calls"]["reduce_scatter"]["calls"] == buckets
 
 
@@ -232,11 +246,12 @@ def test_dp_buckets_count_calls_as_each_trainer_buckets():
     shape, cl = PRESETS["llama3-1b"], make_cluster("h100", 64)
     lay = Layout(dp=64, micro_batch=1)
     times = {b: evaluate(shape, lay, cl, 2048, 64, impl=Implementation(
-        ddp_overlap=False, dp_buckets=b)).timing.dp for b in ("whole", "torch")}
+        ddp_overlap=False, dp_buckets=b, nccl_protocols="simple")).timing.dp
+             for b in ("whole", "torch")}
     grad = 2 * shape.params
-    call = cl.ring_latency("all_reduce", 64, 1)
-    assert times["whole"] == pytest.approx(ring_time("all_reduce", grad, 64,
-                                                     cl.bus_bandwidth(64, 1)) + call)
+    call = cl.collective("all_reduce", 25 * mib, 64, 1, "simple").start
+    assert times["whole"] == pytest.approx(
+        2 * 63 / 64 * grad / cl.bus_bandwidth(64, 1) + call)
     assert times["torch"] - times["whole"] == pytest.approx(
         (math.ceil(grad / (25 * mib)) - 1) * call)
     assert parse_fix("dp_buckets=mcore") == {"dp_buckets": "mcore"}

@@ -267,14 +267,16 @@ def test_expert_gradients_reduce_over_their_own_groups():
     # ZeRO-1 exposes its reduce-scatter and all-gather: the dense part's over dp_shard 8 (7/8
     # of 84672 x 2 bytes, each way), the experts' (98304 per GPU at ep 4) over edp_shard 2
     # (1/2 of 98304 x 2 bytes), all inside the node; each of the four is one call (one bucket),
-    # paying NCCL's ring start and one NVLink step per rank after the first.
+    # paying NCCL's ring start and one NVLink step per rank after the first (the Simple ring:
+    # NCCL's own choice for these few kilobytes is LL, tests/test_plan_nccl.py).
     bw = 450e9 * LINK_EFFICIENCY
     call = {n: 1e-6 * (8.4 + (n - 1) * 3.4) for n in (2, 8)}
-    t = step_time(TINY, Layout(dp=8, ep=4, zero=1), H100, 64, 8)
+    simple = Implementation(nccl_protocols="simple")
+    t = step_time(TINY, Layout(dp=8, ep=4, zero=1), H100, 64, 8, impl=simple)
     assert t.dp == pytest.approx(2 * (7 / 8 * DENSE * 2 + 1 / 2 * EXPERTS / 4 * 2) / bw
                                  + 2 * (call[8] + call[2]), rel=1e-12)
     # ep = dp_shard: every GPU holds its own experts, nothing to reduce for them.
-    t = step_time(TINY, Layout(dp=8, ep=8, zero=1), H100, 64, 8)
+    t = step_time(TINY, Layout(dp=8, ep=8, zero=1), H100, 64, 8, impl=simple)
     assert t.dp == pytest.approx(2 * (7 / 8 * DENSE * 2) / bw + 2 * call[8], rel=1e-12)
 
 
@@ -333,7 +335,7 @@ def test_written_config_names_the_preset_and_ep():
 # fp32 layouts were priced (compute.casts_weights), and when the H100 table took the measured
 # attention rows where nothing was published (causal 4096 tokens: backward 248 TF/s, not the
 # 8192-token 287), and when the default attention became SDPA's pick (cuDNN's on an H100),
-# and when every collective call paid NCCL's fixed cost (hardware.Cluster.ring_latency), per
+# and when every collective call paid NCCL's fixed cost (hardware.Cluster.collective), per
 # layer for TP, per unit for ZeRO-3 and per 25 MiB bucket for DDP and ZeRO-1/2, and when
 # point-to-point sends (pipeline, context ring) did too (hardware.Cluster.send_latency), and
 # when the token table's lookup and the two ends' tp collectives were priced
@@ -341,17 +343,20 @@ def test_written_config_names_the_preset_and_ep():
 # pipeline's ends was summed by an all-reduce each step (timing.tied_table_sync: GPT-2 XL's
 # over the Titans' PCIe), and when context parallel's ring was priced as meshloom's runs it
 # (plan/cp_ring.py: FlashAttention-2 per ring step, fp32 merges; the cp = 2 layout, whose
-# selective recompute reruns the ring, 2.565 -> 2.841 s); memory and DP did not move then;
-# the structural checks below are what keeps MoE terms out of dense plans.
+# selective recompute reruns the ring, 2.565 -> 2.841 s), and when each collective call ran
+# with the algorithm and protocol NCCL's tuner picks (plan/nccl.py: DDP's 25 MiB buckets over
+# two nodes take LL128, 2.038 -> 2.031 s; HSDP's replica all-reduce pays the multi-node ring's
+# plateau, 1.916 -> 1.917 s); memory and DP did not move then; the structural checks below
+# are what keeps MoE terms out of dense plans.
 DENSE_EVALUATIONS = [
     (Layout(tp=2, pp=2, dp=2, cp=2, micro_batch=1, zero=1, recompute="selective", sp=True),
      2.841159407724119, 26103253504.0, 0.022216750702702702),
     (Layout(dp=16, micro_batch=2, zero=3), 1.8314000109394195, 83447749120.0,
      0.05745668127264865),
-    (Layout(dp=16, micro_batch=2, zero=0), 2.038204504858182, 224097192448.0,
-     0.03500802694313514),
-    (Layout(dp=16, dp_replicate=2, micro_batch=2, zero=2), 1.916192582898216, 104274724352.0,
-     0.13117303082041082),
+    (Layout(dp=16, micro_batch=2, zero=0), 2.0312053903923677, 224097192448.0,
+     0.028008912477320798),
+    (Layout(dp=16, dp_replicate=2, micro_batch=2, zero=2), 1.917313702898216, 104274724352.0,
+     0.1322941508204108),
 ]
 
 
@@ -373,10 +378,13 @@ def test_dense_evaluations_unchanged(lay, step, mem, dp):
        19434406400.0)]),
     ("llama3-8b", "h100", 64, 8192, 512,
      # With every collective paying NCCL's fixed cost, ZeRO-2's reduce-scatter of every bucket
-     # after every micro-batch costs the pipeline its lead over ZeRO-3 (it was 7.698 s).
+     # after every micro-batch cost the pipeline its lead over ZeRO-3 (it was 7.698 s); with
+     # NCCL's protocol choice those 25 MiB reduce-scatters over 4 nodes run LL128 (184 us a
+     # call, not the Simple ring's 222), and ZeRO-2's pipeline comes second again, ahead of
+     # ZeRO-3's (7.874 s).
      [("tp1 pp1 dp64 cp1 mb1 zero3 none", 7.7638711658526915, 77425053184.0),
-      ("tp1 pp2 dp32 cp1 mb1 zero3 none interleaved_1f1b/v8", 7.873585539461074,
-       73689891328.0)]),
+      ("tp1 pp2 dp32 cp1 mb1 zero2 none interleaved_1f1b/v8", 7.838749008586086,
+       79790375680.0)]),
 ])
 def test_dense_searches_unchanged(name, gpu, n, seq, batch, best):
     found = search(PRESETS[name], make_cluster(gpu, n), seq, batch, {}, top=2)
@@ -424,7 +432,6 @@ def test_expert_tp_splits_each_expert_over_tp_as_megatron_core_does():
     reduce-scatter (and the reverse in backward); each expert keeps the gathered input, twice
     the rows. Worked by hand for Mixtral 8x7B, tp 2 x ep 8 on 16 H100s, one micro-batch."""
     from meshloom.plan.compute import block_cost, rates_for
-    from meshloom.plan.hardware import ring_time
     from meshloom.plan.step_kernels import block_gemms
 
     cluster = make_cluster("h100", 16)
@@ -448,8 +455,7 @@ def test_expert_tp_splits_each_expert_over_tp_as_megatron_core_does():
     # Communication: beside each of the 128 all-to-alls, a gather (or scatter) over the 2 tp
     # ranks of the tp group's received tokens: 2 x 1.25 x one rank's dispatch payload.
     payload = 1.25 * 2 * dispatch_bytes(BIG, 4096 // 2, 2)
-    one = ring_time("all_gather", payload, 2, cluster.bus_bandwidth(2, 1),
-                    cluster.ring_latency("all_gather", 2, 1))
+    one = cluster.collective("all_gather", payload, 2, 1).seconds
     assert b.timing.ep - a.timing.ep == pytest.approx(128 * one, rel=1e-12)
     ops = b.timing.detail["comm_s"]["ep"]["calls"]
     assert ops["expert_tp_gather_scatter"]["calls"] == ops["all_to_all"]["calls"] == 128

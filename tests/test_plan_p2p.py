@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from meshloom.parallel.pipeline_schedule import build_schedule, simulate
-from meshloom.plan.hardware import make_cluster, ring_time
+from meshloom.plan.hardware import make_cluster
 from meshloom.plan.implementation import Implementation
 from meshloom.plan.layout import Layout, parse_fix
 from meshloom.plan.models import PRESETS
@@ -65,7 +65,8 @@ def test_scatter_gather_sends_a_tp_slice_and_gathers_it():
     def sends(t):  # the pipeline's time less the tied table's one all-reduce a step
         return t.pp - t.detail["comm_s"]["pp"]["ops"].get("tied_table_all_reduce", 0.0)
     assert sends(whole) == pytest.approx(6 * (act / link + start), rel=1e-9)
-    gather = ring_time("all_gather", act, 8, cl.bus_bandwidth(8, 1)) + 1e-6 * (8.4 + 7 * 3.4)
+    gather = cl.collective("all_gather", act, 8, 1).seconds
+    assert gather == pytest.approx(7 / 8 * act / cl.bus_bandwidth(8, 1) + 1e-6 * (8.4 + 7 * 3.4))
     assert sends(split) == pytest.approx(6 * (act / 8 / link + start + gather), rel=1e-9)
     sp = Layout(tp=8, pp=4, dp=2, micro_batch=1, recompute="full", schedule="1f1b", sp=True)
     assert _timing(sp, pp_scatter_gather=True).step_time_s == _timing(sp).step_time_s
@@ -122,8 +123,7 @@ def test_a_tied_table_split_over_the_ends_is_summed_once_a_step():
     pp = t.detail["comm_s"]["pp"]
     cluster = make_cluster("h100", 8)
     far = 4  # stage 1's rank 0 is dp x cp x tp = 4 ranks on
-    want = ring_time("all_reduce", shape.vocab * shape.hidden * 2, 2,
-                     cluster.bus_bandwidth(2, far), cluster.ring_latency("all_reduce", 2, far))
+    want = cluster.collective("all_reduce", shape.vocab * shape.hidden * 2, 2, far).seconds
     assert pp["ops"]["tied_table_all_reduce"] == pytest.approx(want)
     assert pp["calls"]["tied_table_all_reduce"]["calls"] == 1
     untied = run(replace(shape, tied=False), lay)

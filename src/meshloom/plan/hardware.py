@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from meshloom.plan import PlanError
+from meshloom.plan import PlanError, nccl
 
 GB = 1e9
 # Compute slows while a collective runs beside it (the two share SMs and memory bandwidth):
@@ -23,14 +23,13 @@ GB = 1e9
 OVERLAP_SLOWDOWN = 0.189
 MIB = 2**20 / GB  # a MiB in GB
 LINK_EFFICIENCY = 370.0 / 450.0  # measured NCCL bus bandwidth / one-way NVLink 4 rate (H100)
-# A collective's fixed cost, from NCCL's own cost model (src/graph/tuning.cc, NVIDIA/nccl at
-# b6475625, `baseLat` and `hwLat`), for the ring algorithm with the Simple protocol, the pair
-# NCCL picks for large messages and whose bandwidth the rates above are: 8.4 us to start, and
-# per ring step 3.4 us over NVLink, 5.7 us over PCIe, 14.0 us over the network. A ring over n
-# ranks takes n - 1 steps (all-gather, reduce-scatter) or 2(n - 1) (all-reduce), of which the
-# network carries nodes - 1 (2 x nodes for an all-reduce, at most all of its steps). A send
-# is priced as a two-rank ring's one step, and an all-to-all (one grouped kernel whose sends to
-# every peer run at once) as one start and one hop over the slowest link it uses.
+# A collective call's cost is NCCL's own model (plan/nccl.py: src/graph/tuning.cc, NVIDIA/nccl
+# at b6475625): NCCL prices each algorithm and protocol it may use and runs the cheapest; the
+# rates above are the bandwidth of the ring with the Simple protocol, the pair it picks for
+# large messages. A send is priced as that pair's two-rank ring's one step (8.4 us to start,
+# 3.4 us a step over NVLink, 5.7 over PCIe, 14.0 over the network), and an all-to-all (one
+# grouped kernel whose sends to every peer run at once) as one start and one hop over the
+# slowest link it uses: NCCL has no cost model for either.
 NCCL_RING_BASE_US = 8.4
 NCCL_RING_HOP_US = {"nvlink": 3.4, "pci": 5.7, "net": 14.0}
 
@@ -44,6 +43,11 @@ class GPU:
     intra_gbps: float  # one-way GPU-to-GPU bandwidth inside a node, GB/s
     inter_gbps: float  # one-way network bandwidth per GPU between nodes, GB/s
     intra_link: str = "nvlink"  # what joins the GPUs of a node: "nvlink" or "pci"
+    # For NCCL's protocol choice (plan/nccl.py): the GPU's generation (LL128 and the
+    # per-channel caps) and the node's CPU vendor (LL's cap and each network step's posting
+    # cost across nodes).
+    generation: str = "other"
+    cpu: str = "intel"
 
 
 GPUS: dict[str, GPU] = {
@@ -51,15 +55,20 @@ GPUS: dict[str, GPU] = {
     # 400 Gb/s network per GPU.
     # Memory: what the driver reports, not the marketed "80 GB" (which is 80 GiB): nvidia-smi's
     # memory.total on the lent H100 was 81559 MiB (benchmarks/measured/h100-2026-11-22/env.txt).
-    "h100": GPU("h100", 989.0, 81559 * MIB, 3350.0, 450.0, 50.0),
+    # CPU: a DGX H100's two Intel Xeon Platinum 8480C (NVIDIA's DGX H100 datasheet).
+    "h100": GPU("h100", 989.0, 81559 * MIB, 3350.0, 450.0, 50.0, generation="hopper"),
     # Vendor spec (not in published.md): same compute and links as H100, 141 GB at 4.8 TB/s.
-    "h200": GPU("h200", 989.0, 141.0, 4800.0, 450.0, 50.0),
+    "h200": GPU("h200", 989.0, 141.0, 4800.0, 450.0, 50.0, generation="hopper"),
     # published.md: A100 312 TFLOP/s, 2.0 TB/s, NVLink 600 GB/s; the Megatron-LM cluster had
     # 8 x 200 Gb/s HDR InfiniBand per node of 8 GPUs = 25 GB/s per GPU.
     # nvidia-smi reports 81920 MiB for an A100-SXM4-80GB and 40960 MiB for the 40 GB part
     # (public nvidia-smi listings; docs/plan.md cites them).
-    "a100-80g": GPU("a100-80g", 312.0, 81920 * MIB, 2000.0, 300.0, 25.0),
-    "a100-40g": GPU("a100-40g", 312.0, 40960 * MIB, 1555.0, 300.0, 25.0),
+    # CPU: a DGX A100's two AMD EPYC 7742 (NVIDIA's DGX A100 datasheet; Selene, Megatron-LM's
+    # cluster, is built of them).
+    "a100-80g": GPU("a100-80g", 312.0, 81920 * MIB, 2000.0, 300.0, 25.0, generation="ampere",
+                    cpu="amd"),
+    "a100-40g": GPU("a100-40g", 312.0, 40960 * MIB, 1555.0, 300.0, 25.0, generation="ampere",
+                    cpu="amd"),
     # Vendor spec (not in published.md): Titan RTX, the GPU of the Hugging Face FSDP blog;
     # 130 TFLOP/s fp16 tensor, 24 GB at 672 GB/s, PCIe 3.0 x16 between the two cards.
     "titan-rtx-24g": GPU("titan-rtx-24g", 130.0, 24.0, 672.0, 16.0, 12.5, "pci"),
@@ -116,19 +125,23 @@ class Cluster:
         per_node = max(1, min(size, self.gpus_per_node // stride))
         return -(-size // per_node)
 
-    def ring_latency(self, op: str, size: int, stride: int) -> float:
-        """Seconds one ring collective over `size` ranks costs before its bytes (NCCL's model,
-        NCCL_RING_BASE_US): what a call pays however small its payload."""
-        if size <= 1:
-            return 0.0
+    def nccl_group(self, size: int, stride: int) -> nccl.Group:
+        """A group of `size` ranks, `stride` apart in rank order, as NCCL's cost model sees
+        it (plan/nccl.py)."""
         nodes = self.nodes_spanned(size, stride)
-        if op == "all_reduce":
-            steps = 2 * (size - 1)
-            net = min(steps, 2 * nodes) if nodes > 1 else 0  # one rank a node: every step
+        if nodes > 2:  # NCCL's bandwidth rests on the network graph: a channel is a port
+            channel = self.gpu.inter_gbps
         else:
-            steps, net = size - 1, nodes - 1
-        hop, net_hop = NCCL_RING_HOP_US[self.gpu.intra_link], NCCL_RING_HOP_US["net"]
-        return 1e-6 * (NCCL_RING_BASE_US + (steps - net) * hop + net * net_hop)
+            channel = nccl.NVLINK_PER_CH.get(self.gpu.generation, self.gpu.intra_gbps)
+        return nccl.Group(size, nodes, self.gpu.intra_link, self.gpu.generation, self.gpu.cpu,
+                          self.bus_bandwidth(size, stride) / GB, channel)
+
+    def collective(self, op: str, nbytes: float, size: int, stride: int,
+                   protocols: str = "auto") -> nccl.Call:
+        """One NCCL call of `op` moving `nbytes` (the whole tensor) over `size` ranks `stride`
+        apart, with the algorithm and protocol NCCL would pick (`protocols="simple"`: the ring
+        with the Simple protocol only, NCCL_ALGO=Ring NCCL_PROTO=Simple)."""
+        return nccl.call(op, nbytes, self.nccl_group(size, stride), protocols)
 
     def send_latency(self, size: int, stride: int) -> float:
         """Seconds a point-to-point send (size 2) or an all-to-all over `size` ranks costs
@@ -137,18 +150,6 @@ class Cluster:
             return 0.0
         link = "net" if self.crosses_nodes(size, stride) else self.gpu.intra_link
         return 1e-6 * (NCCL_RING_BASE_US + NCCL_RING_HOP_US[link])
-
-
-def ring_time(op: str, payload: float, size: int, bandwidth: float,
-              latency: float = 0.0) -> float:
-    """Seconds for ring collectives moving `payload` bytes in all (the whole tensor) over `size`
-    ranks, plus `latency` (Cluster.ring_latency times the number of calls that carry it).
-    NCCL's bus-bandwidth convention (published.md): all-reduce moves 2(n-1)/n of the payload
-    through each GPU's link, all-gather and reduce-scatter (n-1)/n."""
-    if size <= 1 or payload <= 0:
-        return 0.0
-    factor = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0}[op]
-    return factor * (size - 1) / size * payload / bandwidth + latency
 
 
 def make_cluster(gpu: str, n_gpus: int, gpus_per_node: int = 8, *,

@@ -27,7 +27,7 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
 - `fsdp_prefetch`: ZeRO-3 gathers the next unit while the current one computes (meshloom does;
   off, every gather and reduce-scatter waits).
 - `dp_buckets`: how many calls DDP's and ZeRO-1/2's gradient reduction and parameter gather
-  make, each paying a collective's fixed cost (hardware.Cluster.ring_latency; ZeRO-3 makes one
+  make, each paying a collective's fixed cost (hardware.Cluster.collective; ZeRO-3 makes one
   per unit and pass whatever this says): `torch` (meshloom's `parallel.ddp_bucket_mb` and
   PyTorch DDP's `bucket_cap_mb`, 25 MiB each), `mcore` (Megatron-Core's DDP and distributed
   optimizer: max(40M, 1M x dp) parameters a bucket, `DistributedDataParallelConfig.bucket_size`;
@@ -139,6 +139,11 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   FlashAttention backend under Megatron's sequence-first tensors: `transpose(0, 1).contiguous()`
   each, or one `_PrepareQKVForFA` kernel for interleaved q, k, v of width 128). Off (meshloom,
   and TE's cuDNN backend, which reads sequence-first tensors as they are): no copies.
+- `nccl_protocols`: which algorithms and protocols NCCL may run a collective with
+  (plan/nccl.py): `auto` (NCCL's default: for each call the cheapest of the ring and, for an
+  all-reduce, the tree, each with the LL, LL128 or Simple protocol, as NCCL's tuner prices
+  them) or `simple` (the ring with the Simple protocol only: `NCCL_ALGO=Ring
+  NCCL_PROTO=Simple`, the pair NCCL picks for large messages).
 """
 
 from __future__ import annotations
@@ -177,6 +182,7 @@ class Implementation:
     cross_entropy: str = "auto"
     cp_ring: str = "meshloom"
     qkv_transpose: bool = False
+    nccl_protocols: str = "auto"
 
     @property
     def elementwise(self) -> str:
@@ -215,10 +221,11 @@ def parse_bool(key: str, value: str) -> bool:
 
 
 STR_IMPL_KEYS = ("attention_kernel", "pp_split", "optimizer_state", "dp_buckets",
-                 "cross_entropy", "cp_ring")
+                 "cross_entropy", "cp_ring", "nccl_protocols")
 # Bytes per parameter beside the bf16 parameter and gradient: (master copy, Adam moments).
 OPTIMIZER_STATES = {"fp32": (4, 8), "fp32_remainders": (2, 8), "bf16": (0, 4)}
 DP_BUCKETS = ("torch", "mcore", "deepspeed", "whole")
+NCCL_PROTOCOLS = ("auto", "simple")
 CROSS_ENTROPY = ("auto", "fused", "eager", "xentropy", "megatron", "megatron_fused")
 # meshloom's parallel.ddp_bucket_mb default, which is PyTorch DDP's bucket_cap_mb (25 MiB)
 TORCH_BUCKET_BYTES = int(ParallelConfig.ddp_bucket_mb * 2**20)

@@ -12,6 +12,7 @@ from meshloom.plan.implementation import (
     CROSS_ENTROPY,
     DP_BUCKETS,
     IMPL_KEYS,
+    NCCL_PROTOCOLS,
     OPTIMIZER_STATES,
     STR_IMPL_KEYS,
     parse_bool,
@@ -99,7 +100,8 @@ def parse_fix(text: str) -> dict:
                        "optimizer_state": tuple(OPTIMIZER_STATES),
                        "dp_buckets": DP_BUCKETS,
                        "cross_entropy": CROSS_ENTROPY,
-                       "cp_ring": CP_RINGS}.get(key, SCHEDULES)
+                       "cp_ring": CP_RINGS,
+                       "nccl_protocols": NCCL_PROTOCOLS}.get(key, SCHEDULES)
             if value not in options:
                 raise PlanError(f"--fix: {key}={value} must be one of {', '.join(options)}")
             out[key] = value

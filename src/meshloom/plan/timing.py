@@ -39,7 +39,7 @@ from meshloom.plan.compute import (
     optimizer_seconds,
     rates_for,
 )
-from meshloom.plan.hardware import OVERLAP_SLOWDOWN, Cluster, ring_time
+from meshloom.plan.hardware import OVERLAP_SLOWDOWN, Cluster
 from meshloom.plan.implementation import MESHLOOM, Implementation, dp_calls, keeps_grads
 from meshloom.plan.layout import Layout
 from meshloom.plan.memory import act_elem_bytes, precision, rank_param_split
@@ -139,10 +139,12 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     # reduce-scatter pairs with SP: the same bus time), and what recompute reruns of the
     # forward's (plan/reruns.py). With tp_overlap they run under the neighbouring GEMMs; only
     # the excess waits.
-    tp_bw = cluster.bus_bandwidth(t, 1)
-    tp_start = (2 * cluster.ring_latency("all_gather", t, 1) if lay.sp
-                else cluster.ring_latency("all_reduce", t, 1))  # one all-reduce's worth
-    tp_one = ring_time("all_reduce", tokens * shape.hidden * e, t, tp_bw, tp_start)
+    proto = impl.nccl_protocols
+    tp_calls = ([cluster.collective(op, tokens * shape.hidden * e, t, 1, proto)
+                 for op in ("all_gather", "reduce_scatter")] if lay.sp
+                else [cluster.collective("all_reduce", tokens * shape.hidden * e, t, 1, proto)])
+    tp_one = sum(c.seconds for c in tp_calls)  # one all-reduce's worth
+    tp_start = sum(c.start for c in tp_calls)
     tp_f_all, tp_b_all = 2 * tp_one, (2 + tp_reruns(shape, lay, impl)) * tp_one
     if impl.tp_overlap:  # the hidden part still slows the GEMMs it runs beside
         tp_f, tp_b = _exposed(tp_f_all, blk.fwd.gemm), _exposed(tp_b_all, blk.bwd.gemm)
@@ -172,13 +174,15 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     # after each dispatch and reduce-scatter the output before each combine (their gradients
     # the other way round): one tp collective beside each all-to-all, as exposed.
     ep_f = ep_b = a2a = etp_one = 0.0
+    etp_call = None
     etp = expert_tp(lay, impl) if shape.is_moe else 1
     if shape.is_moe and (lay.ep > 1 or etp > 1):
         payload = dispatch_bytes(shape, ffn_tokens(lay, tokens), e)
         a2a = all_to_all_time(payload, lay.ep, all_to_all_bandwidth(cluster, lay),
                               load_factor(shape, lay), cluster.send_latency(lay.ep, t))
-        etp_one = ring_time("all_gather", etp * load_factor(shape, lay) * payload, etp, tp_bw,
-                            cluster.ring_latency("all_gather", etp, 1))
+        etp_call = cluster.collective("all_gather", etp * load_factor(shape, lay) * payload,
+                                      etp, 1, proto)
+        etp_one = etp_call.seconds
         ep_f = A2A_FORWARD * (a2a + etp_one)
         ep_b = (all_to_alls(dispatch_reruns(lay, impl)) - A2A_FORWARD) * (a2a + etp_one)
     tp_only = tp_f + tp_b
@@ -230,8 +234,7 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
             hop_pp = act / t / cluster.link_bandwidth(2, stride) + start
         elif impl.pp_scatter_gather and t > 1:  # a 1/t piece each, gathered over tp on arrival
             hop_pp = (act / t / cluster.link_bandwidth(2, stride) + start
-                      + ring_time("all_gather", act, t, tp_bw,
-                                  cluster.ring_latency("all_gather", t, 1)))
+                      + cluster.collective("all_gather", act, t, 1, proto).seconds)
         else:  # every tp rank sends the whole activation
             hop_pp = act / cluster.link_bandwidth(2, stride) + start
 
@@ -274,7 +277,7 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
          for r in sorted({p - 1, held.index(max(held))}, reverse=True)),
         key=lambda d: d[0]["exposed"] + d[1])
 
-    tied_s, tied_start = tied_table_sync(shape, lay, cluster, dtype)
+    tied_s, tied_start = tied_table_sync(shape, lay, cluster, dtype, proto)
     total = span + dp["exposed"] + optimizer + tied_s
     mf = model_flops(shape, seq, global_batch)
     hw = mf + recompute_flops(shape, seq, global_batch, lay.recompute)
@@ -304,7 +307,7 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
         | ({"ep": {"exposed": ep_total} | _ep_calls(
             m * layers * all_to_alls(dispatch_reruns(lay, impl)),
             {"all_to_all": (a2a, cluster.send_latency(lay.ep, t)),
-             "expert_tp_gather_scatter": (etp_one, cluster.ring_latency("all_gather", etp, 1))})}
+             "expert_tp_gather_scatter": (etp_one, etp_call.start if etp_call else 0.0)})}
            if shape.is_moe else {}),
         "bubble_s": bubble, "optimizer_s": optimizer, "accumulate_s": accumulate,
     }
@@ -372,11 +375,13 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
 
     def coll(name: str, op: str, payload: float, size: int, stride_: int, n_calls: int,
              per_step: int = 1) -> float:
-        if payload > 0 and size > 1:
-            tally = made.setdefault(name, [0, 0.0])
-            tally[0] += n_calls * per_step
-            tally[1] += n_calls * per_step * cluster.ring_latency(op, size, stride_)
-        return _collective(cluster, op, payload, size, stride_, n_calls)
+        if payload <= 0 or size <= 1 or n_calls <= 0:
+            return 0.0
+        one = cluster.collective(op, payload / n_calls, size, stride_, impl.nccl_protocols)
+        tally = made.setdefault(name, [0, 0.0])
+        tally[0] += n_calls * per_step
+        tally[1] += n_calls * per_step * one.start
+        return n_calls * one.seconds
 
     def result(exposed: float, total: float) -> dict:
         return {"exposed": exposed, "total": total, "ops": ops,
@@ -523,7 +528,7 @@ def _pp_sends(m: int, rank: int, p: int, n_stages: int, hop: float, start: float
 
 
 def tied_table_sync(shape: ModelShape, lay: Layout, cluster: Cluster,
-                    dtype: str) -> tuple[float, float]:
+                    dtype: str, protocols: str = "auto") -> tuple[float, float]:
     """(seconds, its start) of summing a tied token table's two gradients when the first and
     the last pipeline stage hold one copy each: after the backward, one all-reduce of the
     table's V/t x h gradient between those two ranks, (p - 1) stages apart, on the step's
@@ -533,8 +538,8 @@ def tied_table_sync(shape: ModelShape, lay: Layout, cluster: Cluster,
         return 0.0, 0.0
     far = (lay.pp - 1) * lay.dp * lay.cp * lay.tp
     grad = shape.vocab / lay.tp * shape.hidden * precision(dtype).grad_bytes
-    return (_collective(cluster, "all_reduce", grad, 2, far, 1),
-            cluster.ring_latency("all_reduce", 2, far))
+    call = cluster.collective("all_reduce", grad, 2, far, protocols)
+    return call.seconds, call.start
 
 
 def _with_tied(pp: dict, seconds: float, start: float) -> dict:
@@ -555,14 +560,6 @@ def _ep_calls(n: int, per_call: dict[str, tuple[float, float]]) -> dict:
     return {"ops": {op: n * one for op, (one, _) in used.items()},
             "calls": {op: {"calls": n, "fixed_s": n * start}
                       for op, (_, start) in used.items()}} if used else {}
-
-
-def _collective(cluster: Cluster, op: str, payload: float, size: int, stride: int,
-                calls: int) -> float:
-    """Seconds for `calls` ring collectives moving `payload` bytes in all over `size` ranks
-    `stride` apart: the bytes at the group's bus bandwidth, and each call's fixed cost."""
-    return ring_time(op, payload, size, cluster.bus_bandwidth(size, stride),
-                     calls * cluster.ring_latency(op, size, stride))
 
 
 def cp_ring_backward(cp: int, kv_bytes: float, e: int, link: float, latency: float,
