@@ -841,6 +841,31 @@ def test_h200_table_is_the_h100_compute_with_its_own_bandwidth():
     assert on["h200"].mfu < 0.6 < datasheet.mfu
 
 
+def test_grand_teton_h100_is_the_sxm_compute_on_slower_memory():
+    """torchtitan's H100s (Meta's Grand Teton: 96GB HBM2e at 2.4 TB/s peak, 500 W): the SXM
+    table's compute rows, and a copy bandwidth derived from the published peak at the SXM
+    part's BabelStream efficiency (2.90 of 3.35 TB/s). An eager step's memory-bound kernels
+    take 3350 / 2400 as long; its GEMMs, attention and links are the SXM part's."""
+    h100, teton = for_gpu("h100"), for_gpu("h100-96gb")
+    assert teton.gemm == h100.gemm and teton.attention == h100.attention
+    assert teton.other_attention == h100.other_attention
+    assert teton.hbm_gbps == round(2400 * h100.hbm_gbps / 3350)
+    raw = json.loads(Path(teton.path).read_text())
+    assert "2.4 TB/sec" in raw["sources"]["torchtitan_grand_teton"]["quote"]
+    shape, lay = PRESETS["llama3-8b"], Layout(dp=8, zero=3, micro_batch=2,
+                                              recompute="selective")
+    on = {g: evaluate(shape, lay, make_cluster(g, 8, memory_gb=96.0), 8192, 16)
+          for g in ("h100", "h100-96gb")}
+    assert "h100-96gb.json" in on["h100-96gb"].timing.detail["rates"]
+    part = {g: c.timing.detail["compute_s"] for g, c in on.items()}
+    assert part["h100-96gb"]["gemm"] == pytest.approx(part["h100"]["gemm"], rel=1e-12)
+    assert part["h100-96gb"]["attention"] == pytest.approx(part["h100"]["attention"],
+                                                           rel=1e-12)
+    assert part["h100-96gb"]["elementwise"] == pytest.approx(
+        part["h100"]["elementwise"] * h100.hbm_gbps / teton.hbm_gbps, rel=1e-9)
+    assert make_cluster("h100-96gb", 8).gpu.hbm_gbps == 2400.0
+
+
 def test_a_shape_measured_twice_is_their_mean():
     raw = json.loads(json.dumps(TABLE))
     raw["gemm"].append({"m": 4096, "n": 4096, "k": 4096, "tflops": 500.0})

@@ -57,6 +57,11 @@ GPUS: dict[str, GPU] = {
     # memory.total on the lent H100 was 81559 MiB (benchmarks/measured/h100-2026-11-22/env.txt).
     # CPU: a DGX H100's two Intel Xeon Platinum 8480C (NVIDIA's DGX H100 datasheet).
     "h100": GPU("h100", 989.0, 81559 * MIB, 3350.0, 450.0, 50.0, generation="hopper"),
+    # Meta's Grand Teton H100 (torchtitan's published H100 runs): "96GB HBM2e with 2.4 TB/sec
+    # peak memory bandwidth", 400 Gb/s RDMA per GPU, run at its default 500 W power limit
+    # (torchtitan benchmarks/llama3_h100_202412_torchtitan.md). Its compute is priced as the
+    # SXM part's (plan/kernels/h100-96gb.json); its GPUs' exact peak is not published.
+    "h100-96gb": GPU("h100-96gb", 989.0, 96.0, 2400.0, 450.0, 50.0, generation="hopper"),
     # Vendor spec (not in published.md): same compute and links as H100, 141 GB at 4.8 TB/s.
     "h200": GPU("h200", 989.0, 141.0, 4800.0, 450.0, 50.0, generation="hopper"),
     # published.md: A100 312 TFLOP/s, 2.0 TB/s, NVLink 600 GB/s; the Megatron-LM cluster had

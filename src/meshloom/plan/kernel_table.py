@@ -53,7 +53,7 @@ ATTENTION_KERNELS = ("sdpa", "fa2", "fa1", "triton", "cudnn")
 # compute capability 9.0 and 10.0 (sdp_utils.cpp `check_prefer_cudnn_attention`,
 # pytorch/pytorch#162073); earlier releases run FlashAttention-2 there (`--fix
 # attention_kernel=fa2`).
-SDPA_PREFERS_CUDNN = frozenset({"h100", "h200"})
+SDPA_PREFERS_CUDNN = frozenset({"h100", "h100-96gb", "h200"})
 
 
 def sdpa_kernel(table: KernelTable) -> str:
