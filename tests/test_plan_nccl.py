@@ -131,6 +131,25 @@ def test_a_step_prices_its_collectives_with_the_choice():
     assert one.protocol in ("LL", "LL128")
     calls = auto.detail["comm_s"]["tp"]["calls"]["collectives"]
     assert calls["fixed_s"] == pytest.approx(calls["calls"] * one.start)
+    assert calls["nccl"] == one.name
+    simple_calls = simple.detail["comm_s"]["tp"]["calls"]["collectives"]
+    assert simple_calls["nccl"] == "ring/Simple"
+
+
+def test_explain_names_the_pair_each_collective_ran_with():
+    """A ZeRO-1 layout across nodes: --explain names, per collective, the algorithm and
+    protocol of its calls (the 25 MiB buckets over 2 nodes: LL128)."""
+    from meshloom.plan.explain import explain
+    from meshloom.plan.search import evaluate
+
+    shape, cl = PRESETS["llama3-8b"], make_cluster("h100", 16)
+    c = evaluate(shape, Layout(dp=16, zero=1, micro_batch=1), cl, 4096, 16)
+    dp = c.timing.detail["comm_s"]["dp"]["calls"]
+    bucket = cl.collective("reduce_scatter", 25 * 2**20, 16, 1)
+    assert bucket.name == "ring/LL128"
+    assert "ring/LL128" in dp["reduce_scatter"]["nccl"].split(", ")
+    text = explain(c)
+    assert f"({dp['reduce_scatter']['nccl']})" in text
 
 
 def test_nccl_protocols_is_a_fix_key():

@@ -38,6 +38,8 @@ def explain(c: Candidate) -> str:
             made = calls.get(op)
             starts = (f", {made['calls']:,} calls starting in {_ms(made['fixed_s']).strip()}"
                       if made else "")
+            if made and made.get("nccl"):
+                starts += f" ({made['nccl']})"
             lines.append(f"    {op:<26}{_ms(secs)} in all{starts}")
     lines.append(f"  {'pipeline bubble':<28}{_ms(t.bubble)}  {100 * t.bubble / step:5.1f}%")
     lines.append(f"  {'optimizer, clip, accumulate':<28}{_ms(t.optimizer)}  "

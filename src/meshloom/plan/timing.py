@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache, partial
 
 from meshloom.parallel.pipeline_schedule import Action, build_schedule, simulate
+from meshloom.plan import nccl
 from meshloom.plan.compute import (
     accumulate_seconds,
     attention_source,
@@ -145,6 +146,7 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
                 else [cluster.collective("all_reduce", tokens * shape.hidden * e, t, 1, proto)])
     tp_one = sum(c.seconds for c in tp_calls)  # one all-reduce's worth
     tp_start = sum(c.start for c in tp_calls)
+    tp_pairs = ", ".join(sorted({c.name for c in tp_calls}))
     tp_f_all, tp_b_all = 2 * tp_one, (2 + tp_reruns(shape, lay, impl)) * tp_one
     if impl.tp_overlap:  # the hidden part still slows the GEMMs it runs beside
         tp_f, tp_b = _exposed(tp_f_all, blk.fwd.gemm), _exposed(tp_b_all, blk.bwd.gemm)
@@ -277,7 +279,8 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
          for r in sorted({p - 1, held.index(max(held))}, reverse=True)),
         key=lambda d: d[0]["exposed"] + d[1])
 
-    tied_s, tied_start = tied_table_sync(shape, lay, cluster, dtype, proto)
+    tied = tied_table_sync(shape, lay, cluster, dtype, proto)
+    tied_s = tied.seconds
     total = span + dp["exposed"] + optimizer + tied_s
     mf = model_flops(shape, seq, global_batch)
     hw = mf + recompute_flops(shape, seq, global_batch, lay.recompute)
@@ -298,12 +301,13 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
                           "hidden": m * (layers * (tp_f_all + tp_b_all - tp_only)
                                          + ends.hidden(busiest == p - 1))}
                    | _tp_calls(m * layers, tp_f_all + tp_b_all, tp_one, tp_start,
-                               2 if lay.sp else 1, ends.calls(m, busiest == 0, busiest == p - 1)),
+                               2 if lay.sp else 1, ends.calls(m, busiest == 0, busiest == p - 1),
+                               tp_pairs),
                    "cp": {"exposed": cp_total},
                    "dp": {"exposed": dp["exposed"], "hidden": dp["total"] - dp["exposed"],
                           "ops": dp["ops"], "calls": dp["calls"]},
                    "pp": _with_tied({"exposed": pp_comm} | _pp_sends(
-                       m, busiest, p, n_stages, hop_pp, pp_start), tied_s, tied_start)}
+                       m, busiest, p, n_stages, hop_pp, pp_start), tied)}
         | ({"ep": {"exposed": ep_total} | _ep_calls(
             m * layers * all_to_alls(dispatch_reruns(lay, impl)),
             {"all_to_all": (a2a, cluster.send_latency(lay.ep, t)),
@@ -378,14 +382,16 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
         if payload <= 0 or size <= 1 or n_calls <= 0:
             return 0.0
         one = cluster.collective(op, payload / n_calls, size, stride_, impl.nccl_protocols)
-        tally = made.setdefault(name, [0, 0.0])
+        tally = made.setdefault(name, [0, 0.0, set()])
         tally[0] += n_calls * per_step
         tally[1] += n_calls * per_step * one.start
+        tally[2].add(one.name)
         return n_calls * one.seconds
 
     def result(exposed: float, total: float) -> dict:
         return {"exposed": exposed, "total": total, "ops": ops,
-                "calls": {k: {"calls": c, "fixed_s": f} for k, (c, f) in made.items()}}
+                "calls": {k: {"calls": c, "fixed_s": f, "nccl": ", ".join(sorted(pairs))}
+                          for k, (c, f, pairs) in made.items()}}
 
     if lay.zero == 0:  # meshloom's DDP averages over every replica: dp x cp ranks, stride tp
         ranks, xr = lay.dp * lay.cp, expert_replicas(lay)
@@ -449,22 +455,24 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
 
 
 def _tp_calls(blocks: int, per_block: float, one: float, start: float, pieces: int,
-              ends: tuple[float, int, float] = (0.0, 0, 0.0)) -> dict:
+              ends: tuple[float, int, float] = (0.0, 0, 0.0), nccl: str = "") -> dict:
     """The TP collectives of a step, reported as the data-parallel ones are ({"ops",
     "calls"}; empty without TP): `blocks` passes of one micro-batch through one block (forward
     and backward), each with `per_block` seconds of collectives, that is per_block / `one`
     all-reduces' worth; each all-reduce's worth is `pieces` calls (with SP an all-gather and a
     reduce-scatter) that start in `start` seconds together. `ends`: the embedding's and the
-    head's collectives on this rank (seconds, calls, their start; `EndCollectives.calls`)."""
+    head's collectives on this rank (seconds, calls, their start; `EndCollectives.calls`);
+    `nccl`: the algorithm and protocol NCCL runs them with (the ends' are the blocks')."""
     if not one:
         return {}
     n = per_block / one  # all-reduces' worth per block pass
     out = {"ops": {"collectives": blocks * per_block},
            "calls": {"collectives": {"calls": round(blocks * n * pieces),
-                                     "fixed_s": blocks * n * start}}}
+                                     "fixed_s": blocks * n * start, "nccl": nccl}}}
     if ends[1]:
         out["ops"]["embedding_and_head"] = ends[0]
-        out["calls"]["embedding_and_head"] = {"calls": ends[1], "fixed_s": ends[2]}
+        out["calls"]["embedding_and_head"] = {"calls": ends[1], "fixed_s": ends[2],
+                                              "nccl": nccl}
     return out
 
 
@@ -528,27 +536,27 @@ def _pp_sends(m: int, rank: int, p: int, n_stages: int, hop: float, start: float
 
 
 def tied_table_sync(shape: ModelShape, lay: Layout, cluster: Cluster,
-                    dtype: str, protocols: str = "auto") -> tuple[float, float]:
-    """(seconds, its start) of summing a tied token table's two gradients when the first and
-    the last pipeline stage hold one copy each: after the backward, one all-reduce of the
-    table's V/t x h gradient between those two ranks, (p - 1) stages apart, on the step's
-    critical path (meshloom's parallel/pipeline.py `_sum_tied` over its "pp_ends" group;
-    Megatron-Core's `_allreduce_embedding_grads` in finalize_model_grads)."""
+                    dtype: str, protocols: str = "auto") -> nccl.Call:
+    """Summing a tied token table's two gradients when the first and the last pipeline stage
+    hold one copy each: after the backward, one all-reduce of the table's V/t x h gradient
+    between those two ranks, (p - 1) stages apart, on the step's critical path (meshloom's
+    parallel/pipeline.py `_sum_tied` over its "pp_ends" group; Megatron-Core's
+    `_allreduce_embedding_grads` in finalize_model_grads). No call (0 s) otherwise."""
     if not shape.tied or lay.pp == 1:
-        return 0.0, 0.0
+        return nccl.Call(0.0, 0.0, "ring", "Simple")
     far = (lay.pp - 1) * lay.dp * lay.cp * lay.tp
     grad = shape.vocab / lay.tp * shape.hidden * precision(dtype).grad_bytes
-    call = cluster.collective("all_reduce", grad, 2, far, protocols)
-    return call.seconds, call.start
+    return cluster.collective("all_reduce", grad, 2, far, protocols)
 
 
-def _with_tied(pp: dict, seconds: float, start: float) -> dict:
+def _with_tied(pp: dict, tied: nccl.Call) -> dict:
     """The pipeline's detail with the tied table's all-reduce (`tied_table_sync`) added."""
-    if not seconds:
+    if not tied.seconds:
         return pp
-    pp["exposed"] += seconds
-    pp.setdefault("ops", {})["tied_table_all_reduce"] = seconds
-    pp.setdefault("calls", {})["tied_table_all_reduce"] = {"calls": 1, "fixed_s": start}
+    pp["exposed"] += tied.seconds
+    pp.setdefault("ops", {})["tied_table_all_reduce"] = tied.seconds
+    pp.setdefault("calls", {})["tied_table_all_reduce"] = {"calls": 1, "fixed_s": tied.start,
+                                                           "nccl": tied.name}
     return pp
 
 
