@@ -455,10 +455,12 @@ def test_expert_tp_splits_each_expert_over_tp_as_megatron_core_does():
     # Communication: beside each of the 128 all-to-alls, a gather (or scatter) over the 2 tp
     # ranks of the tp group's received tokens: 2 x 1.25 x one rank's dispatch payload.
     payload = 1.25 * 2 * dispatch_bytes(BIG, 4096 // 2, 2)
-    one = cluster.collective("all_gather", payload, 2, 1).seconds
-    assert b.timing.ep - a.timing.ep == pytest.approx(128 * one, rel=1e-12)
+    one = cluster.collective("all_gather", payload, 2, 1)
+    assert b.timing.ep - a.timing.ep == pytest.approx(128 * one.seconds, rel=1e-12)
     ops = b.timing.detail["comm_s"]["ep"]["calls"]
     assert ops["expert_tp_gather_scatter"]["calls"] == ops["all_to_all"]["calls"] == 128
+    assert ops["expert_tp_gather_scatter"]["nccl"] == one.name  # the all-to-all has none
+    assert "nccl" not in ops["all_to_all"]
     assert "expert_tp_gather_scatter" not in a.timing.detail["comm_s"]["ep"]["calls"]
     # Activations: each routed copy keeps the gathered input, one more hidden-wide row.
     extra = 2048 * 1.25 * 2 * 4096 * 2

@@ -311,7 +311,8 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
         | ({"ep": {"exposed": ep_total} | _ep_calls(
             m * layers * all_to_alls(dispatch_reruns(lay, impl)),
             {"all_to_all": (a2a, cluster.send_latency(lay.ep, t)),
-             "expert_tp_gather_scatter": (etp_one, etp_call.start if etp_call else 0.0)})}
+             "expert_tp_gather_scatter": (etp_one, etp_call.start if etp_call else 0.0,
+                                          etp_call.name if etp_call else "")})}
            if shape.is_moe else {}),
         "bubble_s": bubble, "optimizer_s": optimizer, "accumulate_s": accumulate,
     }
@@ -560,14 +561,15 @@ def _with_tied(pp: dict, tied: nccl.Call) -> dict:
     return pp
 
 
-def _ep_calls(n: int, per_call: dict[str, tuple[float, float]]) -> dict:
+def _ep_calls(n: int, per_call: dict[str, tuple]) -> dict:
     """An MoE step's expert collectives ({"ops", "calls"}): `n` calls of each op in
-    `per_call` (op -> seconds of one call, its start), the ops that take no time left out
-    (no all-to-all at ep 1, no gather and scatter unless experts are split over tp)."""
+    `per_call` (op -> seconds of one call, its start[, the NCCL pair it runs with]), the ops
+    that take no time left out (no all-to-all at ep 1, no gather and scatter unless experts
+    are split over tp). The all-to-all has no NCCL pair: NCCL's tuner does not price it."""
     used = {op: v for op, v in per_call.items() if n and v[0]}
-    return {"ops": {op: n * one for op, (one, _) in used.items()},
-            "calls": {op: {"calls": n, "fixed_s": n * start}
-                      for op, (_, start) in used.items()}} if used else {}
+    return {"ops": {op: n * v[0] for op, v in used.items()},
+            "calls": {op: {"calls": n, "fixed_s": n * v[1]} | ({"nccl": v[2]} if v[2:] else {})
+                      for op, v in used.items()}} if used else {}
 
 
 def cp_ring_backward(cp: int, kv_bytes: float, e: int, link: float, latency: float,
