@@ -79,6 +79,26 @@ def test_committed_validation_is_what_the_code_predicts(validation_rows):
     assert committed["summary"] == pv.summarise(committed["rows"])
 
 
+def test_sustained_gemm_bound_slows_only_the_h100_gemms(validation_rows):
+    """Each H100 row is priced again with the table's GEMM rates at the sustained fraction the
+    same H100 held at its power limit (gemm_sustained.json): only GEMM rows change, each by
+    that fraction, and every H100 row then reads slower; no other GPU's row gets the column."""
+    from meshloom.plan.kernel_table import TABLE_DIR, load
+
+    pv = _validation()
+    ratio = pv.sustained_ratio()
+    rows = json.loads(pv.GEMM_SUSTAINED.read_text())["rows"]
+    assert 0.8 < ratio < 0.9 and len(rows) == 4
+    hot, cold = load(pv.sustained_h100_table()), load(TABLE_DIR / "h100.json")
+    assert [g[:3] for g in hot.gemm] == [g[:3] for g in cold.gemm]
+    assert all(h[3] == pytest.approx(c[3] * ratio) for h, c in zip(hot.gemm, cold.gemm,
+                                                                    strict=True))
+    assert hot.attention == cold.attention and hot.hbm_gbps == cold.hbm_gbps
+    h100 = [r for r in validation_rows if r["gpu"] == "h100"]
+    assert h100 and all(r["error_sustained_gemm"] < r["error"] for r in h100)
+    assert not any("error_sustained_gemm" in r for r in validation_rows if r["gpu"] != "h100")
+
+
 def test_docs_validation_tables_are_rendered_from_the_data():
     pv = _validation()
     committed = json.loads(pv.DEFAULT_OUT.read_text())
