@@ -380,7 +380,7 @@ def test_dense_evaluations_unchanged(lay, step, mem, dp):
      # With every collective paying NCCL's fixed cost, ZeRO-2's reduce-scatter of every bucket
      # after every micro-batch cost the pipeline its lead over ZeRO-3 (it was 7.698 s); with
      # NCCL's protocol choice those 25 MiB reduce-scatters over 4 nodes run LL128 (184 us a
-     # call, not the Simple ring's 222), and ZeRO-2's pipeline comes second again, ahead of
+     # call, not the Simple ring's 223), and ZeRO-2's pipeline comes second again, ahead of
      # ZeRO-3's (7.874 s).
      [("tp1 pp1 dp64 cp1 mb1 zero3 none", 7.7638711658526915, 77425053184.0),
       ("tp1 pp2 dp32 cp1 mb1 zero2 none interleaved_1f1b/v8", 7.838749008586086,

@@ -163,3 +163,18 @@ def test_tree_correction_covers_64_bytes_to_256_mb():
     from meshloom.plan.nccl import TREE_CORRECTION
     assert all(len(row) == 23 for row in TREE_CORRECTION)  # 64 B x 2^0 .. 2^22
     assert math.isclose(TREE_CORRECTION[2][14], 0.5)
+
+
+def test_the_crossovers_docs_quote():
+    """docs/plan.md's figures: on 8 H100s NCCL's model runs an all-reduce with LL up to about
+    1.7 MB and LL128 up to about 37 MB; a 25 MiB reduce-scatter over 32 ranks in 4 nodes runs
+    LL128 in 184 us where the Simple ring takes 223."""
+    pair = {nbytes: H100.collective("all_reduce", nbytes, 8, 1).name
+            for nbytes in (1.6e6, 1.8e6, 36e6, 38e6)}
+    assert pair == {1.6e6: "ring/LL", 1.8e6: "ring/LL128", 36e6: "ring/LL128",
+                    38e6: "ring/Simple"}
+    cl = make_cluster("h100", 64)
+    auto = cl.collective("reduce_scatter", 25 * 2**20, 32, 1)
+    simple = cl.collective("reduce_scatter", 25 * 2**20, 32, 1, "simple")
+    assert auto.name == "ring/LL128"
+    assert (round(1e6 * auto.seconds), round(1e6 * simple.seconds)) == (184, 223)

@@ -123,7 +123,7 @@ def _ll_max(g: Group) -> float:
 
 
 def _bus_gbps(op: str, algorithm: str, protocol: str, g: Group) -> float:
-    """NCCL's bus bandwidth for the pair, GB/s (0: not used)."""
+    """NCCL's bus bandwidth for the pair, GB/s."""
     b = g.simple_gbps
     if algorithm == "ring":
         if protocol == "LL":
