@@ -27,11 +27,9 @@ LINK_EFFICIENCY = 370.0 / 450.0  # measured NCCL bus bandwidth / one-way NVLink 
 # at b6475625): NCCL prices each algorithm and protocol it may use and runs the cheapest; the
 # rates above are the bandwidth of the ring with the Simple protocol, the pair it picks for
 # large messages. A send is priced as that pair's two-rank ring's one step (8.4 us to start,
-# 3.4 us a step over NVLink, 5.7 over PCIe, 14.0 over the network), and an all-to-all (one
-# grouped kernel whose sends to every peer run at once) as one start and one hop over the
-# slowest link it uses: NCCL has no cost model for either.
-NCCL_RING_BASE_US = 8.4
-NCCL_RING_HOP_US = {"nvlink": 3.4, "pci": 5.7, "net": 14.0}
+# 3.4 us a step over NVLink, 5.7 over PCIe, 14.0 over the network: nccl.send_start_us), and an
+# all-to-all (one grouped kernel whose sends to every peer run at once) as one start and one
+# hop over the slowest link it uses: NCCL has no cost model for either.
 
 
 @dataclass(frozen=True)
@@ -154,7 +152,7 @@ class Cluster:
         if size <= 1:
             return 0.0
         link = "net" if self.crosses_nodes(size, stride) else self.gpu.intra_link
-        return 1e-6 * (NCCL_RING_BASE_US + NCCL_RING_HOP_US[link])
+        return 1e-6 * nccl.send_start_us(link)
 
 
 def make_cluster(gpu: str, n_gpus: int, gpus_per_node: int = 8, *,

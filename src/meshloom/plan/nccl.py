@@ -101,6 +101,13 @@ class Call:
         return f"{self.algorithm}/{self.protocol}"
 
 
+def send_start_us(link: str) -> float:
+    """A point-to-point send's start, us: NCCL's tuner has no model for sends, so one step of
+    the Simple ring over `link` ("nvlink", "pci" or "net") after its start."""
+    simple = PROTOCOLS.index("Simple")
+    return BASE_US["ring"][simple] + HOP_US[link]["ring"][simple]
+
+
 def _steps(op: str, g: Group) -> tuple[int, int]:
     """A ring's steps, and how many of them cross the network (NCCL's nsteps, nInterSteps;
     an all-reduce over one rank a node crosses on every step)."""
