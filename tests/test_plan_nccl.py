@@ -178,3 +178,18 @@ def test_the_crossovers_docs_quote():
     simple = cl.collective("reduce_scatter", 25 * 2**20, 32, 1, "simple")
     assert auto.name == "ring/LL128"
     assert (round(1e6 * auto.seconds), round(1e6 * simple.seconds)) == (184, 223)
+
+
+def test_committed_choices_are_what_the_code_prices():
+    """benchmarks/results/planner/nccl_choice.json, which docs/plan.md quotes, is what
+    `python benchmarks/nccl_choice.py` writes from the code now."""
+    import json
+
+    from conftest import load_benchmark
+
+    nc = load_benchmark("nccl_choice")
+    committed = json.loads(nc.OUT.read_text())
+    assert committed["cases"] == nc.cases()
+    assert committed["h100_node_all_reduce_switches"] == nc.switches()
+    assert [s["pair"] for s in committed["h100_node_all_reduce_switches"]] == [
+        "ring/LL", "ring/LL128", "ring/Simple"]
