@@ -93,9 +93,11 @@ def main(argv: list[str] | None = None) -> dict:
     rows = [predict(parse(line)) for line in quoted_rows()]
     rows.sort(key=lambda r: (r["gpu"], r["model"], r["seq"]))
     result = {"source": SOURCE, "rows": rows,
-              "note": "H100 rows priced with FlashAttention-2's rate (no published H100 rate of "
-                      "the 2023 Triton kernel); A100 rows with the Triton kernel's published "
-                      "A100 rate, as in validation.json",
+              "note": "Attention priced as in validation.json: A100 rows with the Triton "
+                      "kernel's published A100 rate, H100 rows with FlashAttention-2's H100 rate "
+                      "times the Triton kernel's A100 ratio to it (h100.json "
+                      "attention_ratio_from; no H100 rate of the 2023 Triton kernel is "
+                      "published); attention_tflops_to_close does not depend on that price",
               "config": provenance()}
 
     def show(r: dict) -> None:

@@ -21,7 +21,7 @@ from meshloom.plan.hardware import make_cluster
 from meshloom.plan.implementation import MESHLOOM, Implementation, split_fix
 from meshloom.plan.kernel_table import attention_flops, available, for_gpu, load, parse
 from meshloom.plan.layout import Layout, parse_fix
-from meshloom.plan.memory import memory_per_gpu
+from meshloom.plan.memory import memory_per_gpu, rank_param_split
 from meshloom.plan.models import PRESETS, from_dims
 from meshloom.plan.search import evaluate, search
 from meshloom.plan.step_kernels import all_gemms, block_gemms
@@ -122,16 +122,19 @@ def test_a_head_width_a_kernel_was_not_compiled_for_runs_padded():
     assert fa1.fwd.attention == pytest.approx(flops / (padded * 96 / 128 * 1e12))
 
 
+def _attention_kernels(gpu: str, *kernels: str) -> list:
+    """The 1B Llama under ZeRO-3 on 8 GPUs of `gpu`, planned with each attention kernel."""
+    shape, lay = PRESETS["llama3-1b"], Layout(dp=8, zero=3, micro_batch=4)
+    return [evaluate(shape, lay, make_cluster(gpu, 8), 2048, 32,
+                     impl=Implementation(attention_kernel=k)) for k in kernels]
+
+
 def test_the_triton_kernel_is_an_implementation_option_where_a_table_publishes_it():
     """`--fix attention_kernel=triton` (or fa1) slows the attention of an A100 plan by the
-    published ratio to FlashAttention-2 and nothing else; on an H100 (no published Triton rate)
-    the plan says so in one line."""
+    published ratio to FlashAttention-2 and nothing else; a table that neither publishes nor
+    borrows a Triton rate (the measured H100 one) says so in one line."""
     shape, lay = PRESETS["llama3-1b"], Layout(dp=8, zero=3, micro_batch=4)
-    fa2 = evaluate(shape, lay, make_cluster("a100-80g", 8), 2048, 32)
-    tri = evaluate(shape, lay, make_cluster("a100-80g", 8), 2048, 32,
-                   impl=Implementation(attention_kernel="triton"))
-    fa1 = evaluate(shape, lay, make_cluster("a100-80g", 8), 2048, 32,
-                   impl=Implementation(attention_kernel="fa1"))
+    fa2, tri, fa1 = _attention_kernels("a100-80g", "sdpa", "triton", "fa1")
     a, b = fa2.timing.detail["compute_s"], tri.timing.detail["compute_s"]
     assert b["gemm"] == a["gemm"] and b["elementwise"] == a["elementwise"]
     # Fig. 4(c) of the FlashAttention-2 paper at 2k: Triton 79, FlashAttention-2 140 TFLOP/s.
@@ -145,8 +148,78 @@ def test_the_triton_kernel_is_an_implementation_option_where_a_table_publishes_i
         parse_fix("attention_kernel=fa3")
     assert fa2.memory.total == tri.memory.total
     with pytest.raises(PlanError, match="h100: no 'triton' attention rows .*a100-80g"):
-        evaluate(shape, lay, make_cluster("h100", 8), 2048, 32,
+        evaluate(shape, lay, make_cluster("h100", 8, kernels=str(MEASURED_H100)), 2048, 32,
                  impl=Implementation(attention_kernel="triton"))
+
+
+LENDER = "a100-80g"
+
+
+def _borrower(**entry) -> dict:
+    """TABLE (FlashAttention-2 rows only) borrowing the Triton kernel's ratio."""
+    why = {"table": LENDER, "why": "same instructions on both GPUs", **entry}
+    return {**TABLE, "attention_ratio_from": {"triton": why}}
+
+
+def test_a_table_may_borrow_a_kernels_ratio_from_a_table_that_publishes_it():
+    """`attention_ratio_from`: the kernel runs at this table's FlashAttention-2 rate times its
+    ratio to FlashAttention-2 in the lender's nearest series (a100-80g: Fig. 4(c), hd 64,
+    causal, fwd_bwd), at the asked length; FlashAttention-2 itself does not move."""
+    t = parse(_borrower())
+    a = for_gpu(LENDER)
+    assert t.ratio_from == {"triton": LENDER} and t.borrowed_ratio("triton") == LENDER
+    assert t.borrowed_ratio("fa2") is None
+    for seq in (512, 1024, 2048, 4096, 16384):
+        ratio = (a.attention_tflops(seq, 64, True, "fwd_bwd", "triton")
+                 / a.attention_tflops(seq, 64, True, "fwd_bwd"))
+        assert t.attention_tflops(seq, 128, True, "fwd", "triton") == pytest.approx(
+            t.attention_tflops(seq, 128, True, "fwd") * ratio)
+    # Fig. 4(c) at 2k: Triton 79 against FlashAttention-2's 140.
+    assert t.attention_tflops(2048, 128, True, "bwd", "triton") == pytest.approx(
+        t.attention_tflops(2048, 128, True, "bwd") * 79 / 140)
+    with pytest.raises(PlanError, match="no 'fa1' attention rows"):
+        t.attention_tflops(2048, 128, True, "fwd", "fa1")  # only what it borrows
+
+
+@pytest.mark.parametrize("entry,message", [
+    ({"table": "h200"}, "h200 does not publish 'triton' rows itself"),
+    ({"table": "a100-40g"}, "a100-40g does not publish 'triton' rows itself"),
+    ({"table": "nowhere"}, "no readable committed table nowhere.json"),
+    ({"why": ""}, "needs 'table' and 'why'"),
+])
+def test_a_borrowed_ratio_names_a_lender_that_publishes_it_and_says_why(entry, message):
+    """A lender must publish the kernel itself (not through `compute_from` or a borrow of its
+    own), and the borrower says why the ratio carries over; any defect is one line."""
+    with pytest.raises(PlanError, match=message):
+        parse(_borrower(**entry))
+    with pytest.raises(PlanError, match="has its own 'triton' rows"):
+        parse({**_borrower(), "attention": TABLE["attention"] + TRITON})
+    with pytest.raises(PlanError, match="kernel 'fa3' must be one of"):
+        parse({**TABLE, "attention_ratio_from": {"fa3": {"table": LENDER, "why": "x"}}})
+    published = {**_borrower(), "kind": "published", "sources": {},
+                 "gemm": [{**g, "source": "s"} for g in TABLE["gemm"]]}
+    with pytest.raises(PlanError, match="cites a source"):  # rows first, then the borrow
+        parse(published)
+
+
+def test_the_h100_prices_the_older_kernels_at_their_a100_ratio_and_says_so():
+    """The committed H100 table borrows FlashAttention 1's and the Triton kernel's ratios from
+    a100-80g.json, with cited reasons; the H200 and the Grand Teton part inherit it through
+    `compute_from`. A plan on it prices the 2023 Triton kernel at FlashAttention-2's H100 rate
+    times that ratio and its rates line names the lender."""
+    h100 = for_gpu("h100")
+    raw = json.loads((Path(h100.path)).read_text())
+    for kernel in ("triton", "fa1"):
+        entry = raw["attention_ratio_from"][kernel]
+        assert entry["table"] == LENDER and "Derived, not measured" in entry["why"]
+        assert all(key in raw["sources"] for key in entry["sources"])
+    assert for_gpu("h200").ratio_from == for_gpu("h100-96gb").ratio_from == h100.ratio_from
+    fa2, tri = _attention_kernels("h100", "fa2", "triton")
+    a, b = fa2.timing.detail["compute_s"], tri.timing.detail["compute_s"]
+    assert b["gemm"] == a["gemm"] and b["elementwise"] == a["elementwise"]
+    assert b["attention"] == pytest.approx(a["attention"] * 140 / 79)  # Fig. 4(c) at 2k
+    assert "attention: triton, at its ratio to fa2 on a100-80g" in tri.timing.detail["rates"]
+    assert "a100-80g" not in fa2.timing.detail["rates"]
 
 
 MEASURED_H100 = Path(__file__).resolve().parents[1] / "benchmarks" / "measured" / \
@@ -487,6 +560,38 @@ def test_optimizer_and_clipping_traffic():
                                          zeroed=False) == pytest.approx(36e9 / 2000e9)
     assert compute_mod.accumulate_seconds(1e9, 3, rates) == pytest.approx(36e9 / 2000e9)
     assert compute_mod.accumulate_seconds(1e9, 0, rates) == 0.0
+
+
+def test_an_unfused_adamw_makes_eight_passes_over_its_state():
+    """`optimizer_impl=foreach|for_loop` (torchtitan's multi-tensor AdamW, TinyLlama's and
+    Composer's loops): 80 bytes a parameter at the copy rate, not the fused kernel's 28 at the
+    optimizer rate, and the clip is a pass of its own even where the loop asks for it in the
+    kernel. Through a plan the step grows by exactly that, nothing else moves; a wrong value is
+    a one-line error."""
+    rates = _rates(hbm=2000.0, optimizer_gbps=1000.0)
+    for kind in ("foreach", "for_loop"):
+        assert compute_mod.optimizer_seconds(1e9, 1e9, rates, optimizer_impl=kind) == \
+            pytest.approx((80e9 + 16e9) / 2000e9)
+        assert compute_mod.optimizer_seconds(1e9, 1e9, rates, clip_in_optimizer=True,
+                                             optimizer_impl=kind) == \
+            pytest.approx((80e9 + 16e9) / 2000e9)
+    assert parse_fix("optimizer_impl=for_loop") == {"optimizer_impl": "for_loop"}
+    with pytest.raises(PlanError, match="optimizer_impl=adam must be one of fused, foreach, "
+                       "for_loop"):
+        parse_fix("optimizer_impl=adam")
+    shape, lay = PRESETS["llama3-1b"], Layout(dp=8, zero=3, micro_batch=4)
+    cl = make_cluster("h100", 8)
+    fused = evaluate(shape, lay, cl, 2048, 32)
+    loop = evaluate(shape, lay, cl, 2048, 32, impl=Implementation(optimizer_impl="for_loop"))
+    r = rates_for(cl)
+    dense, experts = rank_param_split(shape, lay, 0, shape.layers)
+    shard = (dense + experts) / 8
+    # fused: 28 + 4 (the clip written back) at the optimizer rate, norm 4 + zeroing 4 at the
+    # copy rate; the loop: 80 + norm 4 + clip pass 8 + zeroing 4, all at the copy rate.
+    extra = shard * 88 / (r.hbm_gbps * 1e9) - shard * 32 / (r.optimizer_gbps * 1e9)
+    assert loop.timing.optimizer - fused.timing.optimizer == pytest.approx(extra, rel=1e-6)
+    assert loop.timing.compute == fused.timing.compute
+    assert loop.memory.total == fused.memory.total
 
 
 def test_the_adamw_kernel_runs_at_the_tables_optimizer_rate():

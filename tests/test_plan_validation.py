@@ -312,10 +312,11 @@ def test_published_runs_are_cited_and_consistent():
 
 
 def test_rows_priced_with_an_older_attention_kernel_keep_the_flashattention2_error():
-    """llm-foundry's Triton and flash-attention's FlashAttention 1 rows on the A100 carry what
+    """llm-foundry's Triton and flash-attention's FlashAttention 1 rows carry what
     FlashAttention-2's rates would give (`error_fa2_attention`), and docs/plan.md's Known gaps
     quote those means from the committed file; a slower kernel lowers every such prediction,
-    and cuDNN's (NeMo's Llama rows on the H100) raises it."""
+    and cuDNN's (NeMo's Llama rows on the H100) raises it. On the H100 the Triton kernel is
+    priced at its A100 ratio (h100.json `attention_ratio_from`), and each such row says so."""
     import statistics
 
     pv = _validation()
@@ -323,15 +324,20 @@ def test_rows_priced_with_an_older_attention_kernel_keep_the_flashattention2_err
     compared = [r for r in rows if "error_fa2_attention" in r]
     older = [r for r in compared if "attention_kernel=fa1" in r["fix"]
              or "attention_kernel=triton" in r["fix"]]
-    assert older and all(r["gpu"].startswith("a100") for r in older)
+    assert older and all(r["gpu"].startswith("a100") or r.get("attention_ratio_from") == "a100-80g"
+                         for r in older)
     assert all(r["error_fa2_attention"] > r["error"] for r in older)
     # NeMo's Llama 3.1 rows ran TransformerEngine's cuDNN attention, faster than FlashAttention-2
     cudnn = [r for r in compared if "attention_kernel=cudnn" in r["fix"]]
     assert cudnn and all(r["id"].startswith("nemo-h100-llama3.1") for r in cudnn)
     assert all(r["error_fa2_attention"] < r["error"] for r in cudnn)
     assert len(older) + len(cudnn) == len(compared)
-    assert all("unpriced" in r for r in rows
-               if r.get("trainer", "").startswith("llm-foundry") and r["gpu"] == "h100")
+    foundry_h100 = [r for r in rows
+                    if r.get("trainer", "").startswith("llm-foundry") and r["gpu"] == "h100"]
+    assert len(foundry_h100) == 22 and not any("unpriced" in r for r in rows)
+    assert all(r["attention_ratio_from"] == "a100-80g" and "attention_kernel=triton" in r["fix"]
+               for r in foundry_h100)
+    assert all("attention_ratio_from" not in r for r in rows if r["gpu"].startswith("a100"))
 
     def mean(sel):
         return f"{100 * statistics.mean(sel):.1f}%"

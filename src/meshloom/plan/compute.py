@@ -73,6 +73,15 @@ CE_KERNELS = {"fused": (1, 1), "eager": (4, 5), "megatron": (6, 2), "megatron_fu
 # inside a fused optimizer kernel that reads the gradient anyway, writes it back scaled (4);
 # gradients kept allocated are zeroed each step (write 4).
 OPTIMIZER_BYTES_PER_PARAM = 28.0
+# An unfused AdamW (`optimizer_impl` foreach or for_loop) runs the update as separate in-place
+# elementwise kernels, each reading and writing its fp32 operands. PyTorch's
+# (_single_tensor_adamw / _multi_tensor_adamw): weight decay mul (read 4, write 4), lerp of m
+# towards the gradient (12), v times beta2 (8), addcmul of the squared gradient (12), sqrt
+# (8), divide by the bias correction (8), add eps (8), addcdiv into the weight (read 12, write
+# 4): 80 bytes. Composer's DecoupledAdamW (llm-foundry) updates m with mul and add (8 + 12)
+# where PyTorch lerps (12) and skips the decay mul at weight_decay 0, as the MPT yamls set
+# it: 80 bytes as well. Their launches (eight per tensor for a loop) are not counted.
+UNFUSED_ADAMW_BYTES_PER_PARAM = 80.0
 NORM_BYTES_PER_PARAM = 4.0
 CLIP_BYTES_PER_PARAM = {"pass": 8.0, "in_optimizer": 4.0}
 ZERO_BYTES_PER_PARAM = 4.0
@@ -202,6 +211,9 @@ def attention_source(rates: Rates, kernel: str, flash: bool, cp_ring: str | None
         return f"attention: {named}, {cp_ring}'s ring"
     if kernel == "sdpa":
         return f"attention: {sdpa_kernel(rates.table)}, SDPA's pick"
+    lender = rates.table.borrowed_ratio(kernel) if kernel != "fa2" else None
+    if lender:
+        return f"attention: {kernel}, at its ratio to fa2 on {lender} (not published here)"
     return f"attention: {kernel}"
 
 
@@ -403,14 +415,19 @@ def casts_weights(lay: Layout, e: int, impl: Implementation) -> bool:
 
 
 def optimizer_seconds(params: float, grads: float, rates: Rates, *, clip_in_optimizer: bool = False,
-                      zeroed: bool = True) -> float:
+                      zeroed: bool = True, optimizer_impl: str = "fused") -> float:
     """The optimizer step on `params` parameters, after the norm and clip of `grads` gradients
-    (0: no clipping), which are then zeroed if `zeroed` (kept between steps). The AdamW kernel
-    (with the clip it carries) runs at the table's measured optimizer rate where it has one;
+    (0: no clipping), which are then zeroed if `zeroed` (kept between steps). A fused AdamW
+    kernel (with the clip it carries) runs at the table's measured optimizer rate where it has
+    one; an unfused one (`optimizer_impl` foreach or for_loop: UNFUSED_ADAMW_BYTES_PER_PARAM),
     the norm, a separate clip pass and the zeroing stream at the copy rate."""
+    fused = optimizer_impl == "fused"
+    clip_in_optimizer = clip_in_optimizer and fused
     in_kernel = CLIP_BYTES_PER_PARAM["in_optimizer"] if clip_in_optimizer else 0.0
     passes = (NORM_BYTES_PER_PARAM + (0.0 if clip_in_optimizer else CLIP_BYTES_PER_PARAM["pass"])
               + (ZERO_BYTES_PER_PARAM if zeroed else 0.0))
+    if not fused:
+        return rates.stream(params * UNFUSED_ADAMW_BYTES_PER_PARAM + grads * passes)
     adam = (params * OPTIMIZER_BYTES_PER_PARAM + grads * in_kernel) / (rates.optimizer_gbps * GB)
     return adam + rates.stream(grads * passes)
 

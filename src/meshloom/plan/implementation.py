@@ -44,6 +44,13 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
 - `clip_in_optimizer`: the clip factor rides in the fused AdamW kernel, which writes the scaled
   gradients back (4 bytes per parameter) instead of a separate scale pass (read and write, 8):
   meshloom's loop with a fused optimizer (`optim.guarded_step`).
+- `optimizer_impl`: how the AdamW step runs over fp32 state (plan/compute.py,
+  `optimizer_seconds`): `fused` (one kernel reads and writes weight, gradient and both moments
+  once, 28 bytes a parameter: meshloom's `optim.guarded_step`, Apex's and TransformerEngine's
+  FusedAdam in Megatron and NeMo), `foreach` (PyTorch's multi-tensor AdamW, torchtitan's
+  default: the same update as eight separate elementwise passes over all tensors, 80 bytes)
+  or `for_loop` (those passes tensor by tensor: PyTorch's AdamW with `foreach=False`, as
+  TinyLlama builds it, and Composer's `DecoupledAdamW` under llm-foundry).
 - `selective_elementwise`: selective recompute reruns the elementwise kernels (norms,
   activations) along with the attention core, as meshloom's policy does (it saves only matmul
   outputs); off, only the attention core is rerun (Korthikanti et al.'s selective recompute,
@@ -173,6 +180,7 @@ class Implementation:
     fused_grad_accumulation: bool = False
     fused_swiglu: bool = False
     optimizer_state: str = "fp32"
+    optimizer_impl: str = "fused"
     attention_kernel: str = "sdpa"
     pp_split: str = "balanced"
     p2p_blocking: bool = False
@@ -220,8 +228,9 @@ def parse_bool(key: str, value: str) -> bool:
     return v in TRUE
 
 
-STR_IMPL_KEYS = ("attention_kernel", "pp_split", "optimizer_state", "dp_buckets",
-                 "cross_entropy", "cp_ring", "nccl_protocols")
+STR_IMPL_KEYS = ("attention_kernel", "pp_split", "optimizer_state", "optimizer_impl",
+                 "dp_buckets", "cross_entropy", "cp_ring", "nccl_protocols")
+OPTIMIZER_IMPLS = ("fused", "foreach", "for_loop")
 # Bytes per parameter beside the bf16 parameter and gradient: (master copy, Adam moments).
 OPTIMIZER_STATES = {"fp32": (4, 8), "fp32_remainders": (2, 8), "bf16": (0, 4)}
 DP_BUCKETS = ("torch", "mcore", "deepspeed", "whole")

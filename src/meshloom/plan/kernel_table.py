@@ -26,6 +26,13 @@ A shape measured by several sources is one point, their mean. Lookups between po
   FlashAttention-2 in the nearest series it was published for (head width, mask, direction),
   at the asked sequence length: the shape dependence the table knows, scaled by what the
   benchmark showed between the two kernels.
+- A table may take such a kernel's ratio from another GPU's table that publishes it
+  (`"attention_ratio_from": {"triton": {"table": "a100-80g", "why": ..., "sources": [...]}}`)
+  where no benchmark of that kernel on its own GPU exists and both kernels run the same
+  instructions on both GPUs: the H100 table prices FlashAttention 1 and the 2023 Triton kernel
+  at their A100 ratios to FlashAttention-2 (neither uses Hopper's instructions). Derived, not
+  measured: the table says why, the rates line names the table the ratio came from, and no
+  ratio is borrowed twice (the lending table must publish the kernel itself).
 - Head width: each kernel is compiled for a few head widths and runs a model's head padded up to
   the next one, doing that width's FLOPs (`padded_head_dim`). A width the table measured is
   answered as measured; any other is looked up at its padded width, and the rate in the model's
@@ -102,6 +109,9 @@ class KernelTable:
     # A fused AdamW step's achieved bandwidth, GB/s (fp32 weight, gradient and two moments: 28
     # bytes per parameter over its time); None: the planner streams it at hbm_gbps.
     optimizer_gbps: float | None = None
+    # Kernels priced at their ratio to FlashAttention-2 in another GPU's table: kernel -> the
+    # lending table's name (`attention_ratio_from`).
+    ratio_from: dict = field(default_factory=dict, compare=False, hash=False)
     # Answers already worked out: a search asks about the same few dozen shapes thousands of
     # times.
     _memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
@@ -131,13 +141,28 @@ class KernelTable:
         rate = _attention_rate(self.attention, seq, width, causal, direction)
         if kernel == "fa2":
             return rate * useful
-        rows = self.other_attention.get(kernel)
+        return rate * useful * self.attention_ratio(seq, width, causal, direction, kernel)
+
+    def attention_ratio(self, seq: int, width: int, causal: bool, direction: str,
+                        kernel: str) -> float:
+        """`kernel`'s speed over FlashAttention-2's at `seq` in the nearest series a benchmark
+        ran both in: this table's, or the lending table's (`ratio_from`)."""
+        table = self
+        if not self.other_attention.get(kernel) and kernel in self.ratio_from:
+            table = for_gpu(self.ratio_from[kernel])
+        rows = table.other_attention.get(kernel) if table is not None else None
         if not rows:
             raise PlanError(f"kernel table {self.gpu}: no '{kernel}' attention rows (published "
                             f"for {', '.join(_tables_with(kernel)) or 'no GPU'})")
         d, c, direction_of = _nearest_series(rows, width, causal, direction)
-        return rate * useful * (_series_rate(rows, seq, d, c, direction_of)
-                                / _series_rate(self.attention, seq, d, c, direction_of))
+        return (_series_rate(rows, seq, d, c, direction_of)
+                / _series_rate(table.attention, seq, d, c, direction_of))
+
+    def borrowed_ratio(self, kernel: str) -> str | None:
+        """The table `kernel`'s ratio to FlashAttention-2 is borrowed from, if it is."""
+        if self.other_attention.get(kernel):
+            return None
+        return self.ratio_from.get(kernel)
 
     @property
     def has_attention(self) -> bool:
@@ -300,17 +325,57 @@ def parse(raw: dict, where: str = "<table>") -> KernelTable:
         if isinstance(entry, dict) and value is not None:
             _check_source(raw, entry, sources, key, bad)
         scalars[key] = float(value) if value is not None else None
+    ratio_from = _ratio_from(raw, other, sources, bad)
     return KernelTable(str(raw["gpu"]), raw["kind"], str(raw.get("device", raw["gpu"])), where,
                        _mean_duplicates(gemm, 3), _mean_duplicates(attention, 4),
                        scalars["hbm_gbps"], scalars["launch_us"],
                        {k: _mean_duplicates(v, 4) for k, v in other.items()},
-                       scalars["optimizer_gbps"])
+                       scalars["optimizer_gbps"], ratio_from)
+
+
+def _ratio_from(raw: dict, other: dict, sources: dict, bad) -> dict:
+    """Check `attention_ratio_from` and return kernel -> lending table. Each entry names a
+    committed table that publishes the kernel itself, says why the ratio carries over, and (in
+    a published table) cites its sources."""
+    given = raw.get("attention_ratio_from") or {}
+    if not isinstance(given, dict):
+        raise bad("attention_ratio_from must be an object: kernel -> {table, why, sources}")
+    out = {}
+    for kernel, entry in given.items():
+        if kernel not in ATTENTION_KERNELS or kernel in ("fa2", "sdpa"):
+            raise bad(f"attention_ratio_from: kernel {kernel!r} must be one of "
+                      f"{', '.join(k for k in ATTENTION_KERNELS if k not in ('fa2', 'sdpa'))}")
+        if not isinstance(entry, dict) or not entry.get("table") or not entry.get("why"):
+            raise bad(f"attention_ratio_from[{kernel!r}] needs 'table' and 'why'")
+        if other.get(kernel):
+            raise bad(f"attention_ratio_from[{kernel!r}]: the table has its own '{kernel}' rows")
+        name = str(entry["table"])
+        if name == raw.get("gpu"):
+            raise bad(f"attention_ratio_from[{kernel!r}]: a table cannot lend to itself")
+        path = TABLE_DIR / f"{name}.json"
+        try:
+            lender = json.loads(path.read_text())
+        except (OSError, ValueError):
+            raise bad(f"attention_ratio_from[{kernel!r}]: no readable committed table "
+                      f"{path.name}") from None
+        if lender.get("compute_from") is not None or not any(
+                r.get("kernel") == kernel for r in lender.get("attention") or []):
+            raise bad(f"attention_ratio_from[{kernel!r}]: {name} does not publish "
+                      f"'{kernel}' rows itself")
+        if raw["kind"] == "published":
+            cited = entry.get("sources") or []
+            if not cited or any(key not in sources for key in cited):
+                raise bad(f"attention_ratio_from[{kernel!r}]: a published table cites sources "
+                          "listed in 'sources' for why the ratio carries over")
+        out[kernel] = name
+    return out
 
 
 def _with_compute_of(raw: dict, bad) -> dict:
     """A table whose GPU has the compute of another's (`"compute_from": "<committed table>"`: the
     same die, SMs and clocks, e.g. the H200 and the H100) takes that table's GEMM and attention
-    rows, with their sources, and keeps its own bandwidth and launch figures."""
+    rows (and the attention ratios it borrows), with their sources, and keeps its own bandwidth
+    and launch figures."""
     name = raw["compute_from"]
     if "gemm" in raw or "attention" in raw:
         raise bad("has both compute_from and its own gemm or attention rows")
@@ -323,6 +388,7 @@ def _with_compute_of(raw: dict, bad) -> dict:
         raise bad(f"compute_from={name!r} takes its compute from another table itself")
     sources = {**(base.get("sources") or {}), **(raw.get("sources") or {})}
     return {**raw, "gemm": base.get("gemm", []), "attention": base.get("attention") or [],
+            "attention_ratio_from": base.get("attention_ratio_from") or {},
             "sources": sources}
 
 

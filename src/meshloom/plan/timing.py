@@ -334,7 +334,8 @@ def _after_backward(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str
     clip_params = opt_params if lay.zero >= 2 else dense + experts  # ZeRO-2/3 keep a shard
     kept = keeps_grads(impl, lay)
     optimizer = optimizer_seconds(opt_params, clip_params if impl.grad_clip else 0.0, rates,
-                                  clip_in_optimizer=impl.clip_in_optimizer, zeroed=kept)
+                                  clip_in_optimizer=impl.clip_in_optimizer, zeroed=kept,
+                                  optimizer_impl=impl.optimizer_impl)
     additions = 0 if impl.fused_grad_accumulation else m if kept else m - 1
     # meshloom's own ZeRO-1 keeps whole bf16 gradients; other trainers accumulate in fp32.
     bf16_grads = impl.meshloom_block and lay.zero == 1 and dtype == "bf16"
