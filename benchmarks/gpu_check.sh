@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_check.sh lib NAME [--set ...]   # meshloom train on the 1B Llama
 #   bash benchmarks/gpu_check.sh tests      # tests/test_gpu.py
 #   bash benchmarks/gpu_check.sh kernels [bench args]   # kernel table (docs/kernel-tables.md)
+#   bash benchmarks/gpu_check.sh power [--seconds S]    # GEMM rate against GEMM duty cycle
 set -uo pipefail
 OUT=${OUT:-benchmarks/results/gpu_check}
 mkdir -p "$OUT"
@@ -88,5 +89,12 @@ if [ "$phase" = kernels ]; then  # the planner's kernel table, written into $OUT
   timeout 560 "$PY" -m meshloom bench kernels --out "$OUT/kernels.json" "$@" 2>&1 | tail -n 60
   exit 0
 fi
-echo "usage: gpu_check.sh train | mfu MODELS [args] | lib NAME [--set ...] | tests | kernels" >&2
+if [ "$phase" = power ]; then  # the power limit's cost to GEMMs by duty cycle (~2 min)
+  nvidia-smi --query-gpu=name,clocks.max.sm,power.limit,power.max_limit --format=csv \
+    | tee "$OUT/power_env.txt"
+  timeout 400 "$PY" benchmarks/power_duty_cycle.py --out "$OUT/power_duty_cycle.json" "$@" \
+    2>&1 | tail -n 20
+  exit 0
+fi
+echo "usage: gpu_check.sh train | mfu MODELS [args] | lib NAME [--set ...] | tests | kernels | power" >&2
 exit 2
