@@ -594,6 +594,31 @@ def test_an_unfused_adamw_makes_eight_passes_over_its_state():
     assert loop.memory.total == fused.memory.total
 
 
+def test_fsdp2_copies_every_gather_out_into_the_parameters():
+    """`fsdp_copy_out` (FSDP2): each ZeRO-3 gather, two a micro-batch, is read and written once
+    more at the copy rate on the compute stream, exposed in full; nothing else moves, and a
+    layout without ZeRO-3 gathers is unaffected."""
+    shape = PRESETS["llama3-1b"]
+    cl = make_cluster("h100", 8)
+    r = rates_for(cl)
+    for lay, copies in ((Layout(dp=8, zero=3, micro_batch=2), True),
+                        (Layout(dp=8, zero=1, micro_batch=2), False)):
+        views = evaluate(shape, lay, cl, 2048, 32)
+        fsdp2 = evaluate(shape, lay, cl, 2048, 32, impl=Implementation(fsdp_copy_out=True))
+        ops = fsdp2.timing.detail["comm_s"]["dp"]["ops"]
+        if not copies:
+            assert "all_gather_copy_out" not in ops
+            assert fsdp2.timing.step_time_s == views.timing.step_time_s
+            continue
+        dense, experts = rank_param_split(shape, lay, 0, shape.layers)
+        m = 32 // (8 * lay.micro_batch)
+        expected = 2 * m * 2 * (dense + experts) * 2 / (r.hbm_gbps * 1e9)
+        assert ops["all_gather_copy_out"] == pytest.approx(expected, rel=1e-9)
+        assert fsdp2.timing.step_time_s - views.timing.step_time_s == pytest.approx(expected)
+        assert fsdp2.timing.compute == views.timing.compute
+    assert parse_fix("fsdp_copy_out=true") == {"fsdp_copy_out": True}
+
+
 def test_the_adamw_kernel_runs_at_the_tables_optimizer_rate():
     """A table's measured AdamW rate prices the optimizer kernel's 28 bytes per parameter and
     the clip it carries (4); the norm, a separate clip pass and the zeroing stream at the copy

@@ -26,6 +26,11 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   forward-backward schedule).
 - `fsdp_prefetch`: ZeRO-3 gathers the next unit while the current one computes (meshloom does;
   off, every gather and reduce-scatter waits).
+- `fsdp_copy_out`: each ZeRO-3 all-gather lands in a flat buffer that is then copied out into
+  every parameter's own storage on the compute stream (PyTorch's FSDP2,
+  `foreach_all_gather_copy_out`: `torch.split_with_sizes_copy`), a read and a write of the
+  gathered bytes each time. Off (meshloom's ZeRO-3, FSDP1): the parameters are views of the
+  gathered buffer.
 - `dp_buckets`: how many calls DDP's and ZeRO-1/2's gradient reduction and parameter gather
   make, each paying a collective's fixed cost (hardware.Cluster.collective; ZeRO-3 makes one
   per unit and pass whatever this says): `torch` (meshloom's `parallel.ddp_bucket_mb` and
@@ -170,6 +175,7 @@ class Implementation:
     dp_overlap: bool = False
     ddp_overlap: bool = True
     fsdp_prefetch: bool = True
+    fsdp_copy_out: bool = False
     dp_buckets: str = "torch"
     grad_clip: bool = True
     free_unbucketed_grads: bool = True

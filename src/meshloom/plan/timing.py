@@ -326,7 +326,7 @@ def _after_backward(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str
                     impl: Implementation) -> tuple[dict, float, float]:
     """Pipeline rank `rank`'s data-parallel communication (`_dp_time`), and its optimizer step
     with the gradient accumulation passes (seconds; the second includes the third)."""
-    dp = _dp_time(shape, lay, cluster, dtype, m, f_mb, b_mb, impl, rank, layers)
+    dp = _dp_time(shape, lay, cluster, dtype, m, f_mb, b_mb, impl, rank, layers, rates)
     dense, experts = rank_param_split(shape, lay, rank, layers, expert_tp(lay, impl))
     opt_params = dense / (lay.dp_shard if lay.zero else 1)
     if experts:
@@ -344,7 +344,8 @@ def _after_backward(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str
 
 
 def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: int,
-             f_mb: float, b_mb: float, impl: Implementation, rank: int, layers: int) -> dict:
+             f_mb: float, b_mb: float, impl: Implementation, rank: int, layers: int,
+             rates=None) -> dict:
     """Data-parallel communication per step: {"exposed", "total", "ops"} seconds, as the
     implementation runs it. meshloom: DDP all-reduces in buckets during the last micro-batch's
     backward (hidden up to that backward's length; `ddp_overlap` off: after it), over dp x cp
@@ -356,7 +357,10 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     distributed optimizer): ZeRO-1/2's reduce-scatter hides behind the last backward and the
     gather behind the first forward. `fsdp_prefetch` off: every ZeRO-3 gather and
     reduce-scatter waits. HSDP all-reduces the shard across replicas after the step, and with
-    cp > 1 the shard is averaged over the cp ranks too (both exposed). With expert parallel the
+    cp > 1 the shard is averaged over the cp ranks too (both exposed). `fsdp_copy_out`
+    (FSDP2): every ZeRO-3 gather is copied out of its flat buffer into each parameter on the
+    compute stream, a read and a write of the gathered bytes (`rates`' copy rate), exposed.
+    With expert parallel the
     experts' gradients go over their own groups (plan/moe.py) at the same points: DDP
     all-reduces them over the edp = dp x cp / ep ranks, ZeRO shards them over edp_shard (ep
     ranks apart) and all-reduces the shard over dp_replicate; cp is inside edp_shard, so no cp
@@ -439,6 +443,11 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
             out += m * (_exposed(ag, f_mb) + _exposed(ag + rs, b_mb) + ag / units)
         else:
             out += m * (2 * ag + rs)
+        if impl.fsdp_copy_out and rates is not None and (ag or experts):
+            gathered = (param_b if n > 1 else 0.0) + (x_param if xn > 1 else 0.0)
+            copy_out = ag_times * rates.stream(2 * gathered, per(param_b, dense, n))
+            ops["all_gather_copy_out"] = copy_out
+            out += copy_out
     if lay.dp_replicate > 1:
         reps = lay.dp_replicate
         rep = coll("replica_all_reduce", "all_reduce", grad_b / n, reps, stride * n,
