@@ -110,7 +110,9 @@ GOAL_MEAN, GOAL_MAX = 0.08, 0.20
 # Composer's DecoupledAdamW, llm-foundry's optimizer, loops over the parameters (`for_loop`).
 # torchtitan shards with FSDP2 (`fully_shard`), whose all-gathers are copied out of their flat
 # buffer into each parameter (`foreach_all_gather_copy_out`, `fsdp_copy_out`); FSDP1 (Composer,
-# Lightning) and meshloom's ZeRO-3 use the gathered buffer's views.
+# Lightning) and meshloom's ZeRO-3 use the gathered buffer's views. torchtitan's Llama rotates q
+# and k as complex numbers (`apply_rotary_emb`: `view_as_complex`), which Inductor leaves to
+# eager kernels (pytorch/torchtitan#15: `rope_complex`).
 # What every other trainer's loop does unlike meshloom's (implementation.py). Their attention
 # is FlashAttention-2's unless the trainer's entry says otherwise: torchtitan's SDPA on an H100
 # ran it before PyTorch 2.9 put cuDNN first, and which kernel TransformerEngine picked for NeMo
@@ -137,7 +139,7 @@ TRAINER_IMPL = {
     "llm-foundry": {"compile": False, "attention_kernel": "triton",
                     "cross_entropy": "xentropy", "optimizer_impl": "for_loop"},
     "torchtitan": {"compile": False, "op_sac": True, "cross_entropy": "eager",
-                   "optimizer_impl": "foreach", "fsdp_copy_out": True},
+                   "optimizer_impl": "foreach", "fsdp_copy_out": True, "rope_complex": True},
 }
 
 

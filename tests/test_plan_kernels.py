@@ -670,6 +670,34 @@ def test_rope_and_the_kv_copies_are_counted_as_they_run():
         assert elementwise_bytes_per_token(rotary, 1, False, 2, impl) == base + 2 * 4096 * 2
     with pytest.raises(PlanError, match="rotary=False does not fit positions=0"):
         from_dims("llama", 2048, 2, 16, 32000, rotary=False)
+
+
+def test_a_complex_rope_costs_the_same_compiled_or_not():
+    """`rope_complex` (torchtitan's Llama): cast, complex multiply and cast back, 20 bytes and
+    3 kernels per element of q and k, eager or compiled (Inductor leaves complex operators to
+    their eager kernels), in place of the fused pass's 4 bytes and 1 kernel or the real eager
+    rotation's 48 bytes and 20 kernels; a model without RoPE is unaffected. Through a plan
+    only the elementwise time moves."""
+    from meshloom.plan.step_kernels import block_kernels, elementwise_bytes_per_token
+    shape = PRESETS["llama3-1b"]
+    q, kv = shape.q_dim, shape.kv_dim
+    for impl, real, kernels in (("fused", 2 * 2, 1), ("eager", 48, 20)):
+        plain = elementwise_bytes_per_token(shape, 1, False, 2, impl)
+        cplx = elementwise_bytes_per_token(shape, 1, False, 2, impl, rope_complex=True)
+        assert cplx - plain == (20 - real) * (q + kv)
+        assert block_kernels(shape, impl, True, rope_complex=True) \
+            - block_kernels(shape, impl, True) == 6 - kernels
+    learned = from_dims("gpt", 2048, 2, 16, 50304)
+    assert elementwise_bytes_per_token(learned, 1, False, 2, "eager", rope_complex=True) == \
+        elementwise_bytes_per_token(learned, 1, False, 2, "eager")
+    lay, cl = Layout(dp=8, zero=3, micro_batch=2), make_cluster("h100", 8)
+    real = evaluate(shape, lay, cl, 2048, 32, impl=Implementation(compile=True))
+    cplx = evaluate(shape, lay, cl, 2048, 32,
+                    impl=Implementation(compile=True, rope_complex=True))
+    a, b = real.timing.detail["compute_s"], cplx.timing.detail["compute_s"]
+    assert b["elementwise"] > a["elementwise"]
+    assert (b["gemm"], b["attention"]) == (a["gemm"], a["attention"])
+    assert parse_fix("rope_complex=true") == {"rope_complex": True}
     with pytest.raises(PlanError, match="rotary=True does not fit positions=2048"):
         from_dims("gpt", 2048, 2, 16, 50304, rotary=True)
 

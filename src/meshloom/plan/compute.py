@@ -310,9 +310,10 @@ def block_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, e: int, f
            if shape.is_moe else None)
     impl_ew = impl.elementwise
     ew_bytes = tokens * elementwise_bytes_per_token(shape, t, lay.sp, e, impl_ew, ffn,
-                                                    expand_kv)
+                                                    expand_kv, impl.rope_complex)
     score_bytes = tokens * bh / lay.micro_batch * kv_len * score_bytes_per_entry(shape, e, flash)
-    n_ew = block_kernels(shape, impl_ew, flash, expand_kv) - len(gemms) - (1 if flash else 4)
+    n_ew = (block_kernels(shape, impl_ew, flash, expand_kv, impl.rope_complex) - len(gemms)
+            - (1 if flash else 4))
     fwd.elementwise = rates.stream(ew_bytes + score_bytes, n_ew) + att.elementwise
     bwd.elementwise += rates.stream(2 * (ew_bytes + score_bytes), 2 * n_ew)
     if casts_weights(lay, e, impl):  # recompute reruns the forward's casts too (below)

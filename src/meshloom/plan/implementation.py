@@ -122,6 +122,11 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   gradients summed back in backward. Off: the attention kernel reads the shared K/V heads
   itself (TransformerEngine's and flash-attn's native GQA: NeMo, Megatron-Core, TinyLlama).
   A no-op without GQA.
+- `rope_complex`: RoPE multiplies q and k as complex numbers in fp32 (torchtitan's Llama,
+  Meta's reference: `view_as_complex(xq.float()...) * freqs_cis`), 20 bytes per element of q
+  and k each way, compiled or not, as Inductor leaves complex operators to their eager kernels
+  (pytorch/torchtitan#15). Off (meshloom): a real rotation, fused under compile
+  (plan/step_kernels.py).
 - `expert_tp`: the routed experts are split over the tensor-parallel ranks as a dense MLP is
   (Megatron-Core's expert tensor parallel, `expert_tensor_parallel_size` equal to the tp size,
   its default): each tp rank holds 1/tp of each of its ep share of experts, gathers the tokens
@@ -192,6 +197,7 @@ class Implementation:
     p2p_blocking: bool = False
     pp_scatter_gather: bool = False
     expand_kv: bool = True
+    rope_complex: bool = False
     expert_tp: bool = False
     cross_entropy: str = "auto"
     cp_ring: str = "meshloom"

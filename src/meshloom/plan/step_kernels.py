@@ -23,6 +23,13 @@ Elementwise bytes per token depend on the implementation (`fused`):
   every head, the attention output made contiguous, 2 residual adds, SiLU and the product as
   two kernels (10F/t bytes). GPT eager: LayerNorm (read, write), dropout and residual as two
   kernels each, bias + GeLU as two.
+- complex RoPE (`rope_complex`, torchtitan's and Meta's Llama reference: q and k up-cast to
+  fp32, viewed as complex, multiplied by the complex frequencies, cast back): per element of q
+  and k a cast (read 2, write 4), the complex multiply (read 4, write 4) and a cast back (read
+  4, write 2), 20 bytes and 3 kernels each, eager or compiled alike, since Inductor does not
+  generate code for complex operators and runs the multiply as its eager kernel
+  (pytorch/torchtitan#15: "Torchinductor does not support code generation for complex
+  operators").
 Backward moves twice the forward's bytes (every op reads the output gradient and what it saved,
 and writes the input gradient) with twice its kernels.
 """
@@ -34,6 +41,7 @@ from dataclasses import dataclass
 from meshloom.plan.models import ModelShape
 
 IMPLEMENTATIONS = ("fused", "eager")
+COMPLEX_ROPE_BYTES = 20.0  # per element of q and k at 2-byte activations: cast, multiply, cast
 
 
 @dataclass(frozen=True)
@@ -115,15 +123,20 @@ def _expands_kv(shape: ModelShape, expand_kv: bool) -> bool:
 
 
 def elementwise_bytes_per_token(shape: ModelShape, tp: int, sp: bool, e: int, impl: str,
-                                ffn_elems: float | None = None, expand_kv: bool = True) -> float:
+                                ffn_elems: float | None = None, expand_kv: bool = True,
+                                rope_complex: bool = False) -> float:
     """HBM bytes one block's memory-bound kernels move in forward, per local token, excluding
     the attention scores (`score_bytes_per_entry`). `ffn_elems`: an MoE block's feed-forward
     elementwise width per token (plan/moe.py), replacing the dense SwiGLU's F/t. `expand_kv`:
-    K and V are copied out to every query head (Implementation.expand_kv)."""
+    K and V are copied out to every query head (Implementation.expand_kv). `rope_complex`: RoPE
+    runs on complex numbers (Implementation.rope_complex), the same bytes eager or compiled."""
     h, t = shape.hidden, tp
     whole = t if sp else 1  # norms and residuals run on a 1/t slice of the sequence under SP
     q, kv = shape.q_dim / t, shape.kv_dim / t
     fused_rope = 2 * (q + kv) * e
+    complex_rope = COMPLEX_ROPE_BYTES * (q + kv) * e / 2
+    if rope_complex:
+        fused_rope = complex_rope
     expand = 2 * (q + kv) * e if _expands_kv(shape, expand_kv) else 0.0
     if shape.arch == "gpt":
         f = shape.ffn_hidden / t
@@ -142,7 +155,7 @@ def elementwise_bytes_per_token(shape: ModelShape, tp: int, sp: bool, e: int, im
     if impl == "fused":
         return (4 * h + 2 * 3 * h) * e / whole + mlp * e + fused_rope + expand
     norms = 2 * 40 * h * e / 2  # 40h bytes per norm at e = 2 (fp32 internals scale with it)
-    rope = 48 * (q + kv) * e / 2
+    rope = complex_rope if rope_complex else 48 * (q + kv) * e / 2
     contiguous = 2 * q * e
     residual = 2 * 3 * h * e
     swiglu = mlp * e * 10 / 3  # silu (read, write) and the product (read 2, write 1)
@@ -158,7 +171,8 @@ def score_bytes_per_entry(shape: ModelShape, e: int, flash: bool) -> float:
     return (2 * e + 2 * e + 1) if shape.has_dropout else 2 * e
 
 
-def block_kernels(shape: ModelShape, impl: str, flash: bool, expand_kv: bool = True) -> int:
+def block_kernels(shape: ModelShape, impl: str, flash: bool, expand_kv: bool = True,
+                  rope_complex: bool = False) -> int:
     """Kernels one block's forward launches (backward: twice as many). Counted from meshloom's
     block as written (eager) and from a compiled block (fused: the GEMMs, attention, and one
     fused kernel per run of elementwise work between them, RoPE's among them)."""
@@ -167,11 +181,12 @@ def block_kernels(shape: ModelShape, impl: str, flash: bool, expand_kv: bool = T
         gemms = 4 + 1 + (3 if shape.shared_hidden else 0) + 3
     attention = 1 if flash else 4  # QK^T, softmax, (dropout), AV
     repeat = 2 if _expands_kv(shape, expand_kv) else 0
-    rope = 1 if shape.has_rope else 0
+    complex_rope = 2 * 3 if rope_complex and shape.has_rope else 0
+    rope = complex_rope or (1 if shape.has_rope else 0)
     if impl == "fused":
         return gemms + attention + 6 + rope + repeat
     if shape.arch == "gpt":
         return gemms + attention + 2 * 3 + 2 * 2 + 2 + 2 + rope + repeat
-    rope = 2 * 10
+    rope = complex_rope or 2 * 10
     moe = 12 if shape.is_moe else 0  # route, top-k, sort, gather, scatter, combine
     return gemms + attention + 2 * 7 + rope + repeat + 1 + 2 + 2 + moe
