@@ -113,6 +113,12 @@ GOAL_MEAN, GOAL_MAX = 0.08, 0.20
 # Lightning) and meshloom's ZeRO-3 use the gathered buffer's views. torchtitan's Llama rotates q
 # and k as complex numbers (`apply_rotary_emb`: `view_as_complex`), which Inductor leaves to
 # eager kernels (pytorch/torchtitan#15: `rope_complex`).
+# Gradients cross the data-parallel group in 16 bits for Megatron-LM 2021 (fp16), NeMo
+# (`grad_sync_dtype: bf16`), llm-foundry (Composer's 2023 `DEFAULT`: FSDP reduce_dtype unset, so
+# bf16), TinyLlama (Lightning's `bf16-mixed` FSDP) and BLOOM (kept at 16 bits: which dtype
+# DeepSpeed's BF16Optimizer reduced in is not read); in fp32 for torchtitan (FSDP2,
+# `mixed_precision_reduce = "float32"` by default) and flash-attention's Lightning DDP (autocast
+# over fp32 parameters: fp32 gradients), as in meshloom by default (`parallel.reduce_dtype`).
 # What every other trainer's loop does unlike meshloom's (implementation.py). Their attention
 # is FlashAttention-2's unless the trainer's entry says otherwise: torchtitan's SDPA on an H100
 # ran it before PyTorch 2.9 put cuDNN first, and which kernel TransformerEngine picked for NeMo
@@ -121,25 +127,31 @@ OTHER_LOOP = {"meshloom_block": False, "free_unbucketed_grads": False, "clip_in_
               "attention_kernel": "fa2"}
 TRAINER_IMPL = {
     "megatron-lm": {"compile": True, "tp_overlap": True, "tp_overlap_chunks": True,
+                    "grad_reduce_dtype": "bf16",
                     "dp_overlap": True, "selective_elementwise": False, "pp_split": "even",
                     "fused_swiglu": True, "expand_kv": False, "dp_buckets": "mcore",
                     "cross_entropy": "megatron", "cp_ring": "te"},
     "nemo": {"compile": True, "tp_overlap": True, "tp_overlap_chunks": True, "dp_overlap": True,
+             "grad_reduce_dtype": "bf16",
              "selective_elementwise": False, "fused_grad_accumulation": True,
              "cross_entropy": "megatron_fused",
              "pp_split": "even", "fused_swiglu": True, "expand_kv": False,
              "dp_buckets": "mcore", "cp_ring": "te", "qkv_transpose": True},
     "megatron-deepspeed": {"compile": True, "selective_elementwise": False,
+                           "grad_reduce_dtype": "bf16",
                            "p2p_blocking": True, "pp_scatter_gather": True,
                            "cross_entropy": "megatron",
                            "dp_buckets": "deepspeed"},
-    "flash-attention": {"compile": True, "attention_kernel": "fa1", "cross_entropy": "xentropy"},
+    "flash-attention": {"compile": True, "attention_kernel": "fa1", "cross_entropy": "xentropy",
+                        "grad_reduce_dtype": "fp32"},
     "tinyllama": {"compile": True, "expand_kv": False, "cross_entropy": "xentropy",
-                  "optimizer_impl": "for_loop"},
+                  "optimizer_impl": "for_loop", "grad_reduce_dtype": "bf16"},
     "llm-foundry": {"compile": False, "attention_kernel": "triton",
-                    "cross_entropy": "xentropy", "optimizer_impl": "for_loop"},
+                    "cross_entropy": "xentropy", "optimizer_impl": "for_loop",
+                    "grad_reduce_dtype": "bf16"},
     "torchtitan": {"compile": False, "op_sac": True, "cross_entropy": "eager",
-                   "optimizer_impl": "foreach", "fsdp_copy_out": True, "rope_complex": True},
+                   "optimizer_impl": "foreach", "fsdp_copy_out": True, "rope_complex": True,
+                   "grad_reduce_dtype": "fp32"},
 }
 
 
@@ -252,7 +264,7 @@ def megatron_rows() -> list[dict]:
                  "cp": 1, "micro_batch": 1, "zero": 0, "recompute": "full", "sp": False,
                  "compile": True, **OTHER_LOOP, "pp_split": "even",
                  "p2p_blocking": True, "pp_scatter_gather": True, "ddp_overlap": False,
-                 "dp_buckets": "whole", "cross_entropy": "megatron",
+                 "dp_buckets": "whole", "cross_entropy": "megatron", "grad_reduce_dtype": "bf16",
                  **({"schedule": "interleaved_1f1b"} if row["pp"] > 1 else {})}
         shape = PRESETS[row["name"]]
         # Table 1 quotes hardware TFLOP/s (recompute included): as throughput, tokens/s/GPU.
@@ -394,8 +406,10 @@ def summarise(rows: list[dict]) -> dict:
 
 def zero_checks() -> dict:
     shape = from_dims("gpt", 12288, 96, 96, 51200, positions=MEGATRON_SEQ)
+    # DeepSpeed's ZeRO-3 runs of 2021 trained in fp16: their gradients crossed in 16 bits.
     got = [search(shape, make_cluster("a100-80g", n), MEGATRON_SEQ, 1536,
-                  {"tp": 1, "pp": 1, "cp": 1, "zero": 3, "compile": True}, flash=False, top=1)[0]
+                  {"tp": 1, "pp": 1, "cp": 1, "zero": 3, "compile": True,
+                   "grad_reduce_dtype": "bf16"}, flash=False, top=1)[0]
            .hw_tflops_per_gpu for n in (384, 768, 1536)]
     return {"zero_paper_7_5b_64_gpus_gb": [
         round(sum(model_state_bytes(7.5e9, 64, s, MIXED).values()) / 1e9, 1)

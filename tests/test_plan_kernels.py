@@ -594,6 +594,27 @@ def test_an_unfused_adamw_makes_eight_passes_over_its_state():
     assert loop.memory.total == fused.memory.total
 
 
+def test_gradients_cross_the_data_parallel_group_in_the_reduce_dtype():
+    """meshloom reduces gradients in fp32 by default (`parallel.reduce_dtype`), so a bf16
+    ZeRO-3 plan's reduce-scatters carry 4 bytes a parameter, one per unit a micro-batch, and
+    `grad_reduce_dtype=bf16` halves them; the parameter gathers stay bf16 either way."""
+    shape, lay = PRESETS["llama3-1b"], Layout(dp=8, zero=3, micro_batch=2)
+    cl = make_cluster("h100", 8)
+    m, units = 32 // (8 * lay.micro_batch), shape.layers
+    dense, experts = rank_param_split(shape, lay, 0, shape.layers)
+    ops = {}
+    for dtype, wire in (("fp32", 4), ("bf16", 2)):
+        plan = evaluate(shape, lay, cl, 2048, 32, impl=Implementation(grad_reduce_dtype=dtype))
+        ops[dtype] = plan.timing.detail["comm_s"]["dp"]["ops"]
+        one = cl.collective("reduce_scatter", (dense + experts) * wire / units, 8, 1, "auto")
+        assert ops[dtype]["reduce_scatter"] == pytest.approx(m * units * one.seconds)
+    assert ops["fp32"]["all_gather"] == ops["bf16"]["all_gather"]
+    assert ops["fp32"]["reduce_scatter"] > ops["bf16"]["reduce_scatter"]
+    assert Implementation().grad_reduce_dtype == "fp32"
+    with pytest.raises(PlanError, match="grad_reduce_dtype=fp16 must be one of fp32, bf16"):
+        parse_fix("grad_reduce_dtype=fp16")
+
+
 def test_fsdp2_copies_every_gather_out_into_the_parameters():
     """`fsdp_copy_out` (FSDP2): each ZeRO-3 gather, two a micro-batch, is read and written once
     more at the copy rate on the compute stream, exposed in full; nothing else moves, and a

@@ -265,19 +265,20 @@ def test_imbalance_scales_expert_compute_only_when_experts_are_spread():
 
 def test_expert_gradients_reduce_over_their_own_groups():
     # ZeRO-1 exposes its reduce-scatter and all-gather: the dense part's over dp_shard 8 (7/8
-    # of 84672 x 2 bytes, each way), the experts' (98304 per GPU at ep 4) over edp_shard 2
-    # (1/2 of 98304 x 2 bytes), all inside the node; each of the four is one call (one bucket),
+    # of 84672 x 4 bytes of fp32 gradients, meshloom's default reduce dtype, and x 2 bytes of
+    # bf16 parameters), the experts' (98304 per GPU at ep 4) over edp_shard 2 (1/2 of 98304,
+    # x 4 and x 2 bytes), all inside the node; each of the four is one call (one bucket),
     # paying NCCL's ring start and one NVLink step per rank after the first (the Simple ring:
     # NCCL's own choice for these few kilobytes is LL, tests/test_plan_nccl.py).
     bw = 450e9 * LINK_EFFICIENCY
     call = {n: 1e-6 * (8.4 + (n - 1) * 3.4) for n in (2, 8)}
     simple = Implementation(nccl_protocols="simple")
     t = step_time(TINY, Layout(dp=8, ep=4, zero=1), H100, 64, 8, impl=simple)
-    assert t.dp == pytest.approx(2 * (7 / 8 * DENSE * 2 + 1 / 2 * EXPERTS / 4 * 2) / bw
+    assert t.dp == pytest.approx((4 + 2) * (7 / 8 * DENSE + 1 / 2 * EXPERTS / 4) / bw
                                  + 2 * (call[8] + call[2]), rel=1e-12)
     # ep = dp_shard: every GPU holds its own experts, nothing to reduce for them.
     t = step_time(TINY, Layout(dp=8, ep=8, zero=1), H100, 64, 8, impl=simple)
-    assert t.dp == pytest.approx(2 * (7 / 8 * DENSE * 2) / bw + 2 * call[8], rel=1e-12)
+    assert t.dp == pytest.approx((4 + 2) * 7 / 8 * DENSE / bw + 2 * call[8], rel=1e-12)
 
 
 def test_search_enumerates_ep_for_moe_and_never_for_dense():
@@ -346,17 +347,19 @@ def test_written_config_names_the_preset_and_ep():
 # selective recompute reruns the ring, 2.565 -> 2.841 s), and when each collective call ran
 # with the algorithm and protocol NCCL's tuner picks (plan/nccl.py: DDP's 25 MiB buckets over
 # two nodes take LL128, 2.038 -> 2.031 s; HSDP's replica all-reduce pays the multi-node ring's
-# plateau, 1.916 -> 1.917 s); memory and DP did not move then; the structural checks below
-# are what keeps MoE terms out of dense plans.
+# plateau, 1.916 -> 1.917 s); memory and DP did not move then; and when gradients crossed the
+# data-parallel group in meshloom's default fp32 (`grad_reduce_dtype`, parallel.reduce_dtype),
+# not 16 bits (DP 0.022 -> 0.037, 0.057 -> 0.075, 0.028 -> 0.056, 0.132 -> 0.207 s; memory did
+# not move); the structural checks below are what keeps MoE terms out of dense plans.
 DENSE_EVALUATIONS = [
     (Layout(tp=2, pp=2, dp=2, cp=2, micro_batch=1, zero=1, recompute="selective", sp=True),
-     2.841159407724119, 26103253504.0, 0.022216750702702702),
-    (Layout(dp=16, micro_batch=2, zero=3), 1.8314000109394195, 83447749120.0,
-     0.05745668127264865),
-    (Layout(dp=16, micro_batch=2, zero=0), 2.0312053903923677, 224097192448.0,
-     0.028008912477320798),
-    (Layout(dp=16, dp_replicate=2, micro_batch=2, zero=2), 1.917313702898216, 104274724352.0,
-     0.1322941508204108),
+     2.8557319748592542, 26103253504.0, 0.036789317837837836),
+    (Layout(dp=16, micro_batch=2, zero=3), 1.8487050882825546, 83447749120.0,
+     0.0747617586157838),
+    (Layout(dp=16, micro_batch=2, zero=0), 2.0592143028696883, 224097192448.0,
+     0.056017824954641596),
+    (Layout(dp=16, dp_replicate=2, micro_batch=2, zero=2), 1.9918882883564646, 104274724352.0,
+     0.20686873627865945),
 ]
 
 
@@ -380,11 +383,12 @@ def test_dense_evaluations_unchanged(lay, step, mem, dp):
      # With every collective paying NCCL's fixed cost, ZeRO-2's reduce-scatter of every bucket
      # after every micro-batch cost the pipeline its lead over ZeRO-3 (it was 7.698 s); with
      # NCCL's protocol choice those 25 MiB reduce-scatters over 4 nodes run LL128 (184 us a
-     # call, not the Simple ring's 223), and ZeRO-2's pipeline comes second again, ahead of
-     # ZeRO-3's (7.874 s).
-     [("tp1 pp1 dp64 cp1 mb1 zero3 none", 7.7638711658526915, 77425053184.0),
-      ("tp1 pp2 dp32 cp1 mb1 zero2 none interleaved_1f1b/v8", 7.838749008586086,
-       79790375680.0)]),
+     # call, not the Simple ring's 223), and ZeRO-2's pipeline came second again (7.839 s).
+     # With the gradients in meshloom's default fp32 its per-micro-batch reduce-scatters carry
+     # twice the bytes and calls, and ZeRO-3's pipeline is second.
+     [("tp1 pp1 dp64 cp1 mb1 zero3 none", 7.836552490693859, 77425053184.0),
+      ("tp1 pp2 dp32 cp1 mb1 zero3 none interleaved_1f1b/v8", 7.948998718114134,
+       73689891328.0)]),
 ])
 def test_dense_searches_unchanged(name, gpu, n, seq, batch, best):
     found = search(PRESETS[name], make_cluster(gpu, n), seq, batch, {}, top=2)

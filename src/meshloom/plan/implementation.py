@@ -31,6 +31,12 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   `foreach_all_gather_copy_out`: `torch.split_with_sizes_copy`), a read and a write of the
   gathered bytes each time. Off (meshloom's ZeRO-3, FSDP1): the parameters are views of the
   gathered buffer.
+- `grad_reduce_dtype`: the dtype data-parallel gradient collectives carry in bf16 training:
+  `fp32` (meshloom's `parallel.reduce_dtype` default, docs/mixed-precision.md; PyTorch FSDP2 as
+  torchtitan configures it, `mixed_precision_reduce = "float32"`; DDP under autocast, whose
+  gradients are fp32) or `bf16` (16 bits: Megatron-LM 2021's fp16, NeMo's `grad_sync_dtype:
+  bf16`, Composer's 2023 `DEFAULT`, meshloom with `parallel.reduce_dtype = "bf16"`). In fp32
+  training both are 4 bytes. Parameters are gathered in bf16 either way.
 - `dp_buckets`: how many calls DDP's and ZeRO-1/2's gradient reduction and parameter gather
   make, each paying a collective's fixed cost (hardware.Cluster.collective; ZeRO-3 makes one
   per unit and pass whatever this says): `torch` (meshloom's `parallel.ddp_bucket_mb` and
@@ -181,6 +187,7 @@ class Implementation:
     ddp_overlap: bool = True
     fsdp_prefetch: bool = True
     fsdp_copy_out: bool = False
+    grad_reduce_dtype: str = "fp32"
     dp_buckets: str = "torch"
     grad_clip: bool = True
     free_unbucketed_grads: bool = True
@@ -241,7 +248,8 @@ def parse_bool(key: str, value: str) -> bool:
 
 
 STR_IMPL_KEYS = ("attention_kernel", "pp_split", "optimizer_state", "optimizer_impl",
-                 "dp_buckets", "cross_entropy", "cp_ring", "nccl_protocols")
+                 "grad_reduce_dtype", "dp_buckets", "cross_entropy", "cp_ring", "nccl_protocols")
+GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 OPTIMIZER_IMPLS = ("fused", "foreach", "for_loop")
 # Bytes per parameter beside the bf16 parameter and gradient: (master copy, Adam moments).
 OPTIMIZER_STATES = {"fp32": (4, 8), "fp32_remainders": (2, 8), "bf16": (0, 4)}

@@ -11,6 +11,7 @@ from meshloom.plan.cp_ring import CP_RINGS
 from meshloom.plan.implementation import (
     CROSS_ENTROPY,
     DP_BUCKETS,
+    GRAD_REDUCE_DTYPES,
     IMPL_KEYS,
     NCCL_PROTOCOLS,
     OPTIMIZER_IMPLS,
@@ -100,6 +101,7 @@ def parse_fix(text: str) -> dict:
                        "pp_split": PP_SPLITS,
                        "optimizer_state": tuple(OPTIMIZER_STATES),
                        "optimizer_impl": OPTIMIZER_IMPLS,
+                       "grad_reduce_dtype": GRAD_REDUCE_DTYPES,
                        "dp_buckets": DP_BUCKETS,
                        "cross_entropy": CROSS_ENTROPY,
                        "cp_ring": CP_RINGS,

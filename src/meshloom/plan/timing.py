@@ -374,11 +374,13 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     prec = precision(dtype)
     stride = lay.cp * lay.tp
     n = lay.dp_shard
-    grad_b, param_b = dense * prec.grad_bytes, dense * prec.param_bytes
+    # Gradients travel in the reduce dtype (`grad_reduce_dtype`), parameters in bf16.
+    wire = 4 if impl.grad_reduce_dtype == "fp32" else prec.grad_bytes
+    grad_b, param_b = dense * wire, dense * prec.param_bytes
     if lay.dp <= 1:  # only expert groups to reduce (ep < cp); the dense part as before: none
         grad_b = param_b = 0.0
     xn = expert_shard(lay)
-    x_grad, x_param = experts * prec.grad_bytes, experts * prec.param_bytes
+    x_grad, x_param = experts * wire, experts * prec.param_bytes
     ops: dict[str, float] = {}
     # Per op: the calls a step makes and the seconds of their fixed cost (in ops' seconds).
     made: dict[str, list] = {}
