@@ -313,7 +313,7 @@ def run_fixed(run: dict) -> tuple[dict, dict]:
     unpriced = {}
     table = kernel_table.for_gpu(run["gpu"])
     kernel = impl.get("attention_kernel", "fa2")
-    lender = table.borrowed_ratio(kernel) if table and kernel != "fa2" else None
+    lender = table.borrowed_ratio(kernel) if table else None
     if lender:
         unpriced["attention_ratio_from"] = lender
     elif kernel != "fa2" and not (table and table.other_attention.get(kernel)):

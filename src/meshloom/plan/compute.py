@@ -211,7 +211,7 @@ def attention_source(rates: Rates, kernel: str, flash: bool, cp_ring: str | None
         return f"attention: {named}, {cp_ring}'s ring"
     if kernel == "sdpa":
         return f"attention: {sdpa_kernel(rates.table)}, SDPA's pick"
-    lender = rates.table.borrowed_ratio(kernel) if kernel != "fa2" else None
+    lender = rates.table.borrowed_ratio(kernel)
     if lender:
         return f"attention: {kernel}, at its ratio to fa2 on {lender} (not published here)"
     return f"attention: {kernel}"

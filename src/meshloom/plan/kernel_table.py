@@ -147,9 +147,8 @@ class KernelTable:
                         kernel: str) -> float:
         """`kernel`'s speed over FlashAttention-2's at `seq` in the nearest series a benchmark
         ran both in: this table's, or the lending table's (`ratio_from`)."""
-        table = self
-        if not self.other_attention.get(kernel) and kernel in self.ratio_from:
-            table = for_gpu(self.ratio_from[kernel])
+        lender = self.borrowed_ratio(kernel)
+        table = for_gpu(lender) if lender else self
         rows = table.other_attention.get(kernel) if table is not None else None
         if not rows:
             raise PlanError(f"kernel table {self.gpu}: no '{kernel}' attention rows (published "

@@ -133,10 +133,9 @@ def elementwise_bytes_per_token(shape: ModelShape, tp: int, sp: bool, e: int, im
     h, t = shape.hidden, tp
     whole = t if sp else 1  # norms and residuals run on a 1/t slice of the sequence under SP
     q, kv = shape.q_dim / t, shape.kv_dim / t
-    fused_rope = 2 * (q + kv) * e
     complex_rope = COMPLEX_ROPE_BYTES * (q + kv) * e / 2
-    if rope_complex:
-        fused_rope = complex_rope
+    # RoPE as a compiled or hand-fused block runs it; a complex one Inductor cannot fuse.
+    fused_rope = complex_rope if rope_complex else 2 * (q + kv) * e
     expand = 2 * (q + kv) * e if _expands_kv(shape, expand_kv) else 0.0
     if shape.arch == "gpt":
         f = shape.ffn_hidden / t

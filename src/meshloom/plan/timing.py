@@ -31,6 +31,7 @@ from functools import lru_cache, partial
 from meshloom.parallel.pipeline_schedule import Action, build_schedule, simulate
 from meshloom.plan import nccl
 from meshloom.plan.compute import (
+    Rates,
     accumulate_seconds,
     attention_source,
     block_cost,
@@ -345,7 +346,7 @@ def _after_backward(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str
 
 def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: int,
              f_mb: float, b_mb: float, impl: Implementation, rank: int, layers: int,
-             rates=None) -> dict:
+             rates: Rates) -> dict:
     """Data-parallel communication per step: {"exposed", "total", "ops"} seconds, as the
     implementation runs it. meshloom: DDP all-reduces in buckets during the last micro-batch's
     backward (hidden up to that backward's length; `ddp_overlap` off: after it), over dp x cp
@@ -445,9 +446,9 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
             out += m * (_exposed(ag, f_mb) + _exposed(ag + rs, b_mb) + ag / units)
         else:
             out += m * (2 * ag + rs)
-        if impl.fsdp_copy_out and rates is not None and (ag or experts):
-            gathered = (param_b if n > 1 else 0.0) + (x_param if xn > 1 else 0.0)
-            copy_out = ag_times * rates.stream(2 * gathered, per(param_b, dense, n))
+        gathered = (param_b if n > 1 else 0.0) + (x_param if xn > 1 else 0.0)
+        if impl.fsdp_copy_out and gathered:  # one copy kernel per unit and gather
+            copy_out = ag_times * rates.stream(2 * gathered, units)
             ops["all_gather_copy_out"] = copy_out
             out += copy_out
     if lay.dp_replicate > 1:
