@@ -115,10 +115,13 @@ GOAL_MEAN, GOAL_MAX = 0.08, 0.20
 # eager kernels (pytorch/torchtitan#15: `rope_complex`).
 # Gradients cross the data-parallel group in 16 bits for Megatron-LM 2021 (fp16), NeMo
 # (`grad_sync_dtype: bf16`), llm-foundry (Composer's 2023 `DEFAULT`: FSDP reduce_dtype unset, so
-# bf16), TinyLlama (Lightning's `bf16-mixed` FSDP) and BLOOM (kept at 16 bits: which dtype
-# DeepSpeed's BF16Optimizer reduced in is not read); in fp32 for torchtitan (FSDP2,
-# `mixed_precision_reduce = "float32"` by default) and flash-attention's Lightning DDP (autocast
-# over fp32 parameters: fp32 gradients), as in meshloom by default (`parallel.reduce_dtype`).
+# bf16) and TinyLlama (Lightning's `bf16-mixed` FSDP); in fp32 for torchtitan (FSDP2,
+# `mixed_precision_reduce = "float32"` by default), flash-attention's Lightning DDP (autocast
+# over fp32 parameters: fp32 gradients) and BLOOM, as in meshloom by default
+# (`parallel.reduce_dtype`). BLOOM's Megatron-DeepSpeed ran bf16 with ZeRO stage 0, which
+# DeepSpeed's pipeline engine hands to its BF16_Optimizer (`deepspeed_bf16_optimizer`, DeepSpeed
+# PR #1801, "fp32 reduction" in its commit list): the whole fp32 gradient buffer all-reduced,
+# whole fp32 master copy and gradients on every rank, only the moments sharded.
 # What every other trainer's loop does unlike meshloom's (implementation.py). Their attention
 # is FlashAttention-2's unless the trainer's entry says otherwise: torchtitan's SDPA on an H100
 # ran it before PyTorch 2.9 put cuDNN first, and which kernel TransformerEngine picked for NeMo
@@ -138,7 +141,7 @@ TRAINER_IMPL = {
              "pp_split": "even", "fused_swiglu": True, "expand_kv": False,
              "dp_buckets": "mcore", "cp_ring": "te", "qkv_transpose": True},
     "megatron-deepspeed": {"compile": True, "selective_elementwise": False,
-                           "grad_reduce_dtype": "bf16",
+                           "grad_reduce_dtype": "fp32", "deepspeed_bf16_optimizer": True,
                            "p2p_blocking": True, "pp_scatter_gather": True,
                            "cross_entropy": "megatron",
                            "dp_buckets": "deepspeed"},

@@ -350,12 +350,15 @@ def test_written_config_names_the_preset_and_ep():
 # plateau, 1.916 -> 1.917 s); memory and DP did not move then; and when gradients crossed the
 # data-parallel group in meshloom's default fp32 (`grad_reduce_dtype`, parallel.reduce_dtype),
 # not 16 bits (DP 0.022 -> 0.037, 0.057 -> 0.075, 0.028 -> 0.056, 0.132 -> 0.207 s; memory did
-# not move); the structural checks below are what keeps MoE terms out of dense plans.
+# not move), and when ZeRO-3 packed each unit's gradients into its fp32 send buffer on the
+# compute stream before the reduce-scatter (parallel/fsdp.py `_reduce`, 6 bytes a parameter a
+# micro-batch: DP 0.075 -> 0.108 s, step 1.849 -> 1.882 s); the structural checks below are
+# what keeps MoE terms out of dense plans.
 DENSE_EVALUATIONS = [
     (Layout(tp=2, pp=2, dp=2, cp=2, micro_batch=1, zero=1, recompute="selective", sp=True),
      2.8557319748592542, 26103253504.0, 0.036789317837837836),
-    (Layout(dp=16, micro_batch=2, zero=3), 1.8487050882825546, 83447749120.0,
-     0.0747617586157838),
+    (Layout(dp=16, micro_batch=2, zero=3), 1.8819337555156581, 83447749120.0,
+     0.10799042584888724),
     (Layout(dp=16, micro_batch=2, zero=0), 2.0592143028696883, 224097192448.0,
      0.056017824954641596),
     (Layout(dp=16, dp_replicate=2, micro_batch=2, zero=2), 1.9918882883564646, 104274724352.0,
@@ -385,10 +388,12 @@ def test_dense_evaluations_unchanged(lay, step, mem, dp):
      # NCCL's protocol choice those 25 MiB reduce-scatters over 4 nodes run LL128 (184 us a
      # call, not the Simple ring's 223), and ZeRO-2's pipeline came second again (7.839 s).
      # With the gradients in meshloom's default fp32 its per-micro-batch reduce-scatters carry
-     # twice the bytes and calls, and ZeRO-3's pipeline is second.
-     [("tp1 pp1 dp64 cp1 mb1 zero3 none", 7.836552490693859, 77425053184.0),
-      ("tp1 pp2 dp32 cp1 mb1 zero3 none interleaved_1f1b/v8", 7.948998718114134,
-       73689891328.0)]),
+     # twice the bytes and calls, and ZeRO-3's pipeline is second. With ZeRO-3's gradient
+     # copy-in priced (6 bytes a parameter a micro-batch on the compute stream), ZeRO-2's
+     # pipeline is second again and ZeRO-3's leader slows from 7.837 s.
+     [("tp1 pp1 dp64 cp1 mb1 zero3 none", 7.969467159626273, 77425053184.0),
+      ("tp1 pp2 dp32 cp1 mb1 zero2 none interleaved_1f1b/v8", 8.018850517194613,
+       79790375680.0)]),
 ])
 def test_dense_searches_unchanged(name, gpu, n, seq, batch, best):
     found = search(PRESETS[name], make_cluster(gpu, n), seq, batch, {}, top=2)

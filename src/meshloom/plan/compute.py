@@ -92,6 +92,10 @@ ZERO_BYTES_PER_PARAM = 4.0
 # meshloom's ZeRO-1 in bf16 keeps whole bf16 gradients in its flat buffers (parallel/zero.py):
 # 6 bytes there (`accumulate_seconds(..., grad_bytes=2)`).
 ACCUMULATE_BYTES_PER_PARAM = 12.0
+# DeepSpeed's BF16_Optimizer adds each micro-batch's bf16 gradient into its fp32 buffer through
+# an fp32 copy (`hp_grad.data.add_(lp.grad.data.to(hp_grad.dtype))`): the cast reads 2 bytes and
+# writes 4, the add reads both fp32 tensors and writes one, 18 bytes a parameter.
+ACCUMULATE_BF16_TO_FP32 = 18.0
 # The token-table lookup (`embedding_cost`), in passes over the micro-batch's rows (tokens x
 # hidden at the table's dtype). Forward, the gather reads the table's rows and writes them.
 # Backward, PyTorch's CUDA `embedding_dense_backward` reads the sorted incoming rows, writes

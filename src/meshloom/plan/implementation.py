@@ -37,6 +37,18 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   gradients are fp32) or `bf16` (16 bits: Megatron-LM 2021's fp16, NeMo's `grad_sync_dtype:
   bf16`, Composer's 2023 `DEFAULT`, meshloom with `parallel.reduce_dtype = "bf16"`). In fp32
   training both are 4 bytes. Parameters are gathered in bf16 either way.
+- `deepspeed_bf16_optimizer`: ZeRO-1 as DeepSpeed's 2022 `BF16_Optimizer` runs it (bf16 with
+  ZeRO stage 0 under DeepSpeed's pipeline engine, which BLOOM trained with: "bf16 must use z0!
+  it implements its own zero stage 1 equivalent"; DeepSpeed PR #1801, issue #1835). Every rank
+  keeps the whole fp32 master copy and the whole fp32 gradients; only the Adam moments are
+  sharded. Each micro-batch's bf16 gradients are added into the fp32 ones through an fp32
+  copy (`hp_grad.add_(lp.grad.to(fp32))`: 18 bytes a parameter, ACCUMULATE_BF16_TO_FP32). After
+  the last backward the engine all-reduces the whole fp32 gradient buffer
+  (`_bf16_reduce_grads`: `get_grads_for_reduction` is the whole flat buffer; an all-reduce,
+  not a reduce-scatter) and the tied table's fp32 gradient; each rank steps its shard and
+  all-gathers the bf16 parameters; none of it overlaps compute. The gradients' wire dtype is
+  `grad_reduce_dtype`'s. Off (meshloom, Megatron's distributed optimizer): ZeRO-1
+  reduce-scatters and shards the master copy with the moments. A no-op unless zero = 1 in bf16.
 - `dp_buckets`: how many calls DDP's and ZeRO-1/2's gradient reduction and parameter gather
   make, each paying a collective's fixed cost (hardware.Cluster.collective; ZeRO-3 makes one
   per unit and pass whatever this says): `torch` (meshloom's `parallel.ddp_bucket_mb` and
@@ -188,6 +200,7 @@ class Implementation:
     fsdp_prefetch: bool = True
     fsdp_copy_out: bool = False
     grad_reduce_dtype: str = "fp32"
+    deepspeed_bf16_optimizer: bool = False
     dp_buckets: str = "torch"
     grad_clip: bool = True
     free_unbucketed_grads: bool = True
@@ -236,6 +249,14 @@ def keeps_grads(impl: Implementation, lay) -> bool:
     micro-batch's backward adds into them) under layout `lay`."""
     bucketed = lay.zero > 0 or lay.dp * lay.cp > 1
     return impl.grad_clip and (bucketed or not impl.free_unbucketed_grads)
+
+
+def whole_fp32_states(impl: Implementation, lay, dtype: str) -> bool:
+    """Whether ZeRO-1 runs as DeepSpeed's BF16_Optimizer (`deepspeed_bf16_optimizer`): whole
+    fp32 gradients and master copy on every rank, the gradients all-reduced."""
+    return impl.deepspeed_bf16_optimizer and lay.zero == 1 and dtype == "bf16"
+
+
 IMPL_KEYS = tuple(f.name for f in fields(Implementation))
 TRUE, FALSE = ("true", "1", "on", "yes"), ("false", "0", "off", "no")
 

@@ -31,6 +31,7 @@ from functools import lru_cache, partial
 from meshloom.parallel.pipeline_schedule import Action, build_schedule, simulate
 from meshloom.plan import nccl
 from meshloom.plan.compute import (
+    ACCUMULATE_BF16_TO_FP32,
     Rates,
     accumulate_seconds,
     attention_source,
@@ -42,7 +43,13 @@ from meshloom.plan.compute import (
     rates_for,
 )
 from meshloom.plan.hardware import OVERLAP_SLOWDOWN, Cluster
-from meshloom.plan.implementation import MESHLOOM, Implementation, dp_calls, keeps_grads
+from meshloom.plan.implementation import (
+    MESHLOOM,
+    Implementation,
+    dp_calls,
+    keeps_grads,
+    whole_fp32_states,
+)
 from meshloom.plan.layout import Layout
 from meshloom.plan.memory import act_elem_bytes, precision, rank_param_split
 from meshloom.plan.models import ModelShape
@@ -280,7 +287,8 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
          for r in sorted({p - 1, held.index(max(held))}, reverse=True)),
         key=lambda d: d[0]["exposed"] + d[1])
 
-    tied = tied_table_sync(shape, lay, cluster, dtype, proto)
+    tied = tied_table_sync(shape, lay, cluster, dtype, proto,
+                           4 if whole_fp32_states(impl, lay, dtype) else None)
     tied_s = tied.seconds
     total = span + dp["exposed"] + optimizer + tied_s
     mf = model_flops(shape, seq, global_batch)
@@ -338,6 +346,9 @@ def _after_backward(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str
                                   clip_in_optimizer=impl.clip_in_optimizer, zeroed=kept,
                                   optimizer_impl=impl.optimizer_impl)
     additions = 0 if impl.fused_grad_accumulation else m if kept else m - 1
+    if whole_fp32_states(impl, lay, dtype):  # every micro-batch adds an fp32 copy of its grads
+        accumulate = rates.stream(clip_params * ACCUMULATE_BF16_TO_FP32 * m)
+        return dp, optimizer + accumulate, accumulate
     # meshloom's own ZeRO-1 keeps whole bf16 gradients; other trainers accumulate in fp32.
     bf16_grads = impl.meshloom_block and lay.zero == 1 and dtype == "bf16"
     accumulate = accumulate_seconds(clip_params, additions, rates, 2 if bf16_grads else 4)
@@ -361,6 +372,11 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     cp > 1 the shard is averaged over the cp ranks too (both exposed). `fsdp_copy_out`
     (FSDP2): every ZeRO-3 gather is copied out of its flat buffer into each parameter on the
     compute stream, a read and a write of the gathered bytes (`rates`' copy rate), exposed.
+    Before each ZeRO-3 reduce-scatter, every implementation copies the unit's gradients into
+    its flat send buffer in the reduce dtype on the compute stream, a read of the gradients
+    and a write at the wire's bytes, exposed: meshloom's `_reduce` packs them
+    (parallel/fsdp.py), FSDP2's `foreach_reduce_scatter_copy_in` chunk-cats them, and FSDP1's
+    flat parameter receives them through autograd's concatenation of its views' gradients.
     With expert parallel the
     experts' gradients go over their own groups (plan/moe.py) at the same points: DDP
     all-reduces them over the edp = dp x cp / ep ranks, ZeRO shards them over edp_shard (ep
@@ -424,17 +440,20 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     # ZeRO-2 reduces every micro-batch, ZeRO-1 once.
     ag_times = 2 * m if lay.zero == 3 else 1
     rs_times = m if lay.zero >= 2 else 1
+    # DeepSpeed's BF16_Optimizer all-reduces the whole gradient where ZeRO reduce-scatters it.
+    whole = whole_fp32_states(impl, lay, dtype)
+    red = "all_reduce" if whole else "reduce_scatter"
     ag = coll("all_gather", "all_gather", param_b, n, stride, per(param_b, dense, n), ag_times)
-    rs = coll("reduce_scatter", "reduce_scatter", grad_b, n, stride, per(grad_b, dense, n),
-              rs_times)
+    rs = coll(red, red, grad_b, n, stride, per(grad_b, dense, n), rs_times)
     if experts:
         ag += coll("all_gather", "all_gather", x_param, xn, lay.ep * lay.tp,
                    per(x_param, experts, xn), ag_times)
-        rs += coll("reduce_scatter", "reduce_scatter", x_grad, xn, lay.ep * lay.tp,
-                   per(x_grad, experts, xn), rs_times)
+        rs += coll(red, red, x_grad, xn, lay.ep * lay.tp, per(x_grad, experts, xn), rs_times)
     if lay.zero in (1, 2):
-        ops = {"reduce_scatter": rs * rs_times, "all_gather": ag}
-        if impl.dp_overlap:
+        ops = {red: rs * rs_times, "all_gather": ag}
+        if whole:  # after the pipeline drains, then the step's gather: none of it overlapped
+            out += rs + ag
+        elif impl.dp_overlap:
             out += _exposed(rs, b_mb) * rs_times + _exposed(ag, f_mb)
         elif lay.zero == 1:  # reduce-scatters the accumulated gradients after the last backward
             out += rs + ag
@@ -451,6 +470,11 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
             copy_out = ag_times * rates.stream(2 * gathered, units)
             ops["all_gather_copy_out"] = copy_out
             out += copy_out
+        reduced = (dense if n > 1 else 0.0) + (experts if xn > 1 else 0.0)
+        if reduced:  # one copy kernel per unit and micro-batch, on the compute stream
+            copy_in = rs_times * rates.stream(reduced * (prec.grad_bytes + wire), units)
+            ops["reduce_scatter_copy_in"] = copy_in
+            out += copy_in
     if lay.dp_replicate > 1:
         reps = lay.dp_replicate
         rep = coll("replica_all_reduce", "all_reduce", grad_b / n, reps, stride * n,
@@ -550,16 +574,19 @@ def _pp_sends(m: int, rank: int, p: int, n_stages: int, hop: float, start: float
 
 
 def tied_table_sync(shape: ModelShape, lay: Layout, cluster: Cluster,
-                    dtype: str, protocols: str = "auto") -> nccl.Call:
+                    dtype: str, protocols: str = "auto", grad_bytes: int | None = None
+                    ) -> nccl.Call:
     """Summing a tied token table's two gradients when the first and the last pipeline stage
     hold one copy each: after the backward, one all-reduce of the table's V/t x h gradient
     between those two ranks, (p - 1) stages apart, on the step's critical path (meshloom's
     parallel/pipeline.py `_sum_tied` over its "pp_ends" group; Megatron-Core's
-    `_allreduce_embedding_grads` in finalize_model_grads). No call (0 s) otherwise."""
+    `_allreduce_embedding_grads` in finalize_model_grads), in the gradients' dtype unless
+    `grad_bytes` says otherwise (DeepSpeed's BF16_Optimizer sums the fp32 copy, `_hp_grad`).
+    No call (0 s) otherwise."""
     if not shape.tied or lay.pp == 1:
         return nccl.Call(0.0, 0.0, "ring", "Simple")
     far = (lay.pp - 1) * lay.dp * lay.cp * lay.tp
-    grad = shape.vocab / lay.tp * shape.hidden * precision(dtype).grad_bytes
+    grad = shape.vocab / lay.tp * shape.hidden * (grad_bytes or precision(dtype).grad_bytes)
     return cluster.collective("all_reduce", grad, 2, far, protocols)
 
 
