@@ -1,5 +1,6 @@
-"""ZeRO-3's gradient copy-in: before each unit's reduce-scatter, its gradients are copied into a
-flat send buffer in the reduce dtype on the compute stream (plan/timing.py `_dp_time`)."""
+"""The gradient copy-in: before a reduce-scatter, the gradients are copied into a flat send buffer
+in the reduce dtype on the compute stream (plan/timing.py `_dp_time`): ZeRO-3 per unit in every
+implementation, meshloom's ZeRO-2 per bucket every micro-batch, its ZeRO-1 once a step."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 
 from meshloom.plan.compute import rates_for
 from meshloom.plan.hardware import make_cluster
-from meshloom.plan.implementation import Implementation
+from meshloom.plan.implementation import MESHLOOM, Implementation
 from meshloom.plan.layout import Layout
 from meshloom.plan.memory import rank_param_split
 from meshloom.plan.models import PRESETS
@@ -43,10 +44,34 @@ def test_fp32_training_copies_fp32_gradients():
         pytest.approx(expected, rel=1e-12))
 
 
+def _copy_in(lay, impl=MESHLOOM):
+    plan = evaluate(PRESETS["llama3-1b"], lay, make_cluster("h100", 8), SEQ, BATCH, impl=impl)
+    return plan.timing.detail["comm_s"]["dp"]["ops"].get("reduce_scatter_copy_in")
+
+
+def test_meshloom_zero2_packs_every_micro_batch_and_zero1_casts_once():
+    """meshloom's ZeRO-2 packs each bucket's bf16 gradients into the fp32 send buffer every
+    micro-batch (parallel/zero.py `_launch_ready`), as ZeRO-3 does per unit; its ZeRO-1 keeps
+    whole bf16 gradient buffers and casts them to fp32 once a step (`finish`), and not at all
+    when it reduces in bf16."""
+    shape, cl = PRESETS["llama3-1b"], make_cluster("h100", 8)
+    r = rates_for(cl)
+    zero2, zero1 = Layout(dp=8, zero=2, micro_batch=2), Layout(dp=8, zero=1, micro_batch=2)
+    dense, experts = rank_param_split(shape, zero2, 0, shape.layers)
+    m = BATCH // (8 * zero2.micro_batch)
+    one = r.stream((dense + experts) * 6)
+    assert _copy_in(zero2) == pytest.approx(m * one, rel=1e-12)
+    assert _copy_in(zero1) == pytest.approx(one, rel=1e-12)
+    assert _copy_in(zero1, Implementation(grad_reduce_dtype="bf16")) is None
+
+
 @pytest.mark.parametrize("lay", [Layout(dp=8, zero=1, micro_batch=2),
-                                 Layout(dp=8, zero=2, micro_batch=2),
-                                 Layout(dp=8, zero=0, micro_batch=2)])
-def test_only_zero3_units_copy_in(lay):
-    """ZeRO-1/2 reduce whole buckets and DDP its buckets: no per-unit copy-in is priced."""
-    plan = evaluate(PRESETS["llama3-1b"], lay, make_cluster("h100", 8), SEQ, BATCH)
-    assert "reduce_scatter_copy_in" not in plan.timing.detail["comm_s"]["dp"]["ops"]
+                                 Layout(dp=8, zero=2, micro_batch=2)])
+def test_buffer_reducing_zero12_copies_nothing(lay):
+    """Megatron-style ZeRO-1/2 (`meshloom_block` off) reduce their gradient buffers in place."""
+    assert _copy_in(lay, Implementation(meshloom_block=False)) is None
+
+
+def test_ddp_copies_nothing():
+    """meshloom's DDP keeps every gradient in its bucket (`param.grad` is a view)."""
+    assert _copy_in(Layout(dp=8, zero=0, micro_batch=2)) is None

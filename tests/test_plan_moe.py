@@ -19,6 +19,7 @@ import pytest
 
 from meshloom.models.families import config_from_preset
 from meshloom.plan import PlanError
+from meshloom.plan.compute import rates_for
 from meshloom.plan.formulas import FP32, MIXED
 from meshloom.plan.hardware import LINK_EFFICIENCY, make_cluster
 from meshloom.plan.implementation import Implementation
@@ -270,15 +271,20 @@ def test_expert_gradients_reduce_over_their_own_groups():
     # x 4 and x 2 bytes), all inside the node; each of the four is one call (one bucket),
     # paying NCCL's ring start and one NVLink step per rank after the first (the Simple ring:
     # NCCL's own choice for these few kilobytes is LL, tests/test_plan_nccl.py).
+    # Before it, meshloom's ZeRO-1 casts the reduced bf16 gradients to fp32 (2 + 4 bytes, one
+    # kernel a bucket: here each side's one, at the copy rate or the launch floor).
     bw = 450e9 * LINK_EFFICIENCY
     call = {n: 1e-6 * (8.4 + (n - 1) * 3.4) for n in (2, 8)}
     simple = Implementation(nccl_protocols="simple")
+    rates = rates_for(H100)
     t = step_time(TINY, Layout(dp=8, ep=4, zero=1), H100, 64, 8, impl=simple)
     assert t.dp == pytest.approx((4 + 2) * (7 / 8 * DENSE + 1 / 2 * EXPERTS / 4) / bw
-                                 + 2 * (call[8] + call[2]), rel=1e-12)
+                                 + 2 * (call[8] + call[2])
+                                 + rates.stream(6 * (DENSE + EXPERTS / 4), 1), rel=1e-12)
     # ep = dp_shard: every GPU holds its own experts, nothing to reduce for them.
     t = step_time(TINY, Layout(dp=8, ep=8, zero=1), H100, 64, 8, impl=simple)
-    assert t.dp == pytest.approx((4 + 2) * 7 / 8 * DENSE / bw + 2 * call[8], rel=1e-12)
+    assert t.dp == pytest.approx((4 + 2) * 7 / 8 * DENSE / bw + 2 * call[8]
+                                 + rates.stream(6 * DENSE, 1), rel=1e-12)
 
 
 def test_search_enumerates_ep_for_moe_and_never_for_dense():
@@ -352,17 +358,19 @@ def test_written_config_names_the_preset_and_ep():
 # not 16 bits (DP 0.022 -> 0.037, 0.057 -> 0.075, 0.028 -> 0.056, 0.132 -> 0.207 s; memory did
 # not move), and when ZeRO-3 packed each unit's gradients into its fp32 send buffer on the
 # compute stream before the reduce-scatter (parallel/fsdp.py `_reduce`, 6 bytes a parameter a
-# micro-batch: DP 0.075 -> 0.108 s, step 1.849 -> 1.882 s); the structural checks below are
-# what keeps MoE terms out of dense plans.
+# micro-batch: DP 0.075 -> 0.108 s, step 1.849 -> 1.882 s), and meshloom's ZeRO-2 likewise
+# per bucket every micro-batch (HSDP's DP 0.207 -> 0.240 s) and its ZeRO-1 cast its whole bf16
+# gradients to fp32 once a step (DP 0.037 -> 0.041 s); the structural checks below are what
+# keeps MoE terms out of dense plans.
 DENSE_EVALUATIONS = [
     (Layout(tp=2, pp=2, dp=2, cp=2, micro_batch=1, zero=1, recompute="selective", sp=True),
-     2.8557319748592542, 26103253504.0, 0.036789317837837836),
+     2.8601113333144266, 26103253504.0, 0.04116867629301025),
     (Layout(dp=16, micro_batch=2, zero=3), 1.8819337555156581, 83447749120.0,
      0.10799042584888724),
     (Layout(dp=16, micro_batch=2, zero=0), 2.0592143028696883, 224097192448.0,
      0.056017824954641596),
-    (Layout(dp=16, dp_replicate=2, micro_batch=2, zero=2), 1.9918882883564646, 104274724352.0,
-     0.20686873627865945),
+    (Layout(dp=16, dp_replicate=2, micro_batch=2, zero=2), 2.025116955589568, 104274724352.0,
+     0.2400974035117629),
 ]
 
 
@@ -389,11 +397,12 @@ def test_dense_evaluations_unchanged(lay, step, mem, dp):
      # call, not the Simple ring's 223), and ZeRO-2's pipeline came second again (7.839 s).
      # With the gradients in meshloom's default fp32 its per-micro-batch reduce-scatters carry
      # twice the bytes and calls, and ZeRO-3's pipeline is second. With ZeRO-3's gradient
-     # copy-in priced (6 bytes a parameter a micro-batch on the compute stream), ZeRO-2's
-     # pipeline is second again and ZeRO-3's leader slows from 7.837 s.
+     # copy-in priced (6 bytes a parameter a micro-batch on the compute stream) the leader
+     # slows from 7.837 s, and with ZeRO-2's pack of every bucket priced too ZeRO-3's pipeline
+     # stays second (7.949 -> 8.089 s).
      [("tp1 pp1 dp64 cp1 mb1 zero3 none", 7.969467159626273, 77425053184.0),
-      ("tp1 pp2 dp32 cp1 mb1 zero2 none interleaved_1f1b/v8", 8.018850517194613,
-       79790375680.0)]),
+      ("tp1 pp2 dp32 cp1 mb1 zero3 none interleaved_1f1b/v8", 8.08913357856103,
+       73689891328.0)]),
 ])
 def test_dense_searches_unchanged(name, gpu, n, seq, batch, best):
     found = search(PRESETS[name], make_cluster(gpu, n), seq, batch, {}, top=2)

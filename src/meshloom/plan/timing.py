@@ -377,6 +377,9 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     and a write at the wire's bytes, exposed: meshloom's `_reduce` packs them
     (parallel/fsdp.py), FSDP2's `foreach_reduce_scatter_copy_in` chunk-cats them, and FSDP1's
     flat parameter receives them through autograd's concatenation of its views' gradients.
+    meshloom's ZeRO-2 packs each bucket the same way every micro-batch, and its ZeRO-1 casts
+    its whole bf16 gradient buffers to the reduce dtype once a step (parallel/zero.py);
+    Megatron-style ZeRO-1/2 reduce their gradient buffers in place (`meshloom_block` off).
     With expert parallel the
     experts' gradients go over their own groups (plan/moe.py) at the same points: DDP
     all-reduces them over the edp = dp x cp / ep ranks, ZeRO shards them over edp_shard (ep
@@ -470,11 +473,18 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
             copy_out = ag_times * rates.stream(2 * gathered, units)
             ops["all_gather_copy_out"] = copy_out
             out += copy_out
-        reduced = (dense if n > 1 else 0.0) + (experts if xn > 1 else 0.0)
-        if reduced:  # one copy kernel per unit and micro-batch, on the compute stream
-            copy_in = rs_times * rates.stream(reduced * (prec.grad_bytes + wire), units)
-            ops["reduce_scatter_copy_in"] = copy_in
-            out += copy_in
+    # The gradients' copy into the flat send buffers in the wire dtype, on the compute stream
+    # (`_dp_time`'s docstring): ZeRO-3 per unit, meshloom's ZeRO-2 per bucket, every
+    # micro-batch; meshloom's ZeRO-1 casts its whole 16-bit buffers once, when they differ.
+    reduced = (dense if n > 1 else 0.0) + (experts if xn > 1 else 0.0)
+    copies = (rs_times if lay.zero == 3 or lay.zero == 2 and impl.meshloom_block
+              else 1 if lay.zero == 1 and impl.meshloom_block and prec.grad_bytes != wire
+              else 0)
+    if reduced and copies and not whole:
+        kernels = units if lay.zero == 3 else per(grad_b, dense, n)
+        copy_in = copies * rates.stream(reduced * (prec.grad_bytes + wire), kernels)
+        ops["reduce_scatter_copy_in"] = copy_in
+        out += copy_in
     if lay.dp_replicate > 1:
         reps = lay.dp_replicate
         rep = coll("replica_all_reduce", "all_reduce", grad_b / n, reps, stride * n,
