@@ -131,7 +131,10 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   output per projection that reads it, the bf16 weight copies the matmuls save); under ZeRO,
   with bf16 working parameters; meshloom's eager or compiled cross entropy (plan/memory.py).
   Also meshloom's ZeRO-1 in bf16 accumulating micro-batches into whole bf16 gradients (6 bytes
-  per parameter and micro-batch, plan/compute.py), where other trainers keep fp32 ones (12).
+  per parameter and micro-batch, plan/compute.py), where other trainers keep fp32 ones (12),
+  and meshloom's ZeRO-1/2 copying its gradients into the reduce-scatter's send buffers (ZeRO-2
+  every micro-batch, ZeRO-1 once a step when the dtypes differ: plan/timing.py `_dp_time`),
+  where other trainers' ZeRO-1/2 reduce their gradient buffers in place.
   Off: every saved tensor once in 16-bit (Korthikanti et al.'s accounting), what trainers that
   keep bf16 parameters and fused kernels (Megatron, FSDP with a bf16 param dtype) hold.
 - `expand_kv`: under grouped-query attention the keys and values are copied out to every query
