@@ -112,7 +112,9 @@ GOAL_MEAN, GOAL_MAX = 0.08, 0.20
 # buffer into each parameter (`foreach_all_gather_copy_out`, `fsdp_copy_out`); FSDP1 (Composer,
 # Lightning) and meshloom's ZeRO-3 use the gathered buffer's views. torchtitan's Llama rotates q
 # and k as complex numbers (`apply_rotary_emb`: `view_as_complex`), which Inductor leaves to
-# eager kernels (pytorch/torchtitan#15: `rope_complex`).
+# eager kernels (pytorch/torchtitan#15: `rope_complex`). TinyLlama's pretrain script accumulates
+# its 8 micro-batches under `fabric.no_backward_sync` (FSDP's `no_sync`): one reduce-scatter a
+# step, whole gradients kept in between (`fsdp_no_sync`).
 # Gradients cross the data-parallel group in 16 bits for Megatron-LM 2021 (fp16), NeMo
 # (`grad_sync_dtype: bf16`), llm-foundry (Composer's 2023 `DEFAULT`: FSDP reduce_dtype unset, so
 # bf16) and TinyLlama (Lightning's `bf16-mixed` FSDP); in fp32 for torchtitan (FSDP2,
@@ -148,7 +150,8 @@ TRAINER_IMPL = {
     "flash-attention": {"compile": True, "attention_kernel": "fa1", "cross_entropy": "xentropy",
                         "grad_reduce_dtype": "fp32"},
     "tinyllama": {"compile": True, "expand_kv": False, "cross_entropy": "xentropy",
-                  "optimizer_impl": "for_loop", "grad_reduce_dtype": "bf16"},
+                  "optimizer_impl": "for_loop", "grad_reduce_dtype": "bf16",
+                  "fsdp_no_sync": True},
     "llm-foundry": {"compile": False, "attention_kernel": "triton",
                     "cross_entropy": "xentropy", "optimizer_impl": "for_loop",
                     "grad_reduce_dtype": "bf16"},

@@ -26,6 +26,14 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   forward-backward schedule).
 - `fsdp_prefetch`: ZeRO-3 gathers the next unit while the current one computes (meshloom does;
   off, every gather and reduce-scatter waits).
+- `fsdp_no_sync`: ZeRO-3 accumulates whole unsharded gradients over a step's micro-batches and
+  reduce-scatters them only on the last (PyTorch FSDP's `no_sync()`, which Lightning Fabric's
+  `no_backward_sync` and Accelerate's gradient accumulation enter: TinyLlama's pretrain script).
+  Every micro-batch still gathers twice (FULL_SHARD frees the gathered parameters in backward
+  even then); the whole gradients stay in memory (the gradient dtype's bytes for every parameter
+  of the rank) and every micro-batch after the first adds into them. Off (meshloom, torchtitan,
+  Composer): every micro-batch reduce-scatters. A no-op unless zero = 3 with more than one
+  micro-batch.
 - `fsdp_copy_out`: each ZeRO-3 all-gather lands in a flat buffer that is then copied out into
   every parameter's own storage on the compute stream (PyTorch's FSDP2,
   `foreach_all_gather_copy_out`: `torch.split_with_sizes_copy`), a read and a write of the
@@ -201,6 +209,7 @@ class Implementation:
     dp_overlap: bool = False
     ddp_overlap: bool = True
     fsdp_prefetch: bool = True
+    fsdp_no_sync: bool = False
     fsdp_copy_out: bool = False
     grad_reduce_dtype: str = "fp32"
     deepspeed_bf16_optimizer: bool = False
@@ -252,6 +261,12 @@ def keeps_grads(impl: Implementation, lay) -> bool:
     micro-batch's backward adds into them) under layout `lay`."""
     bucketed = lay.zero > 0 or lay.dp * lay.cp > 1
     return impl.grad_clip and (bucketed or not impl.free_unbucketed_grads)
+
+
+def zero3_no_sync(impl: Implementation, lay, m: int) -> bool:
+    """Whether ZeRO-3 keeps whole gradients over the step's `m` micro-batches and
+    reduce-scatters once (`fsdp_no_sync`)."""
+    return impl.fsdp_no_sync and lay.zero == 3 and m > 1
 
 
 def whole_fp32_states(impl: Implementation, lay, dtype: str) -> bool:

@@ -34,6 +34,7 @@ from meshloom.plan.implementation import (
     Implementation,
     keeps_grads,
     whole_fp32_states,
+    zero3_no_sync,
 )
 from meshloom.plan.layout import Layout
 from meshloom.plan.models import ModelShape
@@ -112,17 +113,21 @@ def rank_param_split(shape: ModelShape, lay: Layout, rank: int, layers: int | No
 
 def rank_model_states(shape: ModelShape, lay: Layout, rank: int, prec,
                       layers: int | None = None, etp: int = 1,
-                      whole_fp32: bool = False) -> dict[str, float]:
+                      whole_fp32: bool = False, whole_grads: bool = False
+                      ) -> dict[str, float]:
     """Per-GPU bytes of params, grads and optimizer state: the dense part sharded by ZeRO over
     dp_shard, the routed experts (already split over ep) over the expert shard degree.
     `whole_fp32` (DeepSpeed's BF16_Optimizer, implementation.whole_fp32_states): every rank
     also keeps whole fp32 gradients beside the bf16 ones and the whole master copy; only the
-    moments are sharded."""
+    moments are sharded. `whole_grads` (ZeRO-3 under `fsdp_no_sync`): whole unsharded
+    gradients accumulate beside the shards."""
     dense, experts = rank_param_split(shape, lay, rank, layers, etp)
     states = model_state_bytes(dense, lay.dp_shard, lay.zero, prec)
     if experts:
         more = model_state_bytes(experts, expert_shard(lay), lay.zero, prec)
         states = {k: v + more[k] for k, v in states.items()}
+    if whole_grads:  # ZeRO-3 under `fsdp_no_sync`: whole gradients beside the shards
+        states["grads"] += prec.grad_bytes * (dense + experts)
     if whole_fp32:
         psi = dense + experts
         sharded = dense / lay.dp_shard + experts / expert_shard(lay)
@@ -603,7 +608,7 @@ def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
     best = None
     for rank in ranks:
         states = rank_model_states(shape, lay, rank, prec, held[rank], expert_tp(lay, impl),
-                                   whole_fp32_states(impl, lay, dtype))
+                                   whole_fp32_states(impl, lay, dtype), zero3_no_sync(impl, lay, m))
         acts = alive[rank] * per_layer
         if rank == 0 and shape.has_dropout:  # the embedding dropout's 1-byte mask; the
             # embedding's output itself is the first block's input, counted there (SP: a slice)

@@ -49,6 +49,7 @@ from meshloom.plan.implementation import (
     dp_calls,
     keeps_grads,
     whole_fp32_states,
+    zero3_no_sync,
 )
 from meshloom.plan.layout import Layout
 from meshloom.plan.memory import act_elem_bytes, precision, rank_param_split
@@ -345,13 +346,16 @@ def _after_backward(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str
     optimizer = optimizer_seconds(opt_params, clip_params if impl.grad_clip else 0.0, rates,
                                   clip_in_optimizer=impl.clip_in_optimizer, zeroed=kept,
                                   optimizer_impl=impl.optimizer_impl)
-    additions = 0 if impl.fused_grad_accumulation else m if kept else m - 1
     if whole_fp32_states(impl, lay, dtype):  # every micro-batch adds an fp32 copy of its grads
         accumulate = rates.stream(clip_params * ACCUMULATE_BF16_TO_FP32 * m)
-        return dp, optimizer + accumulate, accumulate
-    # meshloom's own ZeRO-1 keeps whole bf16 gradients; other trainers accumulate in fp32.
-    bf16_grads = impl.meshloom_block and lay.zero == 1 and dtype == "bf16"
-    accumulate = accumulate_seconds(clip_params, additions, rates, 2 if bf16_grads else 4)
+    elif zero3_no_sync(impl, lay, m):  # later micro-batches add into the whole gradients
+        accumulate = accumulate_seconds(dense + experts, m - 1, rates,
+                                        precision(dtype).grad_bytes)
+    else:
+        additions = 0 if impl.fused_grad_accumulation else m if kept else m - 1
+        # meshloom's own ZeRO-1 keeps whole bf16 gradients; other trainers accumulate in fp32.
+        bf16_grads = impl.meshloom_block and lay.zero == 1 and dtype == "bf16"
+        accumulate = accumulate_seconds(clip_params, additions, rates, 2 if bf16_grads else 4)
     return dp, optimizer + accumulate, accumulate
 
 
@@ -367,9 +371,10 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     gathers every unit for forward and backward and reduce-scatters its gradient, prefetched
     behind the micro-batch's compute, except the first unit's gather. `dp_overlap` (Megatron's
     distributed optimizer): ZeRO-1/2's reduce-scatter hides behind the last backward and the
-    gather behind the first forward. `fsdp_prefetch` off: every ZeRO-3 gather and
-    reduce-scatter waits. HSDP all-reduces the shard across replicas after the step, and with
-    cp > 1 the shard is averaged over the cp ranks too (both exposed). `fsdp_copy_out`
+    gather behind the first forward. `fsdp_prefetch` off: every ZeRO-3 gather and reduce-scatter
+    waits. `fsdp_no_sync`: ZeRO-3 reduce-scatters (and copies in) on the last micro-batch only,
+    the others gather as usual. HSDP all-reduces the shard across replicas after the step, and
+    with cp > 1 the shard is averaged over the cp ranks too (both exposed). `fsdp_copy_out`
     (FSDP2): every ZeRO-3 gather is copied out of its flat buffer into each parameter on the
     compute stream, a read and a write of the gathered bytes (`rates`' copy rate), exposed.
     Before each ZeRO-3 reduce-scatter, every implementation copies the unit's gradients into
@@ -442,7 +447,8 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     # How often a step repeats each: ZeRO-3 gathers twice a micro-batch and reduces once,
     # ZeRO-2 reduces every micro-batch, ZeRO-1 once.
     ag_times = 2 * m if lay.zero == 3 else 1
-    rs_times = m if lay.zero >= 2 else 1
+    no_sync = zero3_no_sync(impl, lay, m)  # ZeRO-3 reducing whole gradients once a step
+    rs_times = m if lay.zero >= 2 and not no_sync else 1
     # DeepSpeed's BF16_Optimizer all-reduces the whole gradient where ZeRO reduce-scatters it.
     whole = whole_fp32_states(impl, lay, dtype)
     red = "all_reduce" if whole else "reduce_scatter"
@@ -464,10 +470,11 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
             out += m * _exposed(rs, b_mb) + ag
     else:
         ops = {"all_gather": ag_times * ag, "reduce_scatter": rs_times * rs}
-        if impl.fsdp_prefetch:
-            out += m * (_exposed(ag, f_mb) + _exposed(ag + rs, b_mb) + ag / units)
+        if impl.fsdp_prefetch:  # the micro-batches that reduce-scatter hide it behind backward
+            out += (m * (_exposed(ag, f_mb) + ag / units) + rs_times * _exposed(ag + rs, b_mb)
+                    + (m - rs_times) * _exposed(ag, b_mb))
         else:
-            out += m * (2 * ag + rs)
+            out += m * 2 * ag + rs_times * rs
         gathered = (param_b if n > 1 else 0.0) + (x_param if xn > 1 else 0.0)
         if impl.fsdp_copy_out and gathered:  # one copy kernel per unit and gather
             copy_out = ag_times * rates.stream(2 * gathered, units)
