@@ -444,11 +444,10 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     def per(nbytes: float, params: float, ranks: int) -> int:
         return units if lay.zero == 3 else calls(nbytes, params, ranks)
 
-    # How often a step repeats each: ZeRO-3 gathers twice a micro-batch and reduces once,
-    # ZeRO-2 reduces every micro-batch, ZeRO-1 once.
+    # How often a step repeats each: ZeRO-3 gathers twice a micro-batch and reduces once (once
+    # a step under `fsdp_no_sync`), ZeRO-2 reduces every micro-batch, ZeRO-1 once.
     ag_times = 2 * m if lay.zero == 3 else 1
-    no_sync = zero3_no_sync(impl, lay, m)  # ZeRO-3 reducing whole gradients once a step
-    rs_times = m if lay.zero >= 2 and not no_sync else 1
+    rs_times = m if lay.zero >= 2 and not zero3_no_sync(impl, lay, m) else 1
     # DeepSpeed's BF16_Optimizer all-reduces the whole gradient where ZeRO reduce-scatters it.
     whole = whole_fp32_states(impl, lay, dtype)
     red = "all_reduce" if whole else "reduce_scatter"
