@@ -114,7 +114,16 @@ GOAL_MEAN, GOAL_MAX = 0.08, 0.20
 # and k as complex numbers (`apply_rotary_emb`: `view_as_complex`), which Inductor leaves to
 # eager kernels (pytorch/torchtitan#15: `rope_complex`). TinyLlama's pretrain script accumulates
 # its 8 micro-batches under `fabric.no_backward_sync` (FSDP's `no_sync`): one reduce-scatter a
-# step, whole gradients kept in between (`fsdp_no_sync`).
+# step, whole gradients kept in between (`fsdp_no_sync`). Composer and Lightning shard with
+# FSDP1, whose flat parameter receives every backward's gradients through autograd's
+# concatenation of its views' (`fsdp_flat_param`). Lightning's `bf16-mixed` FSDP precision
+# (since 2.0.3; TinyLlama's requirements.txt tracks Lightning's master of 2023) keeps the
+# working parameters fp32 (`MixedPrecision(param_dtype=float32, reduce_dtype=bfloat16)`) and
+# computes under autocast (`fsdp_fp32_params`): fp32 gathers and gradients, a weight cast each
+# way every micro-batch. Composer evaluates the model's training metrics on every micro-batch
+# after its backward (`_eval_train_metrics`), and llm-foundry's MPT declares two,
+# LanguageCrossEntropy and LanguagePerplexity, each an eager cross entropy over the logits
+# (`train_metrics=composer`).
 # Gradients cross the data-parallel group in 16 bits for Megatron-LM 2021 (fp16), NeMo
 # (`grad_sync_dtype: bf16`), llm-foundry (Composer's 2023 `DEFAULT`: FSDP reduce_dtype unset, so
 # bf16) and TinyLlama (Lightning's `bf16-mixed` FSDP); in fp32 for torchtitan (FSDP2,
@@ -151,10 +160,11 @@ TRAINER_IMPL = {
                         "grad_reduce_dtype": "fp32"},
     "tinyllama": {"compile": True, "expand_kv": False, "cross_entropy": "xentropy",
                   "optimizer_impl": "for_loop", "grad_reduce_dtype": "bf16",
-                  "fsdp_no_sync": True},
+                  "fsdp_no_sync": True, "fsdp_flat_param": True, "fsdp_fp32_params": True},
     "llm-foundry": {"compile": False, "attention_kernel": "triton",
                     "cross_entropy": "xentropy", "optimizer_impl": "for_loop",
-                    "grad_reduce_dtype": "bf16"},
+                    "grad_reduce_dtype": "bf16", "fsdp_flat_param": True,
+                    "train_metrics": "composer"},
     "torchtitan": {"compile": False, "op_sac": True, "cross_entropy": "eager",
                    "optimizer_impl": "foreach", "fsdp_copy_out": True, "rope_complex": True,
                    "grad_reduce_dtype": "fp32"},

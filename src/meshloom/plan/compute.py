@@ -25,7 +25,7 @@ from functools import cache
 
 from meshloom.plan.cp_ring import RingCost, ring_cost
 from meshloom.plan.hardware import GB, GPUS, Cluster
-from meshloom.plan.implementation import Implementation
+from meshloom.plan.implementation import TRAIN_METRIC_PASSES, Implementation
 from meshloom.plan.kernel_table import KernelTable, attention_flops, for_gpu, load, sdpa_kernel
 from meshloom.plan.layout import Layout
 from meshloom.plan.models import ModelShape
@@ -343,7 +343,8 @@ def block_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, e: int, f
 def head_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int,
               impl: Implementation, e: int = 2) -> tuple[float, float]:
     """(forward, backward) seconds of the output head and the cross entropy on the last stage,
-    vocabulary-parallel over tp."""
+    vocabulary-parallel over tp; the backward's share carries the training metrics the loop
+    computes over the logits after it (`train_metrics`)."""
     tokens = lay.micro_batch * (seq // lay.cp)
     g = head_gemm(shape, tokens, lay.tp)
     logits = tokens * shape.vocab / lay.tp
@@ -354,6 +355,10 @@ def head_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int,
     if casts:
         cast = rates.stream(g.n * g.k * (4 + e))
         fwd, bwd = fwd + cast, bwd + cast
+    metrics = TRAIN_METRIC_PASSES[impl.train_metrics]
+    if metrics:  # after the backward: eager cross-entropy forwards, no gradient
+        eager_f, eager_k = CE_BYTES_PER_LOGIT["eager"][0], CE_KERNELS["eager"][0]
+        bwd += metrics * rates.stream(eager_f * logits, eager_k)
     return fwd, bwd + tied_gradient_add(shape, lay, rates, impl, 4 if casts else e)
 
 
@@ -415,8 +420,13 @@ def casts_weights(lay: Layout, e: int, impl: Implementation) -> bool:
     weight for the forward and again, transposed, for the backward: read 4 bytes, write e,
     each time (seen as `_to_copy` kernels in a profiled H100 step, 3.9 ms of the 1B model's
     step for 0.97B block parameters: docs/kernel-tables.md). ZeRO's stages hold low-precision
-    working copies instead, and other trainers keep bf16 weights."""
-    return impl.meshloom_block and lay.zero == 0 and e < 4
+    working copies instead, and other trainers keep bf16 weights, except ZeRO-3 gathering fp32
+    parameters under autocast (`fsdp_fp32_params`, Lightning's `bf16-mixed` FSDP): its forward
+    casts each weight (read 4, write e) and its backward casts each weight's gradient back to
+    fp32 (read e, write 4), the same bytes."""
+    if e >= 4:
+        return False
+    return impl.meshloom_block and lay.zero == 0 or impl.fsdp_fp32_params and lay.zero == 3
 
 
 def optimizer_seconds(params: float, grads: float, rates: Rates, *, clip_in_optimizer: bool = False,

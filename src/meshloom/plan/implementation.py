@@ -34,6 +34,25 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   of the rank) and every micro-batch after the first adds into them. Off (meshloom, torchtitan,
   Composer): every micro-batch reduce-scatters. A no-op unless zero = 3 with more than one
   micro-batch.
+- `fsdp_flat_param`: ZeRO-3 as PyTorch's FSDP1 runs it: each unit's parameters are views of
+  one flat parameter, so every backward's gradients reach it through autograd's concatenation
+  of the views' gradients (`split_with_sizes` backward: a read and a write of every gradient,
+  in the gradient dtype, each micro-batch, `fsdp_no_sync` or not), and FSDP casts the flat
+  gradient to the reduce dtype before each reduce-scatter when the two differ
+  (`_post_backward_hook`: `flat_param.grad.to(reduce_dtype)`). Off (meshloom's ZeRO-3, FSDP2):
+  the gradients are packed into the send buffer in the reduce dtype, once per reduce-scatter.
+  Composer (llm-foundry) and Lightning (TinyLlama) run FSDP1. A no-op unless zero = 3.
+- `fsdp_fp32_params`: ZeRO-3 gathers fp32 parameters and the forward computes under autocast
+  (PyTorch FSDP with `MixedPrecision(param_dtype=float32, reduce_dtype=bfloat16)`, which
+  Lightning's `bf16-mixed` FSDP precision sets since Lightning 2.0.3,
+  lightning_fabric/plugins/precision/fsdp.py). The gathers carry 4 bytes a parameter; every
+  forward casts each weight to bf16 (read 4, write 2) and every backward casts its weight
+  gradient back to fp32, as meshloom's unsharded layouts do (compute.casts_weights); the
+  bf16 casts are saved for backward (without recompute, 2 bytes a parameter of the rank's
+  layers); gradients and their shards are fp32 (whole ones too under `fsdp_no_sync`), and
+  the model states are fp32 parameters with no separate master. Off (meshloom's ZeRO-3,
+  Composer, torchtitan): bf16 working parameters, bf16 gathers. A no-op unless zero = 3 in
+  bf16.
 - `fsdp_copy_out`: each ZeRO-3 all-gather lands in a flat buffer that is then copied out into
   every parameter's own storage on the compute stream (PyTorch's FSDP2,
   `foreach_all_gather_copy_out`: `torch.split_with_sizes_copy`), a read and a write of the
@@ -44,7 +63,8 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   torchtitan configures it, `mixed_precision_reduce = "float32"`; DDP under autocast, whose
   gradients are fp32) or `bf16` (16 bits: Megatron-LM 2021's fp16, NeMo's `grad_sync_dtype:
   bf16`, Composer's 2023 `DEFAULT`, meshloom with `parallel.reduce_dtype = "bf16"`). In fp32
-  training both are 4 bytes. Parameters are gathered in bf16 either way.
+  training both are 4 bytes. Parameters are gathered in bf16 either way (fp32 under
+  `fsdp_fp32_params`).
 - `deepspeed_bf16_optimizer`: ZeRO-1 as DeepSpeed's 2022 `BF16_Optimizer` runs it (bf16 with
   ZeRO stage 0 under DeepSpeed's pipeline engine, which BLOOM trained with: "bf16 must use z0!
   it implements its own zero stage 1 equivalent"; DeepSpeed PR #1801, issue #1835). Every rank
@@ -173,6 +193,13 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   `cross_entropy_loss_fusion`) or `megatron_fused` (Megatron-Core with
   `cross_entropy_loss_fusion`: the same steps in three jit-fused passes forward and one
   backward, still on an fp32 copy).
+- `train_metrics`: what the loop computes over the logits after each micro-batch's backward,
+  beside the loss: `none` (meshloom, Megatron, NeMo, torchtitan: the loss only) or `composer`
+  (Composer's trainer evaluates the model's training metrics on every micro-batch,
+  `_eval_train_metrics` under the precision's autocast and no_grad; llm-foundry's MPT declares
+  `LanguageCrossEntropy` and `LanguagePerplexity`, each of whose `update` runs
+  `torch.nn.CrossEntropyLoss(reduction='sum')` over the logits: two eager cross-entropy
+  forwards, CE_BYTES_PER_LOGIT's `eager` forward each).
 - `cp_ring`: which ring runs context parallel's attention (plan/cp_ring.py); both make one
   kernel call per step, over the local sequence or half of it: `meshloom`
   (parallel/context.py: PyTorch's FlashAttention op, each step merged into an fp32 running
@@ -210,6 +237,8 @@ class Implementation:
     ddp_overlap: bool = True
     fsdp_prefetch: bool = True
     fsdp_no_sync: bool = False
+    fsdp_flat_param: bool = False
+    fsdp_fp32_params: bool = False
     fsdp_copy_out: bool = False
     grad_reduce_dtype: str = "fp32"
     deepspeed_bf16_optimizer: bool = False
@@ -232,6 +261,7 @@ class Implementation:
     rope_complex: bool = False
     expert_tp: bool = False
     cross_entropy: str = "auto"
+    train_metrics: str = "none"
     cp_ring: str = "meshloom"
     qkv_transpose: bool = False
     nccl_protocols: str = "auto"
@@ -269,6 +299,13 @@ def zero3_no_sync(impl: Implementation, lay, m: int) -> bool:
     return impl.fsdp_no_sync and lay.zero == 3 and m > 1
 
 
+def fp32_working_params(impl: Implementation, lay, dtype: str) -> bool:
+    """Whether ZeRO-3 gathers fp32 parameters and computes under autocast
+    (`fsdp_fp32_params`): fp32 gathers, gradients and model states, a weight cast each way
+    every micro-batch."""
+    return impl.fsdp_fp32_params and lay.zero == 3 and dtype == "bf16"
+
+
 def whole_fp32_states(impl: Implementation, lay, dtype: str) -> bool:
     """Whether ZeRO-1 runs as DeepSpeed's BF16_Optimizer (`deepspeed_bf16_optimizer`): whole
     fp32 gradients and master copy on every rank, the gradients all-reduced."""
@@ -287,7 +324,8 @@ def parse_bool(key: str, value: str) -> bool:
 
 
 STR_IMPL_KEYS = ("attention_kernel", "pp_split", "optimizer_state", "optimizer_impl",
-                 "grad_reduce_dtype", "dp_buckets", "cross_entropy", "cp_ring", "nccl_protocols")
+                 "grad_reduce_dtype", "dp_buckets", "cross_entropy", "train_metrics", "cp_ring",
+                 "nccl_protocols")
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 OPTIMIZER_IMPLS = ("fused", "foreach", "for_loop")
 # Bytes per parameter beside the bf16 parameter and gradient: (master copy, Adam moments).
@@ -295,6 +333,8 @@ OPTIMIZER_STATES = {"fp32": (4, 8), "fp32_remainders": (2, 8), "bf16": (0, 4)}
 DP_BUCKETS = ("torch", "mcore", "deepspeed", "whole")
 NCCL_PROTOCOLS = ("auto", "simple")
 CROSS_ENTROPY = ("auto", "fused", "eager", "xentropy", "megatron", "megatron_fused")
+# Eager cross-entropy forwards over the logits a loop's training metrics run per micro-batch.
+TRAIN_METRIC_PASSES = {"none": 0, "composer": 2}
 # meshloom's parallel.ddp_bucket_mb default, which is PyTorch DDP's bucket_cap_mb (25 MiB)
 TORCH_BUCKET_BYTES = int(ParallelConfig.ddp_bucket_mb * 2**20)
 DEEPSPEED_BUCKET_ELEMENTS = 5e8  # DeepSpeed ZeRO's reduce/allgather_bucket_size defaults

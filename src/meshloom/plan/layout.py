@@ -17,6 +17,7 @@ from meshloom.plan.implementation import (
     OPTIMIZER_IMPLS,
     OPTIMIZER_STATES,
     STR_IMPL_KEYS,
+    TRAIN_METRIC_PASSES,
     parse_bool,
 )
 from meshloom.plan.kernel_table import ATTENTION_KERNELS
@@ -104,6 +105,7 @@ def parse_fix(text: str) -> dict:
                        "grad_reduce_dtype": GRAD_REDUCE_DTYPES,
                        "dp_buckets": DP_BUCKETS,
                        "cross_entropy": CROSS_ENTROPY,
+                       "train_metrics": tuple(TRAIN_METRIC_PASSES),
                        "cp_ring": CP_RINGS,
                        "nccl_protocols": NCCL_PROTOCOLS}.get(key, SCHEDULES)
             if value not in options:

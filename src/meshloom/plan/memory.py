@@ -32,6 +32,7 @@ from meshloom.plan.implementation import (
     OPTIMIZER_STATES,
     TORCH_BUCKET_BYTES,
     Implementation,
+    fp32_working_params,
     keeps_grads,
     whole_fp32_states,
     zero3_no_sync,
@@ -62,8 +63,9 @@ def precision(dtype: str):
 
 @lru_cache(maxsize=64)
 def _state_precision(dtype: str, fp32_masters: bool, optimizer_state: str) -> Precision:
-    """Bytes per parameter of the model states. `fp32_masters`: meshloom's unsharded layouts,
-    whose parameters are the fp32 masters (autocast computes)."""
+    """Bytes per parameter of the model states. `fp32_masters`: meshloom's unsharded layouts
+    and ZeRO-3 under `fsdp_fp32_params`, whose parameters are the fp32 masters (autocast
+    computes)."""
     prec = precision(dtype)
     if fp32_masters:
         return FP32
@@ -463,10 +465,13 @@ def weight_copy_bytes(shape: ModelShape, lay: Layout, rank: int, dtype: str,
                       impl: Implementation | None, layers: int | None = None) -> float:
     """autocast's bf16 copies of the fp32 weight matrices, which the matmuls save for backward
     (meshloom's block without recompute: with recompute the copies die with the forward). Not
-    with ZeRO, whose working parameters are bf16 already. An MoE block's grouped GEMMs save
-    the bf16 casts of its local experts' stacked weights the same way."""
-    if (not uses_meshloom_block(shape, dtype, impl) or lay.recompute != "none"
-            or lay.zero):
+    with ZeRO, whose working parameters are bf16 already, except ZeRO-3 under
+    `fsdp_fp32_params`, whose gathered fp32 units are freed after the forward while their
+    casts stay. An MoE block's grouped GEMMs save the bf16 casts of its local experts' stacked
+    weights the same way."""
+    autocast_fsdp = impl is not None and fp32_working_params(impl, lay, dtype)
+    if lay.recompute != "none" or not (
+            autocast_fsdp or uses_meshloom_block(shape, dtype, impl) and not lay.zero):
         return 0.0
     layers = layers_on_rank(shape, lay.pp) if layers is None else layers
     n = layers * shape.tp_split_params / lay.tp
@@ -587,7 +592,8 @@ def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
         # meshloom's blocks always call SDPA: a plan with eager attention is another stack's,
         # counted Korthikanti's way throughout (block, loss, final norm, no autocast copies).
         impl = replace(impl, meshloom_block=False)
-    prec = _state_precision(dtype, impl.meshloom_block and lay.zero == 0, impl.optimizer_state)
+    prec = _state_precision(dtype, impl.meshloom_block and lay.zero == 0
+                            or fp32_working_params(impl, lay, dtype), impl.optimizer_state)
     s, b, m = seq // lay.cp, lay.micro_batch, lay.microbatches(global_batch)
     if stages is None:
         stages = stage_layers(shape, lay.pp, lay.v, seq, impl.pp_split)
@@ -603,7 +609,8 @@ def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
                                       impl=impl)
                if lay.recompute == "full" else 0.0)  # one layer recomputed during backward
     grads_at_peak = keeps_grads(impl, lay) or m > 1 or lay.pp > 1
-    buffers = _buffers(shape, lay, s, b, dtype, expert_tp(lay, impl))
+    buffers = _buffers(shape, lay, s, b, dtype, expert_tp(lay, impl),
+                       fp32_working_params(impl, lay, dtype))
     counted_as = activation_accounting(shape, lay, dtype, flash, impl)
     best = None
     for rank in ranks:
@@ -626,10 +633,11 @@ def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
     return best
 
 
-def _buffers(shape: ModelShape, lay: Layout, s: int, b: int, dtype: str, etp: int = 1
-             ) -> float:
+def _buffers(shape: ModelShape, lay: Layout, s: int, b: int, dtype: str, etp: int = 1,
+             fp32_params: bool = False) -> float:
     """Communication buffers: DDP/ZeRO-1/2 buckets, ZeRO-3's gathered unit plus the prefetched
-    next one and the unit's full gradient before its reduce-scatter, pipeline send/receive
+    next one and the unit's full gradient before its reduce-scatter (fp32 under
+    `fsdp_fp32_params`), pipeline send/receive
     buffers, ring-attention K/V blocks (two in flight, and their gradients in backward), and
     with expert parallel one all-to-all's send and receive buffers."""
     prec = precision(dtype)
@@ -643,7 +651,7 @@ def _buffers(shape: ModelShape, lay: Layout, s: int, b: int, dtype: str, etp: in
             split, experts = shape.tp_split_params, shape.expert_layer_params
             unit = (shape.layer_params - split - experts + split / lay.tp
                     + experts / (lay.ep * etp))
-        out += unit * (2 * prec.param_bytes + prec.grad_bytes)
+        out += unit * (3 * 4 if fp32_params else 2 * prec.param_bytes + prec.grad_bytes)
     if lay.pp > 1:
         out += 2 * s * b * shape.hidden * e / (lay.tp if lay.sp else 1)
     if lay.cp > 1:

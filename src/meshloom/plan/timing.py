@@ -47,6 +47,7 @@ from meshloom.plan.implementation import (
     MESHLOOM,
     Implementation,
     dp_calls,
+    fp32_working_params,
     keeps_grads,
     whole_fp32_states,
     zero3_no_sync,
@@ -350,13 +351,19 @@ def _after_backward(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str
         accumulate = rates.stream(clip_params * ACCUMULATE_BF16_TO_FP32 * m)
     elif zero3_no_sync(impl, lay, m):  # later micro-batches add into the whole gradients
         accumulate = accumulate_seconds(dense + experts, m - 1, rates,
-                                        precision(dtype).grad_bytes)
+                                        _grad_bytes(impl, lay, dtype))
     else:
         additions = 0 if impl.fused_grad_accumulation else m if kept else m - 1
         # meshloom's own ZeRO-1 keeps whole bf16 gradients; other trainers accumulate in fp32.
         bf16_grads = impl.meshloom_block and lay.zero == 1 and dtype == "bf16"
         accumulate = accumulate_seconds(clip_params, additions, rates, 2 if bf16_grads else 4)
     return dp, optimizer + accumulate, accumulate
+
+
+def _grad_bytes(impl: Implementation, lay: Layout, dtype: str) -> int:
+    """Bytes of one gradient element as the backward writes it: fp32 where ZeRO-3's working
+    parameters are (`fsdp_fp32_params`), else the precision's."""
+    return 4 if fp32_working_params(impl, lay, dtype) else precision(dtype).grad_bytes
 
 
 def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: int,
@@ -380,8 +387,12 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     Before each ZeRO-3 reduce-scatter, every implementation copies the unit's gradients into
     its flat send buffer in the reduce dtype on the compute stream, a read of the gradients
     and a write at the wire's bytes, exposed: meshloom's `_reduce` packs them
-    (parallel/fsdp.py), FSDP2's `foreach_reduce_scatter_copy_in` chunk-cats them, and FSDP1's
-    flat parameter receives them through autograd's concatenation of its views' gradients.
+    (parallel/fsdp.py) and FSDP2's `foreach_reduce_scatter_copy_in` chunk-cats them. FSDP1
+    (`fsdp_flat_param`) differs: its flat parameter receives every backward's gradients
+    through autograd's concatenation of its views' gradients, in their own dtype, every
+    micro-batch (`fsdp_no_sync` or not), and is cast to the wire dtype on the post-backward
+    stream before each reduce-scatter, a cost that rides with the collective.
+    `fsdp_fp32_params`: the gathers carry fp32 parameters and the gradients are fp32.
     meshloom's ZeRO-2 packs each bucket the same way every micro-batch, and its ZeRO-1 casts
     its whole bf16 gradient buffers to the reduce dtype once a step (parallel/zero.py);
     Megatron-style ZeRO-1/2 reduce their gradient buffers in place (`meshloom_block` off).
@@ -399,13 +410,17 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     prec = precision(dtype)
     stride = lay.cp * lay.tp
     n = lay.dp_shard
-    # Gradients travel in the reduce dtype (`grad_reduce_dtype`), parameters in bf16.
+    # Gradients travel in the reduce dtype (`grad_reduce_dtype`), parameters in bf16 (fp32
+    # under `fsdp_fp32_params`).
     wire = 4 if impl.grad_reduce_dtype == "fp32" else prec.grad_bytes
-    grad_b, param_b = dense * wire, dense * prec.param_bytes
+    fp32_params = fp32_working_params(impl, lay, dtype)
+    param_bytes = 4 if fp32_params else prec.param_bytes
+    grad_bytes = _grad_bytes(impl, lay, dtype)
+    grad_b, param_b = dense * wire, dense * param_bytes
     if lay.dp <= 1:  # only expert groups to reduce (ep < cp); the dense part as before: none
         grad_b = param_b = 0.0
     xn = expert_shard(lay)
-    x_grad, x_param = experts * wire, experts * prec.param_bytes
+    x_grad, x_param = experts * wire, experts * param_bytes
     ops: dict[str, float] = {}
     # Per op: the calls a step makes and the seconds of their fixed cost (in ops' seconds).
     made: dict[str, list] = {}
@@ -457,6 +472,12 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
         ag += coll("all_gather", "all_gather", x_param, xn, lay.ep * lay.tp,
                    per(x_param, experts, xn), ag_times)
         rs += coll(red, red, x_grad, xn, lay.ep * lay.tp, per(x_grad, experts, xn), rs_times)
+    reduced = (dense if n > 1 else 0.0) + (experts if xn > 1 else 0.0)
+    flat_param = lay.zero == 3 and impl.fsdp_flat_param
+    # FSDP1 casts the flat gradient to the wire dtype on its post-backward stream, before the
+    # reduce-scatter (`_post_backward_hook`), so the cast rides with the collective.
+    cast = (rates.stream(reduced * (grad_bytes + wire), units)
+            if flat_param and reduced and grad_bytes != wire else 0.0)
     if lay.zero in (1, 2):
         ops = {red: rs * rs_times, "all_gather": ag}
         if whole:  # after the pipeline drains, then the step's gather: none of it overlapped
@@ -469,11 +490,14 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
             out += m * _exposed(rs, b_mb) + ag
     else:
         ops = {"all_gather": ag_times * ag, "reduce_scatter": rs_times * rs}
+        if cast:
+            ops["reduce_scatter_cast"] = rs_times * cast
         if impl.fsdp_prefetch:  # the micro-batches that reduce-scatter hide it behind backward
-            out += (m * (_exposed(ag, f_mb) + ag / units) + rs_times * _exposed(ag + rs, b_mb)
+            out += (m * (_exposed(ag, f_mb) + ag / units)
+                    + rs_times * _exposed(ag + rs + cast, b_mb)
                     + (m - rs_times) * _exposed(ag, b_mb))
         else:
-            out += m * 2 * ag + rs_times * rs
+            out += m * 2 * ag + rs_times * (rs + cast)
         gathered = (param_b if n > 1 else 0.0) + (x_param if xn > 1 else 0.0)
         if impl.fsdp_copy_out and gathered:  # one copy kernel per unit and gather
             copy_out = ag_times * rates.stream(2 * gathered, units)
@@ -482,13 +506,18 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     # The gradients' copy into the flat send buffers in the wire dtype, on the compute stream
     # (`_dp_time`'s docstring): ZeRO-3 per unit, meshloom's ZeRO-2 per bucket, every
     # micro-batch; meshloom's ZeRO-1 casts its whole 16-bit buffers once, when they differ.
-    reduced = (dense if n > 1 else 0.0) + (experts if xn > 1 else 0.0)
+    # FSDP1 (`fsdp_flat_param`) instead concatenates every backward's gradients into the flat
+    # gradient in their own dtype, on the compute stream (its cast to the wire dtype is above).
     copies = (rs_times if lay.zero == 3 or lay.zero == 2 and impl.meshloom_block
-              else 1 if lay.zero == 1 and impl.meshloom_block and prec.grad_bytes != wire
+              else 1 if lay.zero == 1 and impl.meshloom_block and grad_bytes != wire
               else 0)
-    if reduced and copies and not whole:
+    if reduced and flat_param:
+        copy_in = m * rates.stream(reduced * 2 * grad_bytes, units)
+        ops["reduce_scatter_copy_in"] = copy_in
+        out += copy_in
+    elif reduced and copies and not whole:
         kernels = units if lay.zero == 3 else per(grad_b, dense, n)
-        copy_in = copies * rates.stream(reduced * (prec.grad_bytes + wire), kernels)
+        copy_in = copies * rates.stream(reduced * (grad_bytes + wire), kernels)
         ops["reduce_scatter_copy_in"] = copy_in
         out += copy_in
     if lay.dp_replicate > 1:
