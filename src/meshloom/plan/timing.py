@@ -379,9 +379,10 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     behind the micro-batch's compute, except the first unit's gather. `dp_overlap` (Megatron's
     distributed optimizer): ZeRO-1/2's reduce-scatter hides behind the last backward and the
     gather behind the first forward. `fsdp_prefetch` off: every ZeRO-3 gather and reduce-scatter
-    waits. `fsdp_no_sync`: ZeRO-3 reduce-scatters (and copies in) on the last micro-batch only,
-    the others gather as usual. HSDP all-reduces the shard across replicas after the step, and
-    with cp > 1 the shard is averaged over the cp ranks too (both exposed). `fsdp_copy_out`
+    waits. `fsdp_no_sync`: ZeRO-3 reduce-scatters (and copies in, but for FSDP1's
+    concatenation, below) on the last micro-batch only, the others gather as usual. HSDP
+    all-reduces the shard across replicas after the step, and with cp > 1 the shard is
+    averaged over the cp ranks too (both exposed). `fsdp_copy_out`
     (FSDP2): every ZeRO-3 gather is copied out of its flat buffer into each parameter on the
     compute stream, a read and a write of the gathered bytes (`rates`' copy rate), exposed.
     Before each ZeRO-3 reduce-scatter, every implementation copies the unit's gradients into
