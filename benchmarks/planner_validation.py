@@ -119,8 +119,12 @@ GOAL_MEAN, GOAL_MAX = 0.08, 0.20
 # concatenation of its views' (`fsdp_flat_param`). Lightning's `bf16-mixed` FSDP precision
 # (since 2.0.3; TinyLlama's requirements.txt tracks Lightning's master of 2023) keeps the
 # working parameters fp32 (`MixedPrecision(param_dtype=float32, reduce_dtype=bfloat16)`) and
-# computes under autocast (`fsdp_fp32_params`): fp32 gathers and gradients, a weight cast each
-# way every micro-batch. Composer evaluates the model's training metrics on every micro-batch
+# computes under autocast (`fp32_params`): fp32 gathers and gradients, a weight cast each
+# way every micro-batch, as Lightning's `bf16` AMP over DDP does for
+# flash-attention's training scripts, whose larger configs (gpt3l/xl, 2.7B) step PyTorch's
+# ZeroRedundancyOptimizer over DDP (`adamw-zero` with `DDPStrategyZero1`: the gradient
+# all-reduced by DDP, the updated parameters broadcast, `zero_redundancy_optimizer`).
+# Composer evaluates the model's training metrics on every micro-batch
 # after its backward (`_eval_train_metrics`), and llm-foundry's MPT declares two,
 # LanguageCrossEntropy and LanguagePerplexity, each an eager cross entropy over the logits
 # (`train_metrics=composer`).
@@ -157,10 +161,11 @@ TRAINER_IMPL = {
                            "cross_entropy": "megatron",
                            "dp_buckets": "deepspeed"},
     "flash-attention": {"compile": True, "attention_kernel": "fa1", "cross_entropy": "xentropy",
-                        "grad_reduce_dtype": "fp32"},
+                        "grad_reduce_dtype": "fp32", "fp32_params": True,
+                        "zero_redundancy_optimizer": True},
     "tinyllama": {"compile": True, "expand_kv": False, "cross_entropy": "xentropy",
                   "optimizer_impl": "for_loop", "grad_reduce_dtype": "bf16",
-                  "fsdp_no_sync": True, "fsdp_flat_param": True, "fsdp_fp32_params": True},
+                  "fsdp_no_sync": True, "fsdp_flat_param": True, "fp32_params": True},
     "llm-foundry": {"compile": False, "attention_kernel": "triton",
                     "cross_entropy": "xentropy", "optimizer_impl": "for_loop",
                     "grad_reduce_dtype": "bf16", "fsdp_flat_param": True,

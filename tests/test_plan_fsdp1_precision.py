@@ -1,9 +1,11 @@
 """FSDP1 as Composer and Lightning run it (plan/implementation.py): `fsdp_flat_param` (every
 backward's gradients concatenated into the flat gradient, the cast to the wire dtype on the
-post-backward stream) and `fsdp_fp32_params` (Lightning's `bf16-mixed` FSDP: fp32 parameters
-gathered, autocast computes)."""
+post-backward stream) and `fp32_params` (Lightning's `bf16-mixed`: fp32 parameters, autocast
+computes; under FSDP the gathers carry them)."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
@@ -23,7 +25,7 @@ M = BATCH // (8 * LAY.micro_batch)
 OTHER = dict(meshloom_block=False, free_unbucketed_grads=False, clip_in_optimizer=False,
              grad_reduce_dtype="bf16")
 FSDP1 = Implementation(**OTHER, fsdp_flat_param=True)
-LIGHTNING = Implementation(**OTHER, fsdp_flat_param=True, fsdp_fp32_params=True)
+LIGHTNING = Implementation(**OTHER, fsdp_flat_param=True, fp32_params=True)
 
 
 def _plan(impl, lay=LAY, batch=BATCH, dtype="bf16"):
@@ -84,11 +86,14 @@ def test_fp32_params_gather_four_bytes_and_cast_before_each_reduce_scatter():
 
 def test_fp32_params_cast_every_weight_each_way():
     """Autocast casts the weights every forward and their gradients back every backward, as in
-    meshloom's unsharded layouts; only ZeRO-3 in bf16 under the flag."""
+    meshloom's unsharded layouts, whatever the trainer shards; not in fp32 training."""
     assert casts_weights(LAY, 2, LIGHTNING)
     assert not casts_weights(LAY, 2, FSDP1)
     assert not casts_weights(LAY, 4, LIGHTNING)
-    assert not casts_weights(Layout(dp=8, zero=2, micro_batch=2), 2, LIGHTNING)
+    for zero in (0, 1, 2):
+        lay = Layout(dp=8, zero=zero, micro_batch=2)
+        assert casts_weights(lay, 2, LIGHTNING)
+        assert not casts_weights(lay, 2, Implementation(**OTHER))
     bf16, fp32 = _plan(FSDP1), _plan(LIGHTNING)
     assert fp32.timing.detail["compute_s"]["gemm"] == bf16.timing.detail["compute_s"]["gemm"]
     assert (fp32.timing.detail["compute_s"]["elementwise"]
@@ -110,7 +115,7 @@ def test_fp32_params_memory():
     full = Layout(dp=8, zero=3, micro_batch=2, recompute="full")
     assert _plan(LIGHTNING, full).memory.activations == pytest.approx(
         _plan(FSDP1, full).memory.activations, rel=1e-12)
-    no_sync = Implementation(**OTHER, fsdp_flat_param=True, fsdp_fp32_params=True,
+    no_sync = Implementation(**OTHER, fsdp_flat_param=True, fp32_params=True,
                              fsdp_no_sync=True)
     assert _plan(no_sync).memory.grads == pytest.approx(4 * psi + 4 * psi / n, rel=1e-12)
 
@@ -118,23 +123,62 @@ def test_fp32_params_memory():
 def test_fp32_params_accumulate_fp32_gradients_under_no_sync():
     """Later micro-batches add into the whole fp32 gradients: 12 bytes a parameter each."""
     r = rates_for(make_cluster("h100", 8))
-    impl = Implementation(**OTHER, fsdp_flat_param=True, fsdp_fp32_params=True,
+    impl = Implementation(**OTHER, fsdp_flat_param=True, fp32_params=True,
                           fsdp_no_sync=True)
     assert _plan(impl).timing.detail["accumulate_s"] == pytest.approx(
         r.stream(_psi() * 12 * (M - 1)), rel=1e-12)
 
 
-@pytest.mark.parametrize("lay, dtype", [(Layout(dp=8, zero=2, micro_batch=2), "bf16"),
-                                        (Layout(dp=8, zero=1, micro_batch=2), "bf16"),
-                                        (LAY, "fp32")])
-def test_no_op_off_zero3_or_in_fp32(lay, dtype):
-    off = _plan(Implementation(**OTHER), lay, dtype=dtype)
-    on = _plan(LIGHTNING, lay, dtype=dtype)
-    assert on.timing.step_time_s == pytest.approx(off.timing.step_time_s, rel=1e-12)
-    assert on.memory.total == pytest.approx(off.memory.total, rel=1e-12)
+def test_ddp_and_zero1_under_autocast_keep_fp32_states_and_gather_fp32():
+    """DDP and ZeRO-1 over fp32 parameters (Lightning's `bf16` AMP): whole fp32 parameters and
+    gradients, Adam's moments (sharded by ZeRO-1), no separate master; ZeRO-1's gather after
+    the step carries 4 bytes a parameter (in twice the calls: the buckets hold bytes)."""
+    psi = _psi()
+    ddp = _plan(LIGHTNING, Layout(dp=8, zero=0, micro_batch=2)).memory
+    assert (ddp.params, ddp.grads, ddp.optimizer) == pytest.approx((4 * psi, 4 * psi, 8 * psi),
+                                                                   rel=1e-12)
+    zero1 = Layout(dp=8, zero=1, micro_batch=2)
+    on, off = _plan(LIGHTNING, zero1), _plan(Implementation(**OTHER), zero1)
+    assert (on.memory.params, on.memory.grads, on.memory.optimizer) == pytest.approx(
+        (4 * psi, 4 * psi, 8 * psi / 8), rel=1e-12)
+    on_calls, off_calls = (_dp(p)["calls"]["all_gather"]["calls"] for p in (on, off))
+    assert on_calls == math.ceil(psi * 4 / (25 * 2**20)) and off_calls == math.ceil(
+        psi * 2 / (25 * 2**20))
+    assert _dp(on)["ops"]["all_gather"] > 1.5 * _dp(off)["ops"]["all_gather"]
+
+
+def test_zero_redundancy_optimizer_all_reduces_in_ddp_buckets_and_broadcasts_after():
+    """PyTorch's ZeroRedundancyOptimizer over DDP: ZeRO-1's gradient is all-reduced in DDP's
+    buckets (hidden behind the last backward as DDP's is, not after it), then the parameters
+    go out as a gather's bytes after the step, exposed; a no-op off ZeRO-1."""
+    lay = Layout(dp=8, zero=1, micro_batch=2)
+    zro = Implementation(**OTHER, fsdp_flat_param=True, fp32_params=True,
+                         zero_redundancy_optimizer=True)
+    on, off = _dp(_plan(zro, lay)), _dp(_plan(LIGHTNING, lay))
+    cl = make_cluster("h100", 8)
+    calls = on["calls"]["all_reduce"]["calls"]  # in DDP's 25 MiB buckets, on OTHER's bf16 wire
+    assert calls == math.ceil(_psi() * 2 / (25 * 2**20))
+    one = cl.collective("all_reduce", _psi() * 2 / calls, 8, 1, "auto")
+    assert "reduce_scatter" not in on["ops"] and "reduce_scatter" in off["ops"]
+    assert on["ops"]["all_reduce"] == pytest.approx(calls * one.seconds, rel=1e-12)
+    assert on["ops"]["all_gather"] == pytest.approx(off["ops"]["all_gather"], rel=1e-12)
+    assert on["exposed"] < on["ops"]["all_reduce"] + on["ops"]["all_gather"]
+    assert on["exposed"] >= on["ops"]["all_gather"]
+    for other in (LAY, Layout(dp=8, zero=2, micro_batch=2), Layout(dp=8, zero=0, micro_batch=2)):
+        a, b = _plan(zro, other), _plan(LIGHTNING, other)
+        assert a.timing.step_time_s == pytest.approx(b.timing.step_time_s, rel=1e-12)
+
+
+def test_fp32_params_are_a_no_op_in_fp32_training():
+    for lay in (LAY, Layout(dp=8, zero=1, micro_batch=2), Layout(dp=8, zero=0, micro_batch=2)):
+        off = _plan(Implementation(**OTHER), lay, dtype="fp32")
+        on = _plan(LIGHTNING, lay, dtype="fp32")
+        assert on.timing.step_time_s == pytest.approx(off.timing.step_time_s, rel=1e-12)
+        assert on.memory.total == pytest.approx(off.memory.total, rel=1e-12)
 
 
 def test_the_keys_parse_as_flags():
-    assert parse_fix("fsdp_flat_param=true,fsdp_fp32_params=true") == {
-        "fsdp_flat_param": True, "fsdp_fp32_params": True}
-    assert not Implementation().fsdp_flat_param and not Implementation().fsdp_fp32_params
+    assert parse_fix("fsdp_flat_param=true,fp32_params=true,zero_redundancy_optimizer=1") == {
+        "fsdp_flat_param": True, "fp32_params": True, "zero_redundancy_optimizer": True}
+    assert not any((Implementation().fsdp_flat_param, Implementation().fp32_params,
+                    Implementation().zero_redundancy_optimizer))

@@ -1,4 +1,4 @@
-"""What the planner prices for PyTorch's FSDP1 (`fsdp_flat_param`, `fsdp_fp32_params`,
+"""What the planner prices for PyTorch's FSDP1 (`fsdp_flat_param`, `fp32_params`,
 `fsdp_no_sync`: plan/implementation.py), checked against FSDP1 itself on two Gloo ranks: a
 two-layer unit under Lightning's `bf16-mixed` mixed precision (fp32 parameters, bf16 reduction,
 autocast), two micro-batches under `no_sync()` and a third that synchronizes."""
@@ -67,7 +67,7 @@ def census():
 
 
 def test_fp32_parameters_are_gathered_and_the_gradient_reduced_in_bf16_once(census):
-    """`fsdp_fp32_params`: the gathers carry the fp32 shard (4 bytes a parameter); under
+    """`fp32_params`: the gathers carry the fp32 shard (4 bytes a parameter); under
     `no_sync` one reduce-scatter a step, in the reduce dtype."""
     numel = IN * HID + HID * IN
     gathers = [c for c in census["calls"] if c[0] == "all_gather"]

@@ -420,13 +420,13 @@ def casts_weights(lay: Layout, e: int, impl: Implementation) -> bool:
     weight for the forward and again, transposed, for the backward: read 4 bytes, write e,
     each time (seen as `_to_copy` kernels in a profiled H100 step, 3.9 ms of the 1B model's
     step for 0.97B block parameters: docs/kernel-tables.md). ZeRO's stages hold low-precision
-    working copies instead, and other trainers keep bf16 weights, except ZeRO-3 gathering fp32
-    parameters under autocast (`fsdp_fp32_params`, Lightning's `bf16-mixed` FSDP): its forward
-    casts each weight (read 4, write e) and its backward casts each weight's gradient back to
-    fp32 (read e, write 4), the same bytes."""
+    working copies instead, and other trainers keep bf16 weights, except those that keep fp32
+    parameters under autocast (`fp32_params`, Lightning's `bf16-mixed`): their forward casts
+    each weight (read 4, write e) and their backward casts each weight's gradient back to fp32
+    (read e, write 4), the same bytes."""
     if e >= 4:
         return False
-    return impl.meshloom_block and lay.zero == 0 or impl.fsdp_fp32_params and lay.zero == 3
+    return impl.meshloom_block and lay.zero == 0 or impl.fp32_params
 
 
 def optimizer_seconds(params: float, grads: float, rates: Rates, *, clip_in_optimizer: bool = False,

@@ -42,17 +42,23 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   (`_post_backward_hook`: `flat_param.grad.to(reduce_dtype)`). Off (meshloom's ZeRO-3, FSDP2):
   the gradients are packed into the send buffer in the reduce dtype, once per reduce-scatter.
   Composer (llm-foundry) and Lightning (TinyLlama) run FSDP1. A no-op unless zero = 3.
-- `fsdp_fp32_params`: ZeRO-3 gathers fp32 parameters and the forward computes under autocast
-  (PyTorch FSDP with `MixedPrecision(param_dtype=float32, reduce_dtype=bfloat16)`, which
-  Lightning's `bf16-mixed` FSDP precision sets since Lightning 2.0.3,
-  lightning_fabric/plugins/precision/fsdp.py). The gathers carry 4 bytes a parameter; every
-  forward casts each weight to bf16 (read 4, write 2) and every backward casts its weight
-  gradient back to fp32, as meshloom's unsharded layouts do (compute.casts_weights); the
-  bf16 casts are saved for backward (without recompute, 2 bytes a parameter of the rank's
-  layers); gradients and their shards are fp32 (whole ones too under `fsdp_no_sync`), and
-  the model states are fp32 parameters with no separate master. Off (meshloom's ZeRO-3,
-  Composer, torchtitan): bf16 working parameters, bf16 gathers. A no-op unless zero = 3 in
-  bf16.
+- `fp32_params`: the trainer keeps fp32 parameters and computes under autocast, whatever it
+  shards: every forward casts each weight to bf16 (read 4, write 2) and every backward casts
+  its weight gradient back to fp32, as meshloom's unsharded layouts do (compute.casts_weights);
+  the bf16 casts are saved for backward (without recompute, 2 bytes a parameter of the rank's
+  layers); gradients are fp32 (their shards, and whole ones under `fsdp_no_sync`), and the
+  model states are fp32 parameters with no separate master. Parameters travel in fp32: ZeRO-3's
+  gathers, ZeRO-1/2's gather after the step. Lightning's `bf16-mixed` under DDP (autocast over
+  the module's fp32 parameters: flash-attention's training scripts) and under FSDP
+  (`MixedPrecision(param_dtype=float32, reduce_dtype=bfloat16)` since Lightning 2.0.3,
+  lightning_fabric/plugins/precision/fsdp.py: TinyLlama) run so. Off (meshloom's ZeRO stages,
+  Megatron, NeMo, Composer, torchtitan): bf16 working parameters. A no-op in fp32 training.
+- `zero_redundancy_optimizer`: ZeRO-1 as PyTorch's `ZeroRedundancyOptimizer` runs it over DDP
+  (flash-attention's `adamw-zero` under its `DDPStrategyZero1`): DDP all-reduces the whole
+  gradient in its buckets during the last micro-batch's backward (as `ddp_overlap` prices
+  DDP), each rank steps its shard, and the updated parameters are broadcast from the ranks
+  that own them, a gather's bytes in the parameter dtype, after the step. Off (meshloom,
+  Megatron's distributed optimizer): ZeRO-1 reduce-scatters. A no-op unless zero = 1.
 - `fsdp_copy_out`: each ZeRO-3 all-gather lands in a flat buffer that is then copied out into
   every parameter's own storage on the compute stream (PyTorch's FSDP2,
   `foreach_all_gather_copy_out`: `torch.split_with_sizes_copy`), a read and a write of the
@@ -64,7 +70,7 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   gradients are fp32) or `bf16` (16 bits: Megatron-LM 2021's fp16, NeMo's `grad_sync_dtype:
   bf16`, Composer's 2023 `DEFAULT`, meshloom with `parallel.reduce_dtype = "bf16"`). In fp32
   training both are 4 bytes. Parameters are gathered in bf16 either way (fp32 under
-  `fsdp_fp32_params`).
+  `fp32_params`).
 - `deepspeed_bf16_optimizer`: ZeRO-1 as DeepSpeed's 2022 `BF16_Optimizer` runs it (bf16 with
   ZeRO stage 0 under DeepSpeed's pipeline engine, which BLOOM trained with: "bf16 must use z0!
   it implements its own zero stage 1 equivalent"; DeepSpeed PR #1801, issue #1835). Every rank
@@ -238,7 +244,8 @@ class Implementation:
     fsdp_prefetch: bool = True
     fsdp_no_sync: bool = False
     fsdp_flat_param: bool = False
-    fsdp_fp32_params: bool = False
+    fp32_params: bool = False
+    zero_redundancy_optimizer: bool = False
     fsdp_copy_out: bool = False
     grad_reduce_dtype: str = "fp32"
     deepspeed_bf16_optimizer: bool = False
@@ -300,10 +307,10 @@ def zero3_no_sync(impl: Implementation, lay, m: int) -> bool:
 
 
 def fp32_working_params(impl: Implementation, lay, dtype: str) -> bool:
-    """Whether ZeRO-3 gathers fp32 parameters and computes under autocast
-    (`fsdp_fp32_params`): fp32 gathers, gradients and model states, a weight cast each way
-    every micro-batch."""
-    return impl.fsdp_fp32_params and lay.zero == 3 and dtype == "bf16"
+    """Whether the parameters are fp32 and autocast computes (`fp32_params`) in bf16 training:
+    fp32 parameter traffic, gradients and model states, a weight cast each way every
+    micro-batch. (meshloom's own unsharded layouts are so too, `compute.casts_weights`.)"""
+    return impl.fp32_params and dtype == "bf16"
 
 
 def whole_fp32_states(impl: Implementation, lay, dtype: str) -> bool:

@@ -64,7 +64,7 @@ def precision(dtype: str):
 @lru_cache(maxsize=64)
 def _state_precision(dtype: str, fp32_masters: bool, optimizer_state: str) -> Precision:
     """Bytes per parameter of the model states. `fp32_masters`: meshloom's unsharded layouts
-    and ZeRO-3 under `fsdp_fp32_params`, whose parameters are the fp32 masters (autocast
+    and any layout under `fp32_params`, whose parameters are the fp32 masters (autocast
     computes)."""
     prec = precision(dtype)
     if fp32_masters:
@@ -465,13 +465,12 @@ def weight_copy_bytes(shape: ModelShape, lay: Layout, rank: int, dtype: str,
                       impl: Implementation | None, layers: int | None = None) -> float:
     """autocast's bf16 copies of the fp32 weight matrices, which the matmuls save for backward
     (meshloom's block without recompute: with recompute the copies die with the forward). Not
-    with ZeRO, whose working parameters are bf16 already, except ZeRO-3 under
-    `fsdp_fp32_params`, whose gathered fp32 units are freed after the forward while their
-    casts stay. An MoE block's grouped GEMMs save the bf16 casts of its local experts' stacked
-    weights the same way."""
-    autocast_fsdp = impl is not None and fp32_working_params(impl, lay, dtype)
+    with ZeRO, whose working parameters are bf16 already, except under `fp32_params` (ZeRO-3's
+    gathered fp32 units are freed after the forward while their casts stay). An MoE block's
+    grouped GEMMs save the bf16 casts of its local experts' stacked weights the same way."""
+    autocast = impl is not None and fp32_working_params(impl, lay, dtype)
     if lay.recompute != "none" or not (
-            autocast_fsdp or uses_meshloom_block(shape, dtype, impl) and not lay.zero):
+            autocast or uses_meshloom_block(shape, dtype, impl) and not lay.zero):
         return 0.0
     layers = layers_on_rank(shape, lay.pp) if layers is None else layers
     n = layers * shape.tp_split_params / lay.tp
@@ -637,7 +636,7 @@ def _buffers(shape: ModelShape, lay: Layout, s: int, b: int, dtype: str, etp: in
              fp32_params: bool = False) -> float:
     """Communication buffers: DDP/ZeRO-1/2 buckets, ZeRO-3's gathered unit plus the prefetched
     next one and the unit's full gradient before its reduce-scatter (fp32 under
-    `fsdp_fp32_params`), pipeline send/receive
+    `fp32_params`), pipeline send/receive
     buffers, ring-attention K/V blocks (two in flight, and their gradients in backward), and
     with expert parallel one all-to-all's send and receive buffers."""
     prec = precision(dtype)

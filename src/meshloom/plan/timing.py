@@ -362,7 +362,7 @@ def _after_backward(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str
 
 def _grad_bytes(impl: Implementation, lay: Layout, dtype: str) -> int:
     """Bytes of one gradient element as the backward writes it: fp32 where ZeRO-3's working
-    parameters are (`fsdp_fp32_params`), else the precision's."""
+    parameters are (`fp32_params`), else the precision's."""
     return 4 if fp32_working_params(impl, lay, dtype) else precision(dtype).grad_bytes
 
 
@@ -378,9 +378,12 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     gathers every unit for forward and backward and reduce-scatters its gradient, prefetched
     behind the micro-batch's compute, except the first unit's gather. `dp_overlap` (Megatron's
     distributed optimizer): ZeRO-1/2's reduce-scatter hides behind the last backward and the
-    gather behind the first forward. `fsdp_prefetch` off: every ZeRO-3 gather and reduce-scatter
-    waits. `fsdp_no_sync`: ZeRO-3 reduce-scatters (and copies in, but for FSDP1's
-    concatenation, below) on the last micro-batch only, the others gather as usual. HSDP
+    gather behind the first forward. `zero_redundancy_optimizer` (PyTorch's, over DDP): ZeRO-1
+    all-reduces the whole gradient in DDP's buckets during the last backward and broadcasts
+    the updated parameters after the step (a gather's bytes, exposed). `fsdp_prefetch` off:
+    every ZeRO-3 gather and reduce-scatter waits. `fsdp_no_sync`: ZeRO-3 reduce-scatters (and
+    copies in, but for FSDP1's concatenation, below) on the last micro-batch only, the others
+    gather as usual. HSDP
     all-reduces the shard across replicas after the step, and with cp > 1 the shard is
     averaged over the cp ranks too (both exposed). `fsdp_copy_out`
     (FSDP2): every ZeRO-3 gather is copied out of its flat buffer into each parameter on the
@@ -393,7 +396,7 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     through autograd's concatenation of its views' gradients, in their own dtype, every
     micro-batch (`fsdp_no_sync` or not), and is cast to the wire dtype on the post-backward
     stream before each reduce-scatter, a cost that rides with the collective.
-    `fsdp_fp32_params`: the gathers carry fp32 parameters and the gradients are fp32.
+    `fp32_params`: the gathers carry fp32 parameters and the gradients are fp32.
     meshloom's ZeRO-2 packs each bucket the same way every micro-batch, and its ZeRO-1 casts
     its whole bf16 gradient buffers to the reduce dtype once a step (parallel/zero.py);
     Megatron-style ZeRO-1/2 reduce their gradient buffers in place (`meshloom_block` off).
@@ -412,7 +415,7 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     stride = lay.cp * lay.tp
     n = lay.dp_shard
     # Gradients travel in the reduce dtype (`grad_reduce_dtype`), parameters in bf16 (fp32
-    # under `fsdp_fp32_params`).
+    # under `fp32_params`).
     wire = 4 if impl.grad_reduce_dtype == "fp32" else prec.grad_bytes
     fp32_params = fp32_working_params(impl, lay, dtype)
     param_bytes = 4 if fp32_params else prec.param_bytes
@@ -464,9 +467,11 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     # a step under `fsdp_no_sync`), ZeRO-2 reduces every micro-batch, ZeRO-1 once.
     ag_times = 2 * m if lay.zero == 3 else 1
     rs_times = m if lay.zero >= 2 and not zero3_no_sync(impl, lay, m) else 1
-    # DeepSpeed's BF16_Optimizer all-reduces the whole gradient where ZeRO reduce-scatters it.
+    # DeepSpeed's BF16_Optimizer and PyTorch's ZeroRedundancyOptimizer (over DDP) all-reduce
+    # the whole gradient where ZeRO reduce-scatters it.
     whole = whole_fp32_states(impl, lay, dtype)
-    red = "all_reduce" if whole else "reduce_scatter"
+    zro = impl.zero_redundancy_optimizer and lay.zero == 1
+    red = "all_reduce" if whole or zro else "reduce_scatter"
     ag = coll("all_gather", "all_gather", param_b, n, stride, per(param_b, dense, n), ag_times)
     rs = coll(red, red, grad_b, n, stride, per(grad_b, dense, n), rs_times)
     if experts:
@@ -483,6 +488,8 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
         ops = {red: rs * rs_times, "all_gather": ag}
         if whole:  # after the pipeline drains, then the step's gather: none of it overlapped
             out += rs + ag
+        elif zro:  # DDP's buckets during the last backward; the owners' broadcasts after the step
+            out += (_exposed(rs, b_mb) if impl.ddp_overlap else rs) + ag
         elif impl.dp_overlap:
             out += _exposed(rs, b_mb) * rs_times + _exposed(ag, f_mb)
         elif lay.zero == 1:  # reduce-scatters the accumulated gradients after the last backward
