@@ -1,7 +1,8 @@
-"""What the planner prices for PyTorch's FSDP1 (`fsdp_flat_param`, `fp32_params`,
-`fsdp_no_sync`: plan/implementation.py), checked against FSDP1 itself on two Gloo ranks: a
-two-layer unit under Lightning's `bf16-mixed` mixed precision (fp32 parameters, bf16 reduction,
-autocast), two micro-batches under `no_sync()` and a third that synchronizes."""
+"""What the planner prices for trainers built on PyTorch's own data parallelism, checked against
+PyTorch itself on two Gloo ranks: FSDP1 (`fsdp_flat_param`, `fp32_params`, `fsdp_no_sync`:
+plan/implementation.py) with a two-layer unit under Lightning's `bf16-mixed` mixed precision
+(fp32 parameters, bf16 reduction, autocast), two micro-batches under `no_sync()` and a third
+that synchronizes; and the ZeroRedundancyOptimizer over DDP (`zero_redundancy_optimizer`)."""
 
 from __future__ import annotations
 
@@ -93,3 +94,48 @@ def test_every_micro_batch_casts_each_weight_both_ways(census):
     ops = census["ops"]
     assert ops.get(f"aten::_to_copy[{HID}, {IN}]", 0) == 2 * M
     assert ops.get(f"aten::_to_copy[{IN}, {HID}]", 0) == 2 * M
+
+
+def _zero_redundancy_census() -> dict:
+    """Each rank's collectives over one step of PyTorch's ZeroRedundancyOptimizer over DDP
+    under autocast (flash-attention's `adamw-zero` with `DDPStrategyZero1`): a micro-batch under
+    `no_sync()`, one that synchronizes, the optimizer step."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=2)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(IN, HID, bias=False),
+                              torch.nn.Linear(HID, IN, bias=False))
+    ddp = DDP(net, gradient_as_bucket_view=True)
+    opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+    x = torch.randn(8, IN)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for sync in (False, True):
+            with ddp.no_sync() if not sync else torch.enable_grad():
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    y = ddp(x)
+                y.float().sum().backward()
+        opt.step()
+    calls = [(e.name, e.input_shapes[0]) for e in prof.events()
+             if e.name in ("gloo:all_reduce", "gloo:broadcast")]
+    dtypes = {str(p.dtype) for p in net.parameters()} | {str(p.grad.dtype)
+                                                         for p in net.parameters()}
+    dist.destroy_process_group()
+    return {"calls": calls, "dtypes": sorted(dtypes)}
+
+
+def test_zero_redundancy_optimizer_all_reduces_once_and_broadcasts_the_parameters():
+    """`zero_redundancy_optimizer` with `fp32_params`: DDP all-reduces the whole fp32 gradient
+    once a step (not under `no_sync`), in its bucket, and after the step the owners broadcast
+    every parameter, a gather's worth of fp32 bytes; no reduce-scatter."""
+    census = run_ranks(_zero_redundancy_census, 2, timeout=120)[0]
+    assert census["dtypes"] == ["torch.float32"]
+    reduces = [c for c in census["calls"] if c[0] == "gloo:all_reduce"]
+    assert reduces == [("gloo:all_reduce", [IN * HID + HID * IN])]
+    sent = [c[1] for c in census["calls"] if c[0] == "gloo:broadcast"]
+    assert sorted(sent) == sorted([[HID, IN], [IN, HID]])
