@@ -25,7 +25,7 @@ from functools import cache
 
 from meshloom.plan.cp_ring import RingCost, ring_cost
 from meshloom.plan.hardware import GB, GPUS, Cluster
-from meshloom.plan.implementation import TRAIN_METRIC_PASSES, Implementation
+from meshloom.plan.implementation import TRAIN_METRIC_PASSES, Implementation, autocast_weights
 from meshloom.plan.kernel_table import KernelTable, attention_flops, for_gpu, load, sdpa_kernel
 from meshloom.plan.layout import Layout
 from meshloom.plan.models import ModelShape
@@ -424,9 +424,7 @@ def casts_weights(lay: Layout, e: int, impl: Implementation) -> bool:
     parameters under autocast (`fp32_params`, Lightning's `bf16-mixed`): their forward casts
     each weight (read 4, write e) and their backward casts each weight's gradient back to fp32
     (read e, write 4), the same bytes."""
-    if e >= 4:
-        return False
-    return impl.meshloom_block and lay.zero == 0 or impl.fp32_params
+    return autocast_weights(impl, lay, "bf16" if e < 4 else "fp32")
 
 
 def optimizer_seconds(params: float, grads: float, rates: Rates, *, clip_in_optimizer: bool = False,

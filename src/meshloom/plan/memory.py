@@ -32,6 +32,7 @@ from meshloom.plan.implementation import (
     OPTIMIZER_STATES,
     TORCH_BUCKET_BYTES,
     Implementation,
+    autocast_weights,
     fp32_working_params,
     keeps_grads,
     whole_fp32_states,
@@ -591,8 +592,7 @@ def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
         # meshloom's blocks always call SDPA: a plan with eager attention is another stack's,
         # counted Korthikanti's way throughout (block, loss, final norm, no autocast copies).
         impl = replace(impl, meshloom_block=False)
-    prec = _state_precision(dtype, impl.meshloom_block and lay.zero == 0
-                            or fp32_working_params(impl, lay, dtype), impl.optimizer_state)
+    prec = _state_precision(dtype, autocast_weights(impl, lay, dtype), impl.optimizer_state)
     s, b, m = seq // lay.cp, lay.micro_batch, lay.microbatches(global_batch)
     if stages is None:
         stages = stage_layers(shape, lay.pp, lay.v, seq, impl.pp_split)

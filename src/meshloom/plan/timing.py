@@ -361,8 +361,8 @@ def _after_backward(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str
 
 
 def _grad_bytes(impl: Implementation, lay: Layout, dtype: str) -> int:
-    """Bytes of one gradient element as the backward writes it: fp32 where ZeRO-3's working
-    parameters are (`fp32_params`), else the precision's."""
+    """Bytes of one gradient element as the backward writes it: fp32 where the parameters are
+    (`fp32_params`), else the precision's."""
     return 4 if fp32_working_params(impl, lay, dtype) else precision(dtype).grad_bytes
 
 
@@ -383,10 +383,9 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     the updated parameters after the step (a gather's bytes, exposed). `fsdp_prefetch` off:
     every ZeRO-3 gather and reduce-scatter waits. `fsdp_no_sync`: ZeRO-3 reduce-scatters (and
     copies in, but for FSDP1's concatenation, below) on the last micro-batch only, the others
-    gather as usual. HSDP
-    all-reduces the shard across replicas after the step, and with cp > 1 the shard is
-    averaged over the cp ranks too (both exposed). `fsdp_copy_out`
-    (FSDP2): every ZeRO-3 gather is copied out of its flat buffer into each parameter on the
+    gather as usual. HSDP all-reduces the shard across replicas after the step, and with cp > 1
+    the shard is averaged over the cp ranks too (both exposed). `fsdp_copy_out` (FSDP2): every
+    ZeRO-3 gather is copied out of its flat buffer into each parameter on the
     compute stream, a read and a write of the gathered bytes (`rates`' copy rate), exposed.
     Before each ZeRO-3 reduce-scatter, every implementation copies the unit's gradients into
     its flat send buffer in the reduce dtype on the compute stream, a read of the gradients
@@ -417,8 +416,7 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     # Gradients travel in the reduce dtype (`grad_reduce_dtype`), parameters in bf16 (fp32
     # under `fp32_params`).
     wire = 4 if impl.grad_reduce_dtype == "fp32" else prec.grad_bytes
-    fp32_params = fp32_working_params(impl, lay, dtype)
-    param_bytes = 4 if fp32_params else prec.param_bytes
+    param_bytes = 4 if fp32_working_params(impl, lay, dtype) else prec.param_bytes
     grad_bytes = _grad_bytes(impl, lay, dtype)
     grad_b, param_b = dense * wire, dense * param_bytes
     if lay.dp <= 1:  # only expert groups to reduce (ep < cp); the dense part as before: none
