@@ -24,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import textwrap
+from collections.abc import Callable
 from dataclasses import replace
 from functools import cache
 from pathlib import Path
@@ -35,6 +36,7 @@ from meshloom.plan.models import MEGATRON_SEQ, MEGATRON_TABLE1, PRESETS, from_di
 from meshloom.plan.search import search
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import power_model  # noqa: E402
 from _launch import parser, provenance, write_result  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -47,8 +49,9 @@ H100_LOOP = HERE / "measured" / "h100-2026-11-26"
 MEASURED_H100 = H100_LOOP / "h100-kernels.json"
 # The same H100's GEMMs from idle and after seconds back to back at its 700 W limit
 # (benchmarks/gemm_sustained.py): each H100 row is also predicted with the committed table's
-# GEMM rates scaled to the sustained rate (`error_sustained_gemm`), the bound a power-limited
-# clock would set on a step that is all GEMM.
+# GEMM rates at that sustained rate (`error_sustained_gemm`), the floor a power-limited clock
+# sets on a step that is all GEMM, and with the power limit priced by the step's duty
+# (`error_power_duty`, benchmarks/power_model.py).
 GEMM_SUSTAINED = H100_LOOP / "gemm_sustained.json"
 DOC = HERE.parent / "docs" / "plan.md"
 BEGIN, END = "<!-- validation:begin -->", "<!-- validation:end -->"
@@ -186,21 +189,53 @@ def trainer_impl(trainer: str) -> dict:
 
 
 def sustained_ratio() -> float:
-    """The mean of sustained / burst TFLOP/s over gemm_sustained.json's GEMMs."""
-    rows = json.loads(GEMM_SUSTAINED.read_text())["rows"]
-    return statistics.mean(r["sustained_tflops"] / r["burst_tflops"] for r in rows)
+    """The mean of the H100's sustained TFLOP/s (seconds of one GEMM back to back at 700 W) over
+    the committed table's rate at the same shape, over gemm_sustained.json's GEMMs. The table's
+    rows are mostly a continuous sweep, so they sit near that floor already (about 0.98), not
+    at the rate from idle (0.86 of which the GEMMs hold)."""
+    table = kernel_table.for_gpu("h100")
+    return 1.0 / power_model.table_fraction(power_model.sustained_rows(GEMM_SUSTAINED),
+                                            table.gemm_tflops, against="sustained_tflops")
 
 
 @cache
-def sustained_h100_table() -> str:
-    """The committed H100 table with every GEMM row at the sustained fraction of its rate
-    (attention, copies and launches as they are), written to a temporary file."""
+def scaled_h100_table(factor: float) -> str:
+    """The committed H100 table with every GEMM row's rate times `factor` (attention, copies
+    and launches as they are), written to a temporary file."""
     raw = json.loads((kernel_table.TABLE_DIR / "h100.json").read_text())
-    ratio = sustained_ratio()
-    raw["gemm"] = [{**g, "tflops": g["tflops"] * ratio} for g in raw["gemm"]]
-    path = Path(tempfile.mkdtemp(prefix="meshloom-sustained-")) / "h100.json"
+    raw["gemm"] = [{**g, "tflops": g["tflops"] * factor} for g in raw["gemm"]]
+    path = Path(tempfile.mkdtemp(prefix="meshloom-gemm-scaled-")) / "h100.json"
     path.write_text(json.dumps(raw))
     return str(path)
+
+
+def sustained_h100_table() -> str:
+    """The committed H100 table with every GEMM at the sustained floor (sustained_ratio)."""
+    return scaled_h100_table(sustained_ratio())
+
+
+@cache
+def power_h100() -> tuple[Callable[[float], float], float]:
+    """(GEMM rate / rate from idle by duty on the H100, the table's rate / rate from idle)."""
+    rows = power_model.sustained_rows(GEMM_SUSTAINED)
+    ratio = power_model.anchored(power_model.duty_curve(), power_model.duty_one_ratio(rows))
+    return ratio, power_model.table_fraction(rows, kernel_table.for_gpu("h100").gemm_tflops)
+
+
+def power_inputs() -> dict:
+    """What the two power columns were priced from, for the docs to cite."""
+    rows = power_model.sustained_rows(GEMM_SUSTAINED)
+    ratio, fraction = power_h100()
+    return {"h100_duty_one_ratio": round(power_model.duty_one_ratio(rows), 4),
+            "table_fraction_of_idle_rate": round(fraction, 4),
+            "sustained_floor_of_table": round(sustained_ratio(), 4),
+            "h100_curve": [[d, round(ratio(d), 4)] for d, _ in power_model.duty_curve()],
+            "files": [str(p.relative_to(HERE.parent)) for p in (
+                power_model.DUTY_CYCLE, GEMM_SUSTAINED)]}
+
+
+def tensor_core_seconds(c) -> float:
+    return c.timing.detail["compute_s"]["gemm"] + c.timing.detail["compute_s"]["attention"]
 
 
 def _row(set_name: str, rid: str, gpu: str, gpus: int, shape, seq: int, batch: int,
@@ -221,11 +256,23 @@ def _row(set_name: str, rid: str, gpu: str, gpus: int, shape, seq: int, batch: i
         extra = {**(extra or {}), "error_measured_kernels": round(
             alt.tokens_per_s_per_gpu / published_tps - 1, 4)}
     if gpu == "h100" and GEMM_SUSTAINED.exists():
-        hot = make_cluster(gpu, gpus, gpus_per_node, memory_gb=memory_gb, inter_gbps=inter_gbps,
-                           kernels=sustained_h100_table())
-        alt = search(shape, hot, seq, batch, fixed, flash=flash, top=1)[0]
+        def priced(factor: float):
+            kernels = scaled_h100_table(round(factor, 4))
+            cl = make_cluster(gpu, gpus, gpus_per_node, memory_gb=memory_gb,
+                              inter_gbps=inter_gbps, kernels=kernels)
+            return search(shape, cl, seq, batch, fixed, flash=flash, top=1)[0]
+
+        hot = priced(sustained_ratio())
         extra = {**(extra or {}), "error_sustained_gemm": round(
-            alt.tokens_per_s_per_gpu / published_tps - 1, 4)}
+            hot.tokens_per_s_per_gpu / published_tps - 1, 4)}
+        if power_model.DUTY_CYCLE.exists():
+            ratio, fraction = power_h100()
+            factor, duty = power_model.fixed_point(
+                lambda f: (tensor_core_seconds(c := priced(f)), c.timing.step_time_s),
+                ratio, fraction)
+            extra.update(power_duty=round(duty, 3), power_gemm_factor=round(factor, 3),
+                         error_power_duty=round(priced(factor).tokens_per_s_per_gpu
+                                                / published_tps - 1, 4))
     return {"set": set_name, "id": rid, "gpu": gpu, "gpus": gpus, "layout": best.layout.short(),
             "fix": ",".join(f"{k}={v}" for k, v in fixed.items()),
             "published_tokens_per_s_per_gpu": round(published_tps, 1),
@@ -235,7 +282,9 @@ def _row(set_name: str, rid: str, gpu: str, gpus: int, shape, seq: int, batch: i
             "accumulate_s": round(best.timing.detail["accumulate_s"], 4),
             "fits": best.fits, "memory_gb": round(best.memory.total / 1e9, 2),
             "allocated_gb": round((best.memory.total - best.memory.context) / 1e9, 2),
-            "rates": best.timing.detail["rates"], **(extra or {})}
+            "rates": best.timing.detail["rates"],
+            "compute_s": {k: round(v, 5) for k, v in best.timing.detail["compute_s"].items()},
+            **(extra or {})}
 
 
 def _memory_error(row: dict) -> dict:
@@ -412,12 +461,14 @@ def summarise(rows: list[dict]) -> dict:
             out[name].update(measured_kernels_rows=len(alt),
                              measured_kernels_mean_abs_error=round(statistics.mean(alt), 4),
                              measured_kernels_max_abs_error=round(max(alt), 4))
-        hot = [r["error_sustained_gemm"] for r in sel if "error_sustained_gemm" in r]
-        if hot:
-            out[name].update(sustained_gemm_rows=len(hot),
-                             sustained_gemm_mean_error=round(statistics.mean(hot), 4),
-                             sustained_gemm_mean_abs_error=round(
-                                 statistics.mean(abs(e) for e in hot), 4))
+        for prefix, key in (("sustained_gemm", "error_sustained_gemm"),
+                            ("power_duty", "error_power_duty")):
+            errs = [r[key] for r in sel if key in r]
+            if errs:
+                out[name].update({f"{prefix}_rows": len(errs),
+                                  f"{prefix}_mean_error": round(statistics.mean(errs), 4),
+                                  f"{prefix}_mean_abs_error": round(
+                                      statistics.mean(abs(e) for e in errs), 4)})
         mem = [abs(r["memory_error"]) for r in sel if "memory_error" in r]
         if mem:
             out[name].update(memory_rows=len(mem), memory_mean_abs_error=round(
@@ -452,16 +503,19 @@ def render(result: dict) -> str:
                      f"{r['predicted_tokens_per_s_per_gpu']:,.0f} | {r['error']:+.1%} | "
                      f"{'yes' if r['fits'] else 'NO'} |")
     lines += ["", "| set | rows | mean abs error | max abs error | mean error | all fit | with the "
-              "measured H100 table: mean / max abs | GEMMs at the sustained rate: mean |",
-              "|---|---|---|---|---|---|---|---|"]
+              "measured H100 table: mean / max abs | GEMMs at the sustained floor: mean | "
+              "power priced by duty: mean / mean abs |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for name, s in result["summary"].items():
         alt = (f"{s['measured_kernels_mean_abs_error']:.1%} / "
                f"{s['measured_kernels_max_abs_error']:.1%}"
                if "measured_kernels_mean_abs_error" in s else "")
         hot = f"{s['sustained_gemm_mean_error']:+.1%}" if "sustained_gemm_mean_error" in s else ""
+        duty = (f"{s['power_duty_mean_error']:+.1%} / {s['power_duty_mean_abs_error']:.1%}"
+                if "power_duty_mean_error" in s else "")
         lines.append(f"| {name} | {s['rows']} | {s['mean_abs_error']:.1%} | "
                      f"{s['max_abs_error']:.1%} | {s['mean_error']:+.1%} | "
-                     f"{'yes' if s['all_fit'] else 'NO'} | {alt} | {hot} |")
+                     f"{'yes' if s['all_fit'] else 'NO'} | {alt} | {hot} | {duty} |")
     mem = [r for r in result["rows"] if "memory_error" in r]
     lines += ["", "Peak memory per GPU, the planner's allocated bytes against the CUDA allocator's "
               "`max_memory_allocated` (the benchmark frees its gradients before each step, the "
@@ -552,7 +606,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = meshloom_h100_rows() + megatron_rows() + published_rows()
     result = {"rows": rows, "summary": summarise(rows),
               "goal": {"mean_abs_error": GOAL_MEAN, "max_abs_error": GOAL_MAX},
-              **zero_checks(), "config": provenance()}
+              **zero_checks(), "power": power_inputs(), "config": provenance()}
     out = write_result(result, args.out, _print_table)
     write_doc(json.loads(args.out.read_text()))
     return out

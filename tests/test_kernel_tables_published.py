@@ -232,3 +232,39 @@ def test_checker_rejects_broken_table(name):
     table = copy.deepcopy(_valid_published())
     BREAKS[name](table)
     assert check_table(table, "h100"), f"{name} was not caught"
+
+
+def test_h200_measurement_supports_taking_the_h100_compute():
+    """h200.json takes its GEMM and attention rows from h100.json (`compute_from`). The H200
+    measured on 2026-11-28 with the H100 measurement's flags says why, shape by shape: the
+    figures its provenance quotes are these, recomputed from the two committed files."""
+    import statistics
+
+    h100 = json.loads((ROOT / "benchmarks/measured/h100-2026-11-26/h100-kernels.json").read_text())
+    h200 = json.loads((ROOT / "benchmarks/measured/h200-2026-11-28/h200-kernels.json").read_text())
+    gemm = {(r["m"], r["n"], r["k"]): r["tflops"] for r in h100["gemm"]}
+    ratios = [(r["tflops"] / gemm[s], 2 * math.prod(s)) for r in h200["gemm"]
+              if (s := (r["m"], r["n"], r["k"])) in gemm]
+
+    def key(r: dict) -> tuple:
+        return r["seq"], r["head_dim"], r["causal"], r["direction"], r.get("kernel", "fa2")
+
+    att = {key(r): r["tflops"] for r in h100["attention"]}
+    by_kernel: dict[str, list[float]] = {}
+    for r in h200["attention"]:
+        if key(r) in att:
+            by_kernel.setdefault(key(r)[4], []).append(r["tflops"] / att[key(r)])
+    note = json.loads((KERNELS / "h200.json").read_text())["provenance"]["measured_check"]
+    big = [x for x, flops in ratios if flops > 1e12]
+    thin = [x for x, flops in ratios if flops < 1e10]
+    copy_ratio = h200["hbm_gbps"]["value"] / h100["hbm_gbps"]["value"]
+    assert (len(h200["gemm"]), len(ratios), len(big), len(thin)) == (592, 555, 242, 27)
+    quoted = {"GEMMs median": statistics.median(x for x, _ in ratios),
+              "above 1 TFLOP;": statistics.median(big), "0.01 TFLOP": statistics.median(thin),
+              "FlashAttention-2 median": statistics.median(by_kernel["fa2"]),
+              "cuDNN attention": statistics.median(by_kernel["cudnn"])}
+    for words, value in quoted.items():
+        digits = 2 if words == "0.01 TFLOP" else 3
+        assert f"{value:.{digits}f}" in note, (words, value)
+    assert f"{copy_ratio:.2f}x" in note and all(0.97 < quoted[w] < 1.03 for w in (
+        "GEMMs median", "FlashAttention-2 median", "cuDNN attention"))

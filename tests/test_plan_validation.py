@@ -79,16 +79,22 @@ def test_committed_validation_is_what_the_code_predicts(validation_rows):
     assert committed["summary"] == pv.summarise(committed["rows"])
 
 
-def test_sustained_gemm_bound_slows_only_the_h100_gemms(validation_rows):
-    """Each H100 row is priced again with the table's GEMM rates at the sustained fraction the
-    same H100 held at its power limit (gemm_sustained.json): only GEMM rows change, each by
-    that fraction, and every H100 row then reads slower; no other GPU's row gets the column."""
-    from meshloom.plan.kernel_table import TABLE_DIR, load
+def test_sustained_gemm_floor_slows_only_the_h100_gemms(validation_rows):
+    """Each H100 row is priced again with the table's GEMM rates at the floor the same H100
+    held at its power limit (gemm_sustained.json: seconds of one GEMM back to back), taken
+    against the table's own rate at those shapes, which is a continuous sweep's and so near
+    that floor already: only GEMM rows change, each by that fraction, and every H100 row then
+    reads slower; no other GPU's row gets the column."""
+    from meshloom.plan.kernel_table import TABLE_DIR, for_gpu, load
 
     pv = _validation()
     ratio = pv.sustained_ratio()
     rows = json.loads(pv.GEMM_SUSTAINED.read_text())["rows"]
-    assert 0.8 < ratio < 0.9 and len(rows) == 4
+    table = for_gpu("h100")
+    want = sum(r["sustained_tflops"] / table.gemm_tflops(r["m"], r["n"], r["k"])
+               for r in rows) / len(rows)
+    assert len(rows) == 4 and 1.0 / ratio == pytest.approx(1.0 / want, rel=0.05)
+    assert 0.9 < ratio < 1.0  # the table's rows are not rates from idle (those are 0.86 above)
     hot, cold = load(pv.sustained_h100_table()), load(TABLE_DIR / "h100.json")
     assert [g[:3] for g in hot.gemm] == [g[:3] for g in cold.gemm]
     assert all(h[3] == pytest.approx(c[3] * ratio) for h, c in zip(hot.gemm, cold.gemm,
@@ -97,6 +103,28 @@ def test_sustained_gemm_bound_slows_only_the_h100_gemms(validation_rows):
     h100 = [r for r in validation_rows if r["gpu"] == "h100"]
     assert h100 and all(r["error_sustained_gemm"] < r["error"] for r in h100)
     assert not any("error_sustained_gemm" in r for r in validation_rows if r["gpu"] != "h100")
+
+
+def test_power_priced_by_duty_is_a_fixed_point(validation_rows):
+    """`error_power_duty`: each H100 row priced with its GEMM rates at ratio(duty) / (the
+    table's fraction of the rate from idle), where the duty is the tensor-core share of the
+    step priced at that rate. The recorded factor is the curve at the recorded duty; a step
+    that is more GEMM gets the lower factor; only H100 rows carry it."""
+    pv = _validation()
+    ratio, fraction = pv.power_h100()
+    assert 0.8 < fraction < 0.95  # the table sits below the rates from idle
+    assert ratio(0.0) == pytest.approx(1.0) and ratio(1.0) == pytest.approx(
+        pv.power_model.duty_one_ratio(pv.power_model.sustained_rows(pv.GEMM_SUSTAINED)))
+    h100 = [r for r in validation_rows if r["gpu"] == "h100"]
+    for r in h100:
+        assert 0.0 < r["power_duty"] < 1.0
+        assert r["power_gemm_factor"] == pytest.approx(ratio(r["power_duty"]) / fraction,
+                                                       abs=2e-3), r["id"]
+        # faster GEMMs than the table make the row read faster, slower ones slower
+        assert (r["error_power_duty"] - r["error"]) * (r["power_gemm_factor"] - 1) >= -1e-4
+    by_duty = sorted(h100, key=lambda r: r["power_duty"])
+    assert by_duty[0]["power_gemm_factor"] > by_duty[-1]["power_gemm_factor"]
+    assert not any("error_power_duty" in r for r in validation_rows if r["gpu"] != "h100")
 
 
 def test_docs_validation_tables_are_rendered_from_the_data():
