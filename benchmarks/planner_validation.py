@@ -7,6 +7,8 @@ Sets of runs, each row on the layout and implementation it ran with:
 - `meshloom-h100`: meshloom's own 1B Llama runs on one H100 (docs/gpu.md; files in
   benchmarks/measured/h100-2026-11-22/): the stripped benchmark eager and compiled, with and
   without recompute, and the `meshloom train` loop.
+- `meshloom-h200`: the same `meshloom train` loop (compiled) on one H200
+  (benchmarks/measured/h200-2026-11-28/), planned from the H200 table (the H100's compute).
 - `megatron-2021-a100`: Megatron-LM Table 1 (Narayanan et al. 2021, published.md), A100 80GB,
   full recompute, interleaved schedule (virtual stages searched), fused kernels, unfused
   attention (2021: no FlashAttention).
@@ -53,6 +55,7 @@ MEASURED_H100 = H100_LOOP / "h100-kernels.json"
 # sets on a step that is all GEMM, and with the power limit priced by the step's duty
 # (`error_power_duty`, benchmarks/power_model.py).
 GEMM_SUSTAINED = H100_LOOP / "gemm_sustained.json"
+H200_LOOP = HERE / "measured" / "h200-2026-11-28"
 DOC = HERE.parent / "docs" / "plan.md"
 BEGIN, END = "<!-- validation:begin -->", "<!-- validation:end -->"
 README = HERE.parent / "README.md"
@@ -315,16 +318,27 @@ def meshloom_h100_rows() -> list[dict]:
     # optimizer), measured in the same session as mfu_llama1b.json beside it.
     for name, rec in (("train_llama1b_compile.jsonl", "none"),
                       ("train_llama1b_compile_selective.jsonl", "selective")):
-        steps = [json.loads(x) for x in (H100_LOOP / name).read_text().splitlines()
-                 if x.startswith('{"step"')]
-        median = statistics.median(s["step_time_s"] for s in steps[2:])
-        peak = max(s["peak_mem_bytes"] for s in steps)
-        rows.append(_memory_error(_row(
-            "meshloom-h100", f"meshloom train {name.split('_', 2)[2][:-6]}", "h100", 1, shape,
-            2048, 8, {"micro_batch": 8, "compile": True, "recompute": rec},
-            8 * 2048 / median, extra={"source": f"benchmarks/measured/{H100_LOOP.name}/{name}",
-                                      "measured_peak_gb": round(peak / 1e9, 2)})))
+        rows.append(_loop_row("h100", H100_LOOP / name, rec))
     return rows
+
+
+def meshloom_h200_rows() -> list[dict]:
+    """The compiled `meshloom train` loop of docs/gpu.md on one H200 (2026-11-28)."""
+    return [_loop_row("h200", H200_LOOP / "train_llama1b_compile.jsonl", "none")]
+
+
+def _loop_row(gpu: str, path: Path, recompute: str) -> dict:
+    """A `meshloom train` run of the 1B Llama, 8 x 2048 tokens a step, from its metrics.jsonl:
+    the median step after the first two (compile), the allocator's peak."""
+    steps = [json.loads(x) for x in path.read_text().splitlines() if x.startswith('{"step"')]
+    median = statistics.median(s["step_time_s"] for s in steps[2:])
+    peak = max(s["peak_mem_bytes"] for s in steps)
+    return _memory_error(_row(
+        f"meshloom-{gpu}", f"meshloom train {path.stem.split('_', 2)[2]}", gpu, 1,
+        PRESETS["llama3-1b"], 2048, 8, {"micro_batch": 8, "compile": True,
+                                         "recompute": recompute},
+        8 * 2048 / median, extra={"source": str(path.relative_to(HERE.parent)),
+                                  "measured_peak_gb": round(peak / 1e9, 2)}))
 
 
 def megatron_rows() -> list[dict]:
@@ -447,7 +461,7 @@ def summarise(rows: list[dict]) -> dict:
     for name in sorted({r["set"] for r in rows}) + by_trainer + ["all published"]:
         sel = [r for r in rows if r["set"] == name
                or name == f"{r['set']} / {r.get('trainer')}"
-               or name == "all published" and r["set"] != "meshloom-h100"]
+               or name == "all published" and not r["set"].startswith("meshloom-")]
         if not sel:
             continue
         errs = [abs(r["error"]) for r in sel]
@@ -549,7 +563,7 @@ def render_readme(result: dict) -> str:
     """The README's accuracy sentence, every figure read from the result file, so the front
     page cannot drift from validation.json (DESIGN principle 7)."""
     rows, summ = result["rows"], result["summary"]
-    own, meg = summ["meshloom-h100"], summ["megatron-2021-a100"]
+    own, meg, h200 = summ["meshloom-h100"], summ["megatron-2021-a100"], summ["meshloom-h200"]
     nemo = summ["published-h100 / nemo"]
     a100 = {k: v for k, v in summ.items()
             if k.startswith(("published-a100-80g / ", "published-a100-40g / "))}
@@ -560,7 +574,7 @@ def render_readme(result: dict) -> str:
                   key=lambda r: abs(r["error"]))
     foundry = [r for r in rows if r["set"] == "published-h100" and r["trainer"] == "llm-foundry"]
     titan = [r for r in rows if r["set"] == "published-h100-96gb-500w"]
-    fit = all(v["all_fit"] for k, v in summ.items() if k != "meshloom-h100")
+    fit = all(v["all_fit"] for k, v in summ.items() if not k.startswith("meshloom-"))
 
     def bias(sel: list[dict]) -> str:
         m = _signed_mean(sel)
@@ -572,7 +586,8 @@ def render_readme(result: dict) -> str:
         "([benchmarks/results/planner/validation.json](benchmarks/results/planner/validation.json)"
         f"): our own 1B runs on one H100 within {own['max_abs_error']:.1%} in step time "
         f"(mean {own['mean_abs_error']:.1%}) and {own['memory_max_abs_error']:.1%} in peak "
-        f"memory; Megatron-LM Table 1 (A100) mean {meg['mean_abs_error']:.1%}, worst "
+        f"memory, and on one H200 within {h200['max_abs_error']:.1%} (the H100's compute "
+        f"tables); Megatron-LM Table 1 (A100) mean {meg['mean_abs_error']:.1%}, worst "
         f"{meg['max_abs_error']:.1%}; NeMo's H100 runs (Llama 3.1 8B/70B/405B, GPT-3 175B, "
         f"Nemotron-4 340B, the Grok-1 314B mixture of experts) mean "
         f"{nemo['mean_abs_error']:.1%}, worst "
@@ -603,7 +618,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = parser(__doc__)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
-    rows = meshloom_h100_rows() + megatron_rows() + published_rows()
+    rows = meshloom_h100_rows() + meshloom_h200_rows() + megatron_rows() + published_rows()
     result = {"rows": rows, "summary": summarise(rows),
               "goal": {"mean_abs_error": GOAL_MEAN, "max_abs_error": GOAL_MAX},
               **zero_checks(), "power": power_inputs(), "config": provenance()}
