@@ -202,12 +202,18 @@ def sustained_ratio() -> float:
 
 
 @cache
+def _scratch() -> Path:
+    """One temporary folder per process for the rescaled tables."""
+    return Path(tempfile.mkdtemp(prefix="meshloom-gemm-scaled-"))
+
+
+@cache
 def scaled_h100_table(factor: float) -> str:
     """The committed H100 table with every GEMM row's rate times `factor` (attention, copies
     and launches as they are), written to a temporary file."""
     raw = json.loads((kernel_table.TABLE_DIR / "h100.json").read_text())
     raw["gemm"] = [{**g, "tflops": g["tflops"] * factor} for g in raw["gemm"]]
-    path = Path(tempfile.mkdtemp(prefix="meshloom-gemm-scaled-")) / "h100.json"
+    path = _scratch() / f"h100-gemm-x{factor!r}.json"
     path.write_text(json.dumps(raw))
     return str(path)
 
