@@ -191,6 +191,7 @@ def trainer_impl(trainer: str) -> dict:
     return {**OTHER_LOOP, **impl}
 
 
+@cache
 def sustained_ratio() -> float:
     """The mean of the H100's sustained TFLOP/s (seconds of one GEMM back to back at 700 W) over
     the committed table's rate at the same shape, over gemm_sustained.json's GEMMs. The table's

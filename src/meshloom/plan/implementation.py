@@ -306,18 +306,19 @@ def zero3_no_sync(impl: Implementation, lay, m: int) -> bool:
     return impl.fsdp_no_sync and lay.zero == 3 and m > 1
 
 
-def autocast_weights(impl: Implementation, lay, dtype: str) -> bool:
-    """Whether the parameters are fp32 and autocast casts each weight for its matmul in bf16
-    training: meshloom's unsharded layouts (its masters are the parameters) and any layout
-    under `fp32_params`."""
-    return dtype == "bf16" and (impl.meshloom_block and lay.zero == 0 or impl.fp32_params)
-
-
 def fp32_working_params(impl: Implementation, lay, dtype: str) -> bool:
     """Whether the parameters are fp32 and autocast computes (`fp32_params`) in bf16 training:
     fp32 parameter traffic, gradients and model states, a weight cast each way every
     micro-batch. (meshloom's own unsharded layouts are so too, `compute.casts_weights`.)"""
     return impl.fp32_params and dtype == "bf16"
+
+
+def autocast_weights(impl: Implementation, lay, dtype: str) -> bool:
+    """Whether the parameters are fp32 and autocast casts each weight for its matmul in bf16
+    training: meshloom's unsharded layouts (its masters are the parameters) and any layout
+    under `fp32_params`."""
+    return (dtype == "bf16" and impl.meshloom_block and lay.zero == 0
+            or fp32_working_params(impl, lay, dtype))
 
 
 def whole_fp32_states(impl: Implementation, lay, dtype: str) -> bool:
