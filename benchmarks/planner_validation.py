@@ -31,7 +31,7 @@ from dataclasses import replace
 from functools import cache
 from pathlib import Path
 
-from meshloom.plan import kernel_table
+from meshloom.plan import accuracy, kernel_table
 from meshloom.plan.formulas import MIXED, model_state_bytes
 from meshloom.plan.hardware import make_cluster
 from meshloom.plan.models import MEGATRON_SEQ, MEGATRON_TABLE1, PRESETS, from_dims
@@ -631,7 +631,13 @@ def main(argv: list[str] | None = None) -> dict:
               **zero_checks(), "power": power_inputs(), "config": provenance()}
     out = write_result(result, args.out, _print_table)
     write_doc(json.loads(args.out.read_text()))
+    write_accuracy(rows)
     return out
+
+
+def write_accuracy(rows: list[dict], path: Path = accuracy.ACCURACY_FILE) -> None:
+    """The per-GPU summary `meshloom plan` quotes under its table (plan/accuracy.py)."""
+    path.write_text(json.dumps(accuracy.summarise(rows), indent=1) + "\n")
 
 
 def _print_table(result: dict) -> None:

@@ -146,8 +146,19 @@ def plan(args) -> tuple[ModelShape, list[Candidate], dict]:
                                                     "gpus_per_node": cluster.gpus_per_node},
              "seq": args.seq, "global_batch": batch, "dtype": args.dtype,
              "attention": args.attention, "fix": fixed,
-             "rates": found[0].timing.detail.get("rates") if found else None}
+             "rates": found[0].timing.detail.get("rates") if found else None,
+             "accuracy": _accuracy(args)}
     return shape, found, setup
+
+
+def _accuracy(args) -> dict:
+    """How far plans on this GPU have landed from measured runs (plan/accuracy.py), and
+    whether the user changed what those plans used (the preset's figures, its kernel table)."""
+    from meshloom.plan import accuracy
+    adjusted = any(v is not None for v in (args.peak_tflops, args.gpu_memory_gb,
+                                            args.intra_node_gbps, args.inter_node_gbps,
+                                            args.kernels))
+    return {"gpu": args.gpu, "adjusted": adjusted, **accuracy.for_gpu(args.gpu)}
 
 
 def run(args) -> int:
@@ -215,4 +226,7 @@ def format_table(shape: ModelShape, found: list[Candidate], setup: dict) -> str:
                  f"{mem.optimizer / gb:.1f} + activations {mem.activations / gb:.1f} + buffers "
                  f"{mem.buffers / gb:.1f} + CUDA context {mem.context / gb:.1f}")
     lines += describe_best(best.moe, best.timing.step_time_s)
+    if setup.get("accuracy"):
+        from meshloom.plan.accuracy import describe
+        lines += describe(setup["accuracy"]["gpu"], setup["accuracy"]["adjusted"])
     return "\n".join(lines)

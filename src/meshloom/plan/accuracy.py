@@ -1,0 +1,115 @@
+"""How far the planner's throughput has been from measured runs, GPU by GPU.
+
+`benchmarks/planner_validation.py` plans meshloom's own measured runs and published runs of
+other trainers and compares (benchmarks/results/planner/validation.json); `summarise` boils
+those rows down per GPU preset into plan/accuracy.json, which ships with the package, and
+`meshloom plan` quotes it under its table. A planned step time is a prediction: the user
+should see next to it how far such predictions have landed from what ran, on that GPU.
+
+Errors are predicted / measured tokens per second - 1: positive means the plan was faster
+than the run. tests/test_plan_accuracy.py recomputes the file from validation.json, so the
+quoted figures cannot drift from the validation they summarise.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from functools import cache
+from pathlib import Path
+
+ACCURACY_FILE = Path(__file__).resolve().parent / "accuracy.json"
+SOURCE = "benchmarks/results/planner/validation.json (python benchmarks/planner_validation.py)"
+# The validation's set of Megatron-LM's 2021 paper rows names no trainer field: it is one.
+MEGATRON_2021 = "Megatron-LM (2021)"
+
+
+def _trainer(row: dict) -> str:
+    if row["set"].startswith("meshloom-"):
+        return "meshloom"
+    return row.get("trainer") or MEGATRON_2021
+
+
+def _group(rows: list[dict]) -> dict:
+    errors = [r["error"] for r in rows]
+    return {"runs": len(rows),
+            "trainers": sorted({_trainer(r) for r in rows}),
+            "gpus": [min(r["gpus"] for r in rows), max(r["gpus"] for r in rows)],
+            "mean_abs_error": round(statistics.mean(abs(e) for e in errors), 4),
+            "mean_error": round(statistics.mean(errors), 4),
+            "min_error": round(min(errors), 4),
+            "max_error": round(max(errors), 4)}
+
+
+def summarise(rows: list[dict]) -> dict:
+    """Per GPU preset, meshloom's own runs (sets `meshloom-*`) and the published runs of
+    other trainers, each summarised (`_group`)."""
+    out: dict[str, dict] = {}
+    for gpu in sorted({r["gpu"] for r in rows}):
+        on_gpu = [r for r in rows if r["gpu"] == gpu]
+        own = [r for r in on_gpu if r["set"].startswith("meshloom-")]
+        others = [r for r in on_gpu if not r["set"].startswith("meshloom-")]
+        out[gpu] = {k: _group(sel) for k, sel in (("meshloom", own), ("published", others))
+                    if sel}
+    return {"source": SOURCE,
+            "error": "planned / measured tokens per second per GPU - 1 (positive: the plan "
+                     "was faster than the run)",
+            "gpus": out}
+
+
+@cache
+def load() -> dict:
+    if not ACCURACY_FILE.exists():
+        return {"gpus": {}}
+    return json.loads(ACCURACY_FILE.read_text())
+
+
+def for_gpu(gpu: str) -> dict:
+    """The summary for one GPU preset ({} when no measured run on it was planned)."""
+    return load()["gpus"].get(gpu, {})
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _signed(x: float) -> str:
+    return f"{100 * x:+.1f}%".replace("-", "\u2212")
+
+
+def _spread(g: dict) -> str:
+    """Mean |error| and the range, or the one run's error."""
+    if g["runs"] == 1:
+        return f"{_signed(g['mean_error'])} off"
+    return (f"{_pct(g['mean_abs_error'])} off on average, {_signed(g['min_error'])} to "
+            f"{_signed(g['max_error'])}")
+
+
+def _gpus(g: dict) -> str:
+    lo, hi = g["gpus"]
+    return f"{lo} GPU{'s' if lo > 1 else ''}" if lo == hi else f"{lo}\u2013{hi} GPUs"
+
+
+def describe(gpu: str, adjusted: bool = False) -> list[str]:
+    """Lines for `meshloom plan`'s output: how far plans on `gpu` have been from measured runs.
+    `adjusted`: the user changed the preset's figures or its kernel table, which the
+    validation did not use."""
+    acc = for_gpu(gpu)
+    if not acc:
+        return [f"accuracy on {gpu}: no measured run on this GPU has been compared with a plan "
+                "(docs/plan.md, Validation)"]
+    parts = []
+    own = acc.get("meshloom")
+    if own:
+        parts.append(f"meshloom's own {own['runs']} run{'s' if own['runs'] > 1 else ''} "
+                     f"({_gpus(own)}) {_spread(own)}")
+    pub = acc.get("published")
+    if pub:
+        lean = "fast" if pub["mean_error"] >= 0 else "slow"
+        parts.append(f"{pub['runs']} published runs of {', '.join(pub['trainers'])} "
+                     f"({_gpus(pub)}) {_spread(pub)}, planned "
+                     f"{_pct(abs(pub['mean_error']))} {lean} on average")
+    note = (" Measured with the preset's figures and committed kernel table, which you "
+            "changed." if adjusted else "")
+    return [f"accuracy on {gpu} (planned against measured throughput, docs/plan.md, "
+            "Validation):"] + [f"  {p}" for p in parts] + ([note.strip()] if note else [])
