@@ -36,6 +36,7 @@ from meshloom.plan.formulas import MIXED, model_state_bytes
 from meshloom.plan.hardware import make_cluster
 from meshloom.plan.models import MEGATRON_SEQ, MEGATRON_TABLE1, PRESETS, from_dims
 from meshloom.plan.search import search
+from meshloom.plan.trainers import OTHER_LOOP, trainer_impl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import power_model  # noqa: E402
@@ -61,135 +62,6 @@ BEGIN, END = "<!-- validation:begin -->", "<!-- validation:end -->"
 README = HERE.parent / "README.md"
 README_BEGIN, README_END = "<!-- planner-accuracy:begin -->", "<!-- planner-accuracy:end -->"
 GOAL_MEAN, GOAL_MAX = 0.08, 0.20
-
-# How each public trainer runs (plan/implementation.py keys), matched on the start of the
-# row's `trainer`; a row may override with its own "implementation". Fused kernels count as
-# `compile` (Megatron's fused softmax/bias-GeLU/LayerNorm, flash-attention's training stack,
-# TinyLlama's fused rotary/SwiGLU/loss); Megatron-style selective recompute reruns the
-# attention core only.
-# llm-foundry's benchmark script runs MPT with `attn_impl: triton` unless told otherwise (the
-# Triton FlashAttention of 2023); flash-attention's training table is FlashAttention 1's (its
-# 189 TFLOP/s headline is the FlashAttention column of the FlashAttention-2 paper's Table 1).
-# Both kernels' rates are published for the A100 only; the H100 table prices them at their A100
-# ratio to FlashAttention-2 (`attention_ratio_from`, derived), and a GPU whose table has neither
-# keeps FlashAttention-2's rate and says so (`unpriced`).
-# Megatron-LM 2021 (Table 1) waited on every pipeline send and receive and synchronized the
-# device (p2p_communication._communicate), each tp rank sending 1/tp of the activation
-# (--scatter-gather-tensors-in-pipeline, on by default), and all-reduced the gradients after
-# the whole forward-backward schedule (default --DDP-impl local: allreduce_gradients());
-# DeepSpeed's pipeline engine (BLOOM's Megatron-DeepSpeed) sends synchronously
-# (runtime/pipe/p2p.py) and partitions a stage's output over the tensor-parallel group
-# (is_pipe_partitioned = is_model_parallel).
-# Megatron-Core and NeMo overlap tensor-parallel communication with TransformerEngine's
-# userbuffers (`ub_tp_comm_overlap` / `tp_comm_overlap` in NeMo's recipes), which runs the
-# overlapped GEMMs in pieces (tp_overlap_chunks).
-# Data-parallel collectives are bucketed as each trainer buckets them (`dp_buckets`): Megatron-LM
-# 2021's local DDP all-reduces its contiguous buffer in one call, Megatron-Core (and NeMo on it)
-# in buckets of max(40M, 1M x dp) parameters, DeepSpeed's ZeRO in 5e8-element buckets, PyTorch
-# DDP (Lightning) in 25 MiB ones; FSDP's gathers go unit by unit whatever the trainer.
-# NeMo's recipes set gradient_accumulation_fusion (the weight-gradient GEMM adds into the fp32
-# main gradient); Megatron-LM 2021's paper lists no such fusion, so its rows pay the pass.
-# llm-foundry's MPT takes its loss with flash-attn 1's xentropy kernel (ComposerMPTCausalLM's
-# `loss_fn` defaults to `fused_crossentropy` since mosaicml/examples#251, March 2023, which
-# imports flash-attn v1.0.3's; the benchmark yamls leave it unset: MPT_FUSED_CE in runs.json),
-# flash-attention's training scripts with apex's, the same kernel (`xentropy`), and TinyLlama
-# with flash-attn 2's `CrossEntropyLoss` on the csrc/xentropy extension its README builds.
-# torchtitan's loss stays eager with torch.compile on: `apply_compile` compiles each
-# TransformerBlock, and `loss_fn` is `F.cross_entropy(pred.flatten(0, 1).float(), ...)` outside
-# them (torchtitan's parallelize_llama.py and train.py of its 2024 performance runs).
-# Megatron-LM 2021 and Megatron-DeepSpeed take the loss with Megatron's unfused
-# vocab_parallel_cross_entropy on an fp32 copy of the logits (post_language_model_processing's
-# `vocab_parallel_cross_entropy(output.float(), labels)`, GPTModelPipe's CrossEntropy);
-# Megatron-Core and NeMo do too unless `cross_entropy_loss_fusion` is set, as NeMo's Nemotron
-# yaml and the launcher's llama3_1 yamls set it (`megatron_fused`); a run whose yaml leaves it
-# out says so in its own `implementation` (MCORE_CE in runs.json).
-# Both run a SwiGLU through Megatron-Core's fused bias_swiglu_impl (bias_activation_fusion, on
-# in NeMo's recipes and Megatron-LM's defaults), which keeps only the first GEMM's output.
-# Under grouped-query attention, Megatron-Core and NeMo hand the shared K/V heads to
-# TransformerEngine's attention (`num_gqa_groups`) and TinyLlama to flash-attn 2 (lit_gpt/
-# model.py: "we do not need to do this as flash attention 2 already support GQA"), so neither
-# copies them out per head (`expand_kv` off); torchtitan's Llama does (`repeat_kv`).
-# The optimizer: Megatron, NeMo and Megatron-DeepSpeed step with Apex's or TransformerEngine's
-# FusedAdam, flash-attention's training configs with Apex's (pile/base.yaml `adamw-apex`);
-# torchtitan builds PyTorch's AdamW with `foreach = not fused` and `--optimizer.fused` off by
-# default (`foreach`); TinyLlama's pretrain script passes `foreach=False` (`for_loop`), and
-# Composer's DecoupledAdamW, llm-foundry's optimizer, loops over the parameters (`for_loop`).
-# torchtitan shards with FSDP2 (`fully_shard`), whose all-gathers are copied out of their flat
-# buffer into each parameter (`foreach_all_gather_copy_out`, `fsdp_copy_out`); FSDP1 (Composer,
-# Lightning) and meshloom's ZeRO-3 use the gathered buffer's views. torchtitan's Llama rotates q
-# and k as complex numbers (`apply_rotary_emb`: `view_as_complex`), which Inductor leaves to
-# eager kernels (pytorch/torchtitan#15: `rope_complex`). TinyLlama's pretrain script accumulates
-# its 8 micro-batches under `fabric.no_backward_sync` (FSDP's `no_sync`): one reduce-scatter a
-# step, whole gradients kept in between (`fsdp_no_sync`). Composer and Lightning shard with
-# FSDP1, whose flat parameter receives every backward's gradients through autograd's
-# concatenation of its views' (`fsdp_flat_param`). Lightning's `bf16-mixed` FSDP precision
-# (since 2.0.3; TinyLlama's requirements.txt tracks Lightning's master of 2023) keeps the
-# working parameters fp32 (`MixedPrecision(param_dtype=float32, reduce_dtype=bfloat16)`) and
-# computes under autocast (`fp32_params`): fp32 gathers and gradients, a weight cast each
-# way every micro-batch, as Lightning's `bf16` AMP over DDP does for
-# flash-attention's training scripts, whose larger configs (gpt3l/xl, 2.7B) step PyTorch's
-# ZeroRedundancyOptimizer over DDP (`adamw-zero` with `DDPStrategyZero1`: the gradient
-# all-reduced by DDP, the updated parameters broadcast, `zero_redundancy_optimizer`).
-# Composer evaluates the model's training metrics on every micro-batch
-# after its backward (`_eval_train_metrics`), and llm-foundry's MPT declares two,
-# LanguageCrossEntropy and LanguagePerplexity, each an eager cross entropy over the logits
-# (`train_metrics=composer`).
-# Gradients cross the data-parallel group in 16 bits for Megatron-LM 2021 (fp16), NeMo
-# (`grad_sync_dtype: bf16`), llm-foundry (Composer's 2023 `DEFAULT`: FSDP reduce_dtype unset, so
-# bf16) and TinyLlama (Lightning's `bf16-mixed` FSDP); in fp32 for torchtitan (FSDP2,
-# `mixed_precision_reduce = "float32"` by default), flash-attention's Lightning DDP (autocast
-# over fp32 parameters: fp32 gradients) and BLOOM, as in meshloom by default
-# (`parallel.reduce_dtype`). BLOOM's Megatron-DeepSpeed ran bf16 with ZeRO stage 0, which
-# DeepSpeed's pipeline engine hands to its BF16_Optimizer (`deepspeed_bf16_optimizer`, DeepSpeed
-# PR #1801, "fp32 reduction" in its commit list): the whole fp32 gradient buffer all-reduced,
-# whole fp32 master copy and gradients on every rank, only the moments sharded.
-# What every other trainer's loop does unlike meshloom's (implementation.py). Their attention
-# is FlashAttention-2's unless the trainer's entry says otherwise: torchtitan's SDPA on an H100
-# ran it before PyTorch 2.9 put cuDNN first, and which kernel TransformerEngine picked for NeMo
-# is not cited.
-OTHER_LOOP = {"meshloom_block": False, "free_unbucketed_grads": False, "clip_in_optimizer": False,
-              "attention_kernel": "fa2"}
-TRAINER_IMPL = {
-    "megatron-lm": {"compile": True, "tp_overlap": True, "tp_overlap_chunks": True,
-                    "grad_reduce_dtype": "bf16",
-                    "dp_overlap": True, "selective_elementwise": False, "pp_split": "even",
-                    "fused_swiglu": True, "expand_kv": False, "dp_buckets": "mcore",
-                    "cross_entropy": "megatron", "cp_ring": "te"},
-    "nemo": {"compile": True, "tp_overlap": True, "tp_overlap_chunks": True, "dp_overlap": True,
-             "grad_reduce_dtype": "bf16",
-             "selective_elementwise": False, "fused_grad_accumulation": True,
-             "cross_entropy": "megatron_fused",
-             "pp_split": "even", "fused_swiglu": True, "expand_kv": False,
-             "dp_buckets": "mcore", "cp_ring": "te", "qkv_transpose": True},
-    "megatron-deepspeed": {"compile": True, "selective_elementwise": False,
-                           "grad_reduce_dtype": "fp32", "deepspeed_bf16_optimizer": True,
-                           "p2p_blocking": True, "pp_scatter_gather": True,
-                           "cross_entropy": "megatron",
-                           "dp_buckets": "deepspeed"},
-    "flash-attention": {"compile": True, "attention_kernel": "fa1", "cross_entropy": "xentropy",
-                        "grad_reduce_dtype": "fp32", "fp32_params": True,
-                        "zero_redundancy_optimizer": True},
-    "tinyllama": {"compile": True, "expand_kv": False, "cross_entropy": "xentropy",
-                  "optimizer_impl": "for_loop", "grad_reduce_dtype": "bf16",
-                  "fsdp_no_sync": True, "fsdp_flat_param": True, "fp32_params": True},
-    "llm-foundry": {"compile": False, "attention_kernel": "triton",
-                    "cross_entropy": "xentropy", "optimizer_impl": "for_loop",
-                    "grad_reduce_dtype": "bf16", "fsdp_flat_param": True,
-                    "train_metrics": "composer"},
-    "torchtitan": {"compile": False, "op_sac": True, "cross_entropy": "eager",
-                   "optimizer_impl": "foreach", "fsdp_copy_out": True, "rope_complex": True,
-                   "grad_reduce_dtype": "fp32"},
-}
-
-
-def trainer_impl(trainer: str) -> dict:
-    """A public trainer's implementation keys; none of them runs meshloom's block, so its
-    activations are counted as Korthikanti et al. count them (`meshloom_block` off), and each
-    keeps its gradients and clips them in a pass of its own."""
-    key = trainer.lower()
-    impl = next((dict(v) for k, v in TRAINER_IMPL.items() if key.startswith(k)), {})
-    return {**OTHER_LOOP, **impl}
-
 
 @cache
 def sustained_ratio() -> float:

@@ -52,6 +52,12 @@ def test_summarise_splits_meshloom_runs_from_published_ones_per_gpu():
     assert pub == {"runs": 3, "trainers": ["llm-foundry", "nemo"], "gpus": [8, 64],
                    "mean_abs_error": 0.15, "mean_error": -0.05, "min_error": -0.3,
                    "max_error": 0.1}
+    assert out["h100"]["by_trainer"] == {
+        "llm-foundry": {"runs": 1, "trainers": ["llm-foundry"], "gpus": [64, 64],
+                        "mean_abs_error": 0.3, "mean_error": -0.3, "min_error": -0.3,
+                        "max_error": -0.3},
+        "nemo": {"runs": 2, "trainers": ["nemo"], "gpus": [8, 16], "mean_abs_error": 0.075,
+                 "mean_error": 0.075, "min_error": 0.05, "max_error": 0.1}}
     assert out["a100-80g"] == {"published": {
         "runs": 1, "trainers": [accuracy.MEGATRON_2021], "gpus": [3072, 3072],
         "mean_abs_error": 0.04, "mean_error": 0.04, "min_error": 0.04, "max_error": 0.04}}
@@ -75,6 +81,27 @@ def test_describe_states_mean_range_and_lean(monkeypatch):
         "(docs/plan.md, Validation)"]
 
 
+def test_describe_puts_the_chosen_trainers_runs_first(monkeypatch):
+    rows = [_row("meshloom-h100", "h100", 1, 0.01),
+            _row("published-h100", "h100", 8, 0.10, "nemo"),
+            _row("published-h100", "h100", 16, 0.06, "nemo"),
+            _row("published-h100", "h100", 64, -0.20, "llm-foundry"),
+            _row("published-a100-80g", "a100-80g", 8, 0.03, "torchtitan")]
+    monkeypatch.setattr(accuracy, "load", lambda: accuracy.summarise(rows))
+    lines = accuracy.describe("h100", trainer="nemo")
+    assert lines[1:] == [
+        "  2 published runs of nemo (8\u201316 GPUs) 8.0% off on average, +6.0% to +10.0%, "
+        "planned 8.0% fast on average",
+        "  all 3 published runs of llm-foundry, nemo (8\u201364 GPUs) 12.0% off on average, "
+        "\u221220.0% to +10.0%, planned 1.3% slow on average"]
+    assert accuracy.describe("h100", trainer="torchtitan")[1] == (
+        "  no published run of torchtitan on h100 was planned (its runs were on a100-80g)")
+    # One trainer's runs are all the GPU's: not said twice.
+    assert accuracy.describe("a100-80g", trainer="torchtitan")[1:] == [
+        "  1 published run of torchtitan (8 GPUs) +3.0% off, planned 3.0% fast on average"]
+    assert "meshloom's own" not in "".join(accuracy.describe("h100", trainer="nemo"))
+
+
 @pytest.mark.parametrize("gpu", ["h100", "a100-80g", "titan-rtx-24g"])
 def test_plan_prints_the_accuracy_of_its_gpu(gpu, capsys):
     from meshloom.commands import main
@@ -84,7 +111,18 @@ def test_plan_prints_the_accuracy_of_its_gpu(gpu, capsys):
     assert tail == accuracy.describe(gpu)
     assert main([*PLAN, "--gpu", gpu, "--json"]) == 0
     got = json.loads(capsys.readouterr().out)["accuracy"]
-    assert got == {"gpu": gpu, "adjusted": False, **accuracy.for_gpu(gpu)}
+    assert got == {"gpu": gpu, "trainer": "meshloom", "adjusted": False,
+                   **accuracy.for_gpu(gpu)}
+
+
+def test_plan_for_a_trainer_quotes_that_trainers_runs(capsys):
+    from meshloom.commands import main
+    assert main([*PLAN, "--gpu", "h100", "--trainer", "nemo"]) == 0
+    out = capsys.readouterr().out
+    tail = out[out.index("best: memory per GPU"):].splitlines()[1:]
+    assert tail == accuracy.describe("h100", trainer="nemo")
+    nemo = accuracy.for_gpu("h100")["by_trainer"]["nemo"]
+    assert tail[1].startswith(f"  {nemo['runs']} published runs of nemo ")
 
 
 @pytest.mark.parametrize("flag", [["--peak-tflops", "900"], ["--gpu-memory-gb", "40"],

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from meshloom.plan import PlanError
 from meshloom.plan.hardware import GPUS, make_cluster
 from meshloom.plan.implementation import IMPL_KEYS
+from meshloom.plan.trainers import TRAINERS, trainer_impl
 
 if TYPE_CHECKING:  # the cost model imports torch (model presets); the parser must not
     from meshloom.plan.models import ModelShape
@@ -78,6 +79,9 @@ def add_parser(sub) -> None:
                    help="sequences per optimizer step (default: one per GPU)")
     b.add_argument("--dtype", choices=DTYPES, default="bf16")
     b.add_argument("--attention", choices=("flash", "eager"), default="flash")
+    p.add_argument("--trainer", default="meshloom", choices=("meshloom", *TRAINERS),
+                   help="plan the step as this trainer runs it (its --fix keys, cited in "
+                        "plan/trainers.py; --fix overrides them); default meshloom")
     p.add_argument("--fix", default="", metavar="KEY=V,...",
                    help="pin part of the layout: tp, pp, dp, cp, dp_replicate, micro_batch, "
                         "zero, recompute, schedule, v, sp, ep; or say how the trainer runs it "
@@ -138,14 +142,14 @@ def plan(args) -> tuple[ModelShape, list[Candidate], dict]:
         raise PlanError(f"--seq={args.seq} and --global-batch={batch} must be positive")
     if args.top < 1:
         raise PlanError(f"--top={args.top} must be at least 1")
-    fixed = parse_fix(args.fix)
+    fixed = {**trainer_impl(args.trainer), **parse_fix(args.fix)}
     found = search(shape, cluster, args.seq, batch, fixed, args.dtype,
                    args.attention == "flash", args.top)
     setup = {"model": shape.to_dict(), "cluster": {"gpu": cluster.gpu.__dict__,
                                                     "gpus": cluster.n_gpus,
                                                     "gpus_per_node": cluster.gpus_per_node},
              "seq": args.seq, "global_batch": batch, "dtype": args.dtype,
-             "attention": args.attention, "fix": fixed,
+             "attention": args.attention, "trainer": args.trainer, "fix": fixed,
              "rates": found[0].timing.detail.get("rates") if found else None,
              "accuracy": _accuracy(args)}
     return shape, found, setup
@@ -158,7 +162,8 @@ def _accuracy(args) -> dict:
     adjusted = any(v is not None for v in (args.peak_tflops, args.gpu_memory_gb,
                                             args.intra_node_gbps, args.inter_node_gbps,
                                             args.kernels))
-    return {"gpu": args.gpu, "adjusted": adjusted, **accuracy.for_gpu(args.gpu)}
+    return {"gpu": args.gpu, "trainer": args.trainer, "adjusted": adjusted,
+            **accuracy.for_gpu(args.gpu)}
 
 
 def run(args) -> int:
@@ -228,5 +233,6 @@ def format_table(shape: ModelShape, found: list[Candidate], setup: dict) -> str:
     lines += describe_best(best.moe, best.timing.step_time_s)
     if setup.get("accuracy"):
         from meshloom.plan.accuracy import describe
-        lines += describe(setup["accuracy"]["gpu"], setup["accuracy"]["adjusted"])
+        acc = setup["accuracy"]
+        lines += describe(acc["gpu"], acc["adjusted"], acc.get("trainer", "meshloom"))
     return "\n".join(lines)

@@ -18,6 +18,8 @@ import statistics
 from functools import cache
 from pathlib import Path
 
+from meshloom.plan.trainers import trainer_key
+
 ACCURACY_FILE = Path(__file__).resolve().parent / "accuracy.json"
 SOURCE = "benchmarks/results/planner/validation.json (python benchmarks/planner_validation.py)"
 # The validation's set of Megatron-LM's 2021 paper rows names no trainer field: it is one.
@@ -51,6 +53,11 @@ def summarise(rows: list[dict]) -> dict:
         others = [r for r in on_gpu if not r["set"].startswith("meshloom-")]
         out[gpu] = {k: _group(sel) for k, sel in (("meshloom", own), ("published", others))
                     if sel}
+        keys = sorted({k for r in others if (k := trainer_key(r.get("trainer") or ""))})
+        if keys:  # the published runs of each trainer `--trainer` names
+            out[gpu]["by_trainer"] = {
+                k: _group([r for r in others if trainer_key(r.get("trainer") or "") == k])
+                for k in keys}
     return {"source": SOURCE,
             "error": "planned / measured tokens per second per GPU - 1 (positive: the plan "
                      "was faster than the run)",
@@ -90,25 +97,35 @@ def _gpus(g: dict) -> str:
     return f"{lo} GPU{'s' if lo > 1 else ''}" if lo == hi else f"{lo}\u2013{hi} GPUs"
 
 
-def describe(gpu: str, adjusted: bool = False) -> list[str]:
-    """Lines for `meshloom plan`'s output: how far plans on `gpu` have been from measured runs.
-    `adjusted`: the user changed the preset's figures or its kernel table, which the
-    validation did not use."""
+def _published(g: dict, who: str) -> str:
+    lean = "fast" if g["mean_error"] >= 0 else "slow"
+    return (f"{g['runs']} published run{'s' if g['runs'] > 1 else ''} of {who} ({_gpus(g)}) "
+            f"{_spread(g)}, planned {_pct(abs(g['mean_error']))} {lean} on average")
+
+
+def describe(gpu: str, adjusted: bool = False, trainer: str = "meshloom") -> list[str]:
+    """Lines for `meshloom plan`'s output: how far plans on `gpu` have been from measured runs,
+    those of `trainer` first when it is another trainer's plan. `adjusted`: the user changed
+    the preset's figures or its kernel table, which the validation did not use."""
     acc = for_gpu(gpu)
     if not acc:
         return [f"accuracy on {gpu}: no measured run on this GPU has been compared with a plan "
                 "(docs/plan.md, Validation)"]
     parts = []
     own = acc.get("meshloom")
-    if own:
+    if trainer != "meshloom":
+        mine = acc.get("by_trainer", {}).get(trainer)
+        elsewhere = [g for g, a in load()["gpus"].items() if trainer in a.get("by_trainer", {})]
+        parts.append(_published(mine, trainer) if mine else
+                     f"no published run of {trainer} on {gpu} was planned"
+                     + (f" (its runs were on {', '.join(elsewhere)})" if elsewhere else ""))
+    elif own:
         parts.append(f"meshloom's own {own['runs']} run{'s' if own['runs'] > 1 else ''} "
                      f"({_gpus(own)}) {_spread(own)}")
     pub = acc.get("published")
-    if pub:
-        lean = "fast" if pub["mean_error"] >= 0 else "slow"
-        parts.append(f"{pub['runs']} published runs of {', '.join(pub['trainers'])} "
-                     f"({_gpus(pub)}) {_spread(pub)}, planned "
-                     f"{_pct(abs(pub['mean_error']))} {lean} on average")
+    if pub and (trainer == "meshloom" or pub["trainers"] != [trainer]):
+        parts.append(("all " if trainer != "meshloom" else "")
+                     + _published(pub, ", ".join(pub["trainers"])))
     note = (" Measured with the preset's figures and committed kernel table, which you "
             "changed." if adjusted else "")
     return [f"accuracy on {gpu} (planned against measured throughput, docs/plan.md, "
