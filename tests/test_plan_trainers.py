@@ -45,12 +45,16 @@ def _plan(capsys, *extra: str) -> dict:
 
 @pytest.mark.parametrize("trainer", sorted(TRAINERS))
 def test_trainer_flag_is_its_fix_keys(trainer, capsys):
-    """--trainer X plans exactly what --fix with X's keys plans, and says which it was."""
-    by_flag = _plan(capsys, "--trainer", trainer)
+    """--trainer X prices a layout exactly as --fix with X's keys does, and says which it
+    was (on a layout every trainer runs: its search is limited to those, below)."""
+    pin = "tp=1,pp=1,cp=1,zero=0,recompute=none"
+    by_flag = _plan(capsys, "--trainer", trainer, "--fix", pin)
     fix = ",".join(f"{k}={str(v).lower()}" for k, v in trainer_impl(trainer).items())
-    by_fix = _plan(capsys, "--fix", fix)
+    by_fix = _plan(capsys, "--fix", f"{fix},{pin}")
     assert by_flag["trainer"] == trainer and by_fix["trainer"] == "meshloom"
-    assert by_flag["fix"] == by_fix["fix"] == trainer_impl(trainer)
+    assert by_flag["fix"] == by_fix["fix"]
+    assert {k: v for k, v in by_flag["fix"].items() if k in trainer_impl(trainer)} == \
+        trainer_impl(trainer)
     assert by_flag["candidates"] == by_fix["candidates"]
 
 
@@ -67,3 +71,82 @@ def test_trainers_plan_differently_from_meshloom(capsys):
     step = {t: _plan(capsys, "--trainer", t, *pin)["candidates"][0]["step_time_s"]
             for t in ("meshloom", "llm-foundry", "torchtitan")}
     assert len(set(step.values())) == 3, step
+
+
+def _lay(**kw):
+    from meshloom.plan.layout import Layout
+    return Layout(**kw)
+
+
+def test_every_published_layout_is_one_its_trainer_runs():
+    """The layout rules agree with what ran: no published run's layout is refused by its
+    trainer's rules (plan/trainers.py LAYOUT_RULES)."""
+    from meshloom.plan.trainers import layout_problem
+    runs = json.loads(RUNS.read_text())["runs"]
+    for run in runs:
+        lay = run["layout"]
+        got = layout_problem(trainer_key(run["trainer"]), _lay(
+            tp=lay["tp"], pp=lay["pp"], dp=lay["dp"], cp=lay["cp"],
+            dp_replicate=lay.get("dp_replicate", 1), micro_batch=run["micro_batch"],
+            zero=lay["zero"], recompute=lay["recompute"], schedule=lay.get("schedule") or "1f1b",
+            v=lay.get("v", 1), sp=lay.get("sp", False), ep=lay.get("ep", 1)))
+        assert got is None, (run["id"], got)
+
+
+@pytest.mark.parametrize("trainer, layout, key, why", [
+    ("nemo", dict(dp=8, zero=2), "zero", "nemo shards only the optimizer state"),
+    ("megatron-lm", dict(pp=2, dp=4, schedule="gpipe"), "schedule",
+     "1F1B or interleaved 1F1B"),
+    ("megatron-deepspeed", dict(pp=2, dp=4, zero=2), "zero", "refuses ZeRO-2 and ZeRO-3"),
+    ("megatron-deepspeed", dict(cp=2, dp=4), "cp", "has no context parallel"),
+    ("llm-foundry", dict(tp=2, dp=4), "tp", "llm-foundry is data-parallel only"),
+    ("llm-foundry", dict(dp=8, zero=1), "zero", "shards as ZeRO-0/2/3 only"),
+    ("tinyllama", dict(dp=8, zero=3, recompute="selective"), "recompute", "whole blocks only"),
+    ("flash-attention", dict(dp=8, zero=3), "zero", "ZeRO-0/1/2 only"),
+    ("flash-attention", dict(dp=8, recompute="full"), "recompute", "mlp_checkpoint_lvl"),
+    ("torchtitan", dict(dp=8, zero=1), "zero", "never ZeRO-1"),
+    ("torchtitan", dict(tp=2, dp=4, zero=0), "zero", "DDP only as 1-D"),
+    ("torchtitan", dict(pp=2, dp=4, zero=3), "zero", "under a pipeline (ZeRO-2)"),
+    ("torchtitan", dict(dp=8, zero=2), "zero", "without a pipeline (ZeRO-3)"),
+])
+def test_layout_rules_refuse_what_the_trainer_cannot_run(trainer, layout, key, why):
+    from meshloom.plan.trainers import layout_problem
+    got = layout_problem(trainer, _lay(**layout))
+    assert got is not None and why in got and got.startswith(trainer), got
+    # Pinning the key the rule names leaves the layout to the user.
+    assert layout_problem(trainer, _lay(**layout), pinned=frozenset({key})) is None
+
+
+def test_rules_accept_what_the_trainer_runs_and_a_pinned_key_hides_no_other_problem():
+    from meshloom.plan.trainers import layout_problem
+    ok = [("nemo", dict(tp=4, pp=2, dp=1, zero=1, schedule="interleaved_1f1b", v=2)),
+          ("megatron-deepspeed", dict(dp=8, zero=3)),  # no pipeline: any ZeRO stage
+          ("torchtitan", dict(pp=2, dp=4, zero=2)), ("torchtitan", dict(dp=8, zero=0)),
+          ("torchtitan", dict(tp=8, zero=1)),  # one data-parallel rank: no sharding at all
+          ("llm-foundry", dict(dp=8, zero=3, recompute="full")),
+          ("meshloom", dict(tp=2, pp=2, dp=2, zero=1))]
+    for trainer, layout in ok:
+        assert layout_problem(trainer, _lay(**layout)) is None, (trainer, layout)
+    both = _lay(tp=2, pp=2, dp=2)
+    assert "data-parallel only" in layout_problem("llm-foundry", both, frozenset({"tp"}))
+    assert layout_problem("llm-foundry", both, frozenset({"tp", "pp"})) is None
+
+
+@pytest.mark.parametrize("trainer", sorted(TRAINERS))
+def test_a_trainers_search_returns_only_layouts_it_runs(trainer, capsys):
+    from meshloom.plan.layout import Layout
+    from meshloom.plan.trainers import layout_problem
+    got = _plan(capsys, "--trainer", trainer, "--top", "40")
+    assert got["candidates"]
+    for c in got["candidates"]:
+        lay = Layout(**{k: v for k, v in c["layout"].items() if k in Layout.__annotations__})
+        assert layout_problem(trainer, lay) is None, (trainer, c["layout"])
+
+
+def test_no_layout_the_trainer_runs_is_a_one_line_error(capsys):
+    from meshloom.commands import main
+    assert main(["plan", "--model", "gpt2", "--gpus", "8", "--trainer", "llm-foundry",
+                 "--fix", "dp=4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("meshloom plan: error: no layout with --fix dp=4 that the trainer runs: "
+                   "llm-foundry is data-parallel only")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING
 from meshloom.plan import PlanError
 from meshloom.plan.hardware import GPUS, make_cluster
 from meshloom.plan.implementation import IMPL_KEYS
-from meshloom.plan.trainers import TRAINERS, trainer_impl
+from meshloom.plan.trainers import TRAINERS, layout_problem, trainer_impl
 
 if TYPE_CHECKING:  # the cost model imports torch (model presets); the parser must not
     from meshloom.plan.models import ModelShape
@@ -142,9 +143,13 @@ def plan(args) -> tuple[ModelShape, list[Candidate], dict]:
         raise PlanError(f"--seq={args.seq} and --global-batch={batch} must be positive")
     if args.top < 1:
         raise PlanError(f"--top={args.top} must be at least 1")
-    fixed = {**trainer_impl(args.trainer), **parse_fix(args.fix)}
+    pinned = parse_fix(args.fix)
+    fixed = {**trainer_impl(args.trainer), **pinned}
+    refuses = None
+    if args.trainer != "meshloom":  # only the layouts its code runs, bar what --fix pins
+        refuses = functools.partial(layout_problem, args.trainer, pinned=frozenset(pinned))
     found = search(shape, cluster, args.seq, batch, fixed, args.dtype,
-                   args.attention == "flash", args.top)
+                   args.attention == "flash", args.top, refuses)
     setup = {"model": shape.to_dict(), "cluster": {"gpu": cluster.gpu.__dict__,
                                                     "gpus": cluster.n_gpus,
                                                     "gpus_per_node": cluster.gpus_per_node},

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import gc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
@@ -279,14 +279,18 @@ def _rest(shape, cluster, seq, global_batch, fixed, opts, base: Layout) -> Itera
 
 
 def search(shape: ModelShape, cluster: Cluster, seq: int, global_batch: int, fixed: dict,
-           dtype: str = "bf16", flash: bool = True, top: int = 10) -> list[Candidate]:
+           dtype: str = "bf16", flash: bool = True, top: int = 10,
+           refuses: Callable[[Layout], str | None] | None = None) -> list[Candidate]:
     """The `top` fastest layouts that fit (the least memory-hungry ones if none fits). The
-    implementation keys of `fixed` (plan/implementation.py) say how the code runs them."""
+    implementation keys of `fixed` (plan/implementation.py) say how the code runs them;
+    `refuses`, if given, names why a layout is out (the layouts a trainer cannot run,
+    plan/trainers.py) and the search skips those."""
     if global_batch < 1 or seq < 1:
         raise PlanError("--seq and --global-batch must be positive")
     fixed, impl = split_fix(fixed)
     with _collector_paused():
-        return _search(shape, cluster, seq, global_batch, fixed, impl, dtype, flash, top)
+        return _search(shape, cluster, seq, global_batch, fixed, impl, dtype, flash, top,
+                       refuses)
 
 
 @contextmanager
@@ -304,12 +308,18 @@ def _collector_paused() -> Iterator[None]:
 
 
 def _search(shape: ModelShape, cluster: Cluster, seq: int, global_batch: int, fixed: dict,
-            impl: Implementation, dtype: str, flash: bool, top: int) -> list[Candidate]:
+            impl: Implementation, dtype: str, flash: bool, top: int,
+            refuses: Callable[[Layout], str | None] | None = None) -> list[Candidate]:
     fitting: list[Candidate] = []
     smallest: list[tuple[float, Layout]] = []
     count = 0
     skipped = None
+    refused = None
     for lay in layouts(shape, cluster, seq, global_batch, fixed):
+        why = refuses(lay) if refuses else None
+        if why:
+            refused = why
+            continue
         skipped = _expert_tp_problem(shape, lay, impl)
         if skipped:
             continue
@@ -321,6 +331,9 @@ def _search(shape: ModelShape, cluster: Cluster, seq: int, global_batch: int, fi
         fitting.append(evaluate(shape, lay, cluster, seq, global_batch, dtype, flash,
                                 exact=False, memory=mem, impl=impl))
     if not count:
+        if refused:
+            raise PlanError(f"no layout{' with --fix ' + _fmt(fixed) if fixed else ''} that "
+                            f"the trainer runs: {refused}")
         if skipped:
             raise PlanError(f"no valid layout with --fix {_fmt(fixed)}: {skipped}")
         raise PlanError(_no_layout(shape, cluster, seq, global_batch, fixed))

@@ -11,6 +11,8 @@ of these keys.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from meshloom.plan import PlanError
 
 # How each public trainer runs (plan/implementation.py keys), matched on the start of the
@@ -152,3 +154,91 @@ def trainer_impl(trainer: str) -> dict:
         raise PlanError(f"--trainer: unknown trainer '{trainer}'; one of meshloom, "
                         + ", ".join(TRAINERS))
     return {**OTHER_LOOP, **TRAINERS[key]}
+
+
+# The layouts each trainer's code can run, as of the version its TRAINERS entry models (the
+# versions of the validation's published runs); `--trainer` searches only these. Each rule
+# names the layout key it limits, so a key the user pins with --fix is left to the user.
+# - Megatron-Core (megatron-lm, and NeMo 24.09-24.11 on it) shards only the optimizer state
+#   (its distributed optimizer, ZeRO-1; DDP without it) and schedules a pipeline as 1F1B or
+#   interleaved 1F1B (pipeline_parallel/schedules.py `get_forward_backward_func`).
+# - Megatron-DeepSpeed runs no context parallel, and DeepSpeed's pipeline engine refuses ZeRO-2
+#   and -3 ("ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism", runtime/pipe/
+#   engine.py) and runs its own 1F1B TrainSchedule (runtime/pipe/schedule.py).
+# - flash-attention's Lightning training scripts, TinyLlama's lit-gpt and the 2023 llm-foundry
+#   are data-parallel only: DDP with ZeroRedundancyOptimizer or its ZeRO-2 variant
+#   (training/src/utils/ddp_zero1.py, ddp_zero2.py); FSDP through Fabric's FSDPStrategy and
+#   Composer's `fsdp_config` (NO_SHARD, SHARD_GRAD_OP, FULL_SHARD: Composer's SHARDING_MAP), each
+#   checkpointing whole blocks (lit-gpt's `activation_checkpointing_policy={Block}`,
+#   Composer's `activation_checkpointing` of the FSDP-wrapped MPT blocks); flash-attention's
+#   checkpointing recomputes parts of the feed-forward (`mlp_checkpoint_lvl` in its
+#   experiment configs), which the planner has no mode for.
+# - torchtitan (its 2024 parallelize_llama.py) shards with FSDP2, resharding each block after
+#   forward (ZeRO-3) except under pipeline parallel, where it keeps them gathered (ZeRO-2), and
+#   runs DDP only as 1-D parallelism ("DDP has not supported > 1D parallelism").
+_ONLY_DP = "is data-parallel only"
+_WHOLE_BLOCKS = "recomputes whole blocks only"
+
+
+def _megatron_core(lay) -> Iterator[tuple[str, str]]:
+    if lay.dp_shard > 1 and lay.zero >= 2:
+        yield "zero", "shards only the optimizer state (ZeRO-1, its distributed optimizer)"
+    if lay.pp > 1 and lay.schedule not in ("1f1b", "interleaved_1f1b"):
+        yield "schedule", "schedules a pipeline as 1F1B or interleaved 1F1B"
+
+
+def _megatron_deepspeed(lay) -> Iterator[tuple[str, str]]:
+    if lay.cp > 1:
+        yield "cp", "has no context parallel"
+    if lay.pp > 1 and lay.zero >= 2:
+        yield "zero", "refuses ZeRO-2 and ZeRO-3 with a pipeline (DeepSpeed's pipeline engine)"
+    if lay.pp > 1 and lay.schedule != "1f1b":
+        yield "schedule", "runs DeepSpeed's 1F1B pipeline schedule"
+
+
+def _data_parallel_only(zeros: tuple[int, ...], recomputes: tuple[str, ...], why: str):
+    def rule(lay) -> Iterator[tuple[str, str]]:
+        for key in ("tp", "pp", "cp"):
+            if getattr(lay, key) > 1:
+                yield key, _ONLY_DP
+        if lay.dp_shard > 1 and lay.zero not in zeros:
+            yield "zero", "shards as ZeRO-" + "/".join(map(str, zeros)) + " only"
+        if lay.recompute not in recomputes:
+            yield "recompute", why
+    return rule
+
+
+def _torchtitan(lay) -> Iterator[tuple[str, str]]:
+    if lay.dp_shard <= 1:
+        return
+    if lay.zero == 1:
+        yield "zero", "shards with FSDP2 (ZeRO-2/3) or runs DDP, never ZeRO-1"
+    if lay.zero == 0 and (lay.tp > 1 or lay.pp > 1 or lay.cp > 1):
+        yield "zero", "runs DDP only as 1-D parallelism"
+    if lay.pp > 1 and lay.zero == 3:
+        yield "zero", "keeps blocks gathered after forward under a pipeline (ZeRO-2)"
+    if lay.pp == 1 and lay.zero == 2:
+        yield "zero", "reshards blocks after forward without a pipeline (ZeRO-3)"
+
+
+LAYOUT_RULES = {
+    "megatron-lm": _megatron_core,
+    "nemo": _megatron_core,
+    "megatron-deepspeed": _megatron_deepspeed,
+    "flash-attention": _data_parallel_only(
+        (0, 1, 2), ("none",), "recomputes parts of the feed-forward (mlp_checkpoint_lvl), "
+        "which the planner does not model; plan it without recompute"),
+    "tinyllama": _data_parallel_only((0, 2, 3), ("none", "full"), _WHOLE_BLOCKS),
+    "llm-foundry": _data_parallel_only((0, 2, 3), ("none", "full"), _WHOLE_BLOCKS),
+    "torchtitan": _torchtitan,
+}
+
+
+def layout_problem(trainer: str, lay, pinned: frozenset = frozenset()) -> str | None:
+    """Why `trainer` cannot run layout `lay` (None if it can, or for meshloom), leaving alone
+    the keys the user pinned (`pinned`): --fix overrides the trainer's limits as its keys."""
+    rule = LAYOUT_RULES.get(trainer)
+    for key, why in rule(lay) if rule else ():
+        if key not in pinned:
+            return f"{trainer} {why}"
+    return None
