@@ -150,3 +150,14 @@ def test_no_layout_the_trainer_runs_is_a_one_line_error(capsys):
     err = capsys.readouterr().err.strip()
     assert err == ("meshloom plan: error: no layout with --fix dp=4 that the trainer runs: "
                    "llm-foundry is data-parallel only")
+
+
+def test_a_meshloom_config_is_not_written_from_another_trainers_plan(tmp_path, capsys):
+    from meshloom.commands import main
+    out = tmp_path / "best.toml"
+    assert main(["plan", "--model", "llama3-1b", "--gpus", "8", "--trainer", "nemo",
+                 "--write-config", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("meshloom plan: error: --write-config writes a meshloom config, but "
+                   "--trainer nemo plans nemo's step; drop one of them")
+    assert not out.exists()

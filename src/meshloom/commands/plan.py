@@ -128,6 +128,9 @@ _SHAPE_OPTIONS = ("head_dim", "sliding_window", "positions", "tied", "linear_bia
 def plan(args) -> tuple[ModelShape, list[Candidate], dict]:
     from meshloom.plan.layout import parse_fix
     from meshloom.plan.search import search
+    if args.write_config and args.trainer != "meshloom":
+        raise PlanError(f"--write-config writes a meshloom config, but --trainer {args.trainer} "
+                        f"plans {args.trainer}'s step; drop one of them")
     shape = _model(args)
     if args.moe_imbalance is not None:
         import dataclasses
