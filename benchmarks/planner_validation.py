@@ -304,6 +304,9 @@ def published_rows(path: Path = RUNS) -> list[dict]:
         if fixed.get("attention_kernel", "fa2") != "fa2":  # what FlashAttention-2 would give
             row["error_fa2_attention"] = _published_row(
                 run, shape, {**fixed, "attention_kernel": "fa2"}, {})["error"]
+        if fixed.get("zero") == 3:  # its gathers and reduce-scatters not overlapped at all
+            row["error_fsdp_no_overlap"] = _published_row(
+                run, shape, {**fixed, "fsdp_prefetch": False}, {})["error"]
         if fixed.get("expert_tp"):  # with meshloom's whole experts on every tp rank
             whole = _published_row(run, shape, {**fixed, "expert_tp": False}, {})
             row["error_whole_experts"] = whole["error"]
@@ -355,13 +358,17 @@ def summarise(rows: list[dict]) -> dict:
                              measured_kernels_mean_abs_error=round(statistics.mean(alt), 4),
                              measured_kernels_max_abs_error=round(max(alt), 4))
         for prefix, key in (("sustained_gemm", "error_sustained_gemm"),
-                            ("power_duty", "error_power_duty")):
+                            ("power_duty", "error_power_duty"),
+                            ("fsdp_no_overlap", "error_fsdp_no_overlap")):
             errs = [r[key] for r in sel if key in r]
             if errs:
                 out[name].update({f"{prefix}_rows": len(errs),
                                   f"{prefix}_mean_error": round(statistics.mean(errs), 4),
                                   f"{prefix}_mean_abs_error": round(
                                       statistics.mean(abs(e) for e in errs), 4)})
+        fsdp = [abs(r["error"]) for r in sel if "error_fsdp_no_overlap" in r]
+        if fsdp:  # the same rows as planned, to set beside the variant
+            out[name]["fsdp_rows_mean_abs_error"] = round(statistics.mean(fsdp), 4)
         mem = [abs(r["memory_error"]) for r in sel if "memory_error" in r]
         if mem:
             out[name].update(memory_rows=len(mem), memory_mean_abs_error=round(
