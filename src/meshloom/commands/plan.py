@@ -27,6 +27,8 @@ EXAMPLE = ("examples:\n"
            "--global-batch 512\n"
            "  meshloom plan --model megatron-145.6b --gpus 1536 --gpu a100-80g --seq 2048 \\\n"
            "      --global-batch 2304 --fix tp=8,pp=8,micro_batch=1,recompute=full\n"
+           "  meshloom plan --model llama3-70b --gpus 64 --gpu h100 --seq 8192 "
+           "--global-batch 128 --trainer nemo\n"
            "  meshloom plan --arch gpt --hidden 1600 --layers 48 --heads 25 --vocab 50257 \\\n"
            "      --gpus 2 --gpu titan-rtx-24g --seq 1024 --global-batch 2 --json")
 
