@@ -161,3 +161,64 @@ def test_a_meshloom_config_is_not_written_from_another_trainers_plan(tmp_path, c
     assert err == ("meshloom plan: error: --write-config writes a meshloom config, but "
                    "--trainer nemo plans nemo's step; drop one of them")
     assert not out.exists()
+
+
+def _argv_for(run: dict) -> list[str]:
+    """`meshloom plan` flags that plan a published run as the validation does: its model by
+    dimensions, its cluster, --trainer, and --fix with its layout and whatever the run sets
+    beyond its trainer's keys."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import planner_validation as pv
+    m = run["model"]
+    argv = ["plan", "--arch", m["arch"], "--hidden", str(m["hidden"]), "--layers",
+            str(m["layers"]), "--heads", str(m["heads"]), "--vocab", str(m["vocab"]),
+            "--kv-heads", str(m["kv_heads"]), "--ffn-hidden", str(m["ffn_hidden"])]
+    if m["arch"] == "gpt":
+        argv += ["--positions", str(m["positions"]),
+                 "--tied" if m["tied_embeddings"] else "--no-tied",
+                 "--linear-bias" if m["linear_bias"] else "--no-linear-bias"]
+        if m.get("dropout") is not None:
+            argv.append("--dropout" if m["dropout"] else "--no-dropout")
+    argv += ["--gpu", run["gpu"], "--gpus", str(run["gpus"]), "--gpus-per-node",
+             str(run.get("gpus_per_node", 8)), "--seq", str(run["seq"]), "--global-batch",
+             str(run["global_batch"]), "--attention", run.get("attention", "flash"),
+             "--top", "1", "--json"]
+    if run.get("gpu_memory_gb"):
+        argv += ["--gpu-memory-gb", str(run["gpu_memory_gb"])]
+    if run.get("inter_gbps"):
+        argv += ["--inter-node-gbps", str(run["inter_gbps"])]
+    key = trainer_key(run["trainer"])
+    fixed, _ = pv.run_fixed(run)
+    own = trainer_impl(key)
+    extra = {k: v for k, v in fixed.items() if k not in own or own[k] != v}
+    return argv + ["--trainer", key, "--fix",
+                   ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}"
+                            for k, v in extra.items())]
+
+
+def test_a_published_run_is_planned_from_the_command_line_as_the_validation_plans_it(capsys):
+    """For the first run of each trainer whose model the flags can state, `meshloom plan
+    --trainer T --fix <its layout and own settings>` gives the validation row's shape and
+    throughput: what a user types reproduces docs/plan.md's table."""
+    from meshloom.commands import main
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import planner_validation as pv
+    rows = {r["id"]: r for r in json.loads(pv.DEFAULT_OUT.read_text())["rows"]}
+    done = set()
+    for run in json.loads(RUNS.read_text())["runs"]:
+        key = trainer_key(run["trainer"])
+        if key in done or run["model"].get("n_experts") or run["model"].get("rotary") is False:
+            continue  # MoE dims and ALiBi have no plan flags; the next run of it stands in
+        assert main(_argv_for(run)) == 0, run["id"]
+        got = json.loads(capsys.readouterr().out)
+        assert got["model"] == pv.run_shape(run).to_dict() | {"name": got["model"]["name"]}
+        assert got["candidates"][0]["tokens_per_s_per_gpu"] == pytest.approx(
+            rows[run["id"]]["predicted_tokens_per_s_per_gpu"], rel=1e-3), run["id"]
+        if run["id"] == "nemo-h100-gpt3-175b-2048-128gpu-2411":  # docs/plan.md shows it
+            shown = " ".join(a for a in _argv_for(run) if a not in ("--top", "1", "--json"))
+            assert f"meshloom {shown}\n" in pv.DOC.read_text()
+            assert f"(planned {round(got['candidates'][0]['tokens_per_s_per_gpu'])} tokens/s " \
+                   f"per GPU,\n  published {round(run['published']['tokens_per_s_per_gpu'])}" \
+                in pv.DOC.read_text()
+        done.add(key)
+    assert done == set(TRAINERS) - {"megatron-lm", "megatron-deepspeed"}
