@@ -71,6 +71,8 @@ def test_describe_states_mean_range_and_lean(monkeypatch):
     lines = accuracy.describe("h200")
     assert lines[0].startswith("accuracy on h200 (planned against measured throughput")
     assert lines[1] == "  meshloom's own 1 run (1 GPU) \u22120.1% off"
+    assert accuracy.describe("h200", gpus=8)[1] == (
+        "  meshloom's own 1 run (1 GPU) \u22120.1% off; none on more than 1 GPU yet")
     assert lines[2] == ("  2 published runs of torchtitan (8\u2013128 GPUs) 16.0% off on "
                         "average, +12.0% to +20.0%, planned 16.0% fast on average")
     assert len(lines) == 3
@@ -108,7 +110,7 @@ def test_plan_prints_the_accuracy_of_its_gpu(gpu, capsys):
     assert main([*PLAN, "--gpu", gpu]) == 0
     out = capsys.readouterr().out
     tail = out[out.index("best: memory per GPU"):].splitlines()[1:]
-    assert tail == accuracy.describe(gpu)
+    assert tail == accuracy.describe(gpu, gpus=8)
     assert main([*PLAN, "--gpu", gpu, "--json"]) == 0
     got = json.loads(capsys.readouterr().out)["accuracy"]
     assert got == {"gpu": gpu, "trainer": "meshloom", "adjusted": False,

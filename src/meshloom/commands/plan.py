@@ -244,5 +244,6 @@ def format_table(shape: ModelShape, found: list[Candidate], setup: dict) -> str:
     if setup.get("accuracy"):
         from meshloom.plan.accuracy import describe
         acc = setup["accuracy"]
-        lines += describe(acc["gpu"], acc["adjusted"], acc.get("trainer", "meshloom"))
+        lines += describe(acc["gpu"], acc["adjusted"], acc.get("trainer", "meshloom"),
+                          cl["gpus"])
     return "\n".join(lines)

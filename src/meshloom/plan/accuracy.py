@@ -103,10 +103,12 @@ def _published(g: dict, who: str) -> str:
             f"{_spread(g)}, planned {_pct(abs(g['mean_error']))} {lean} on average")
 
 
-def describe(gpu: str, adjusted: bool = False, trainer: str = "meshloom") -> list[str]:
+def describe(gpu: str, adjusted: bool = False, trainer: str = "meshloom",
+             gpus: int = 1) -> list[str]:
     """Lines for `meshloom plan`'s output: how far plans on `gpu` have been from measured runs,
     those of `trainer` first when it is another trainer's plan. `adjusted`: the user changed
-    the preset's figures or its kernel table, which the validation did not use."""
+    the preset's figures or its kernel table, which the validation did not use; `gpus`: the
+    plan's GPU count, beyond which meshloom's own runs were never measured."""
     acc = for_gpu(gpu)
     if not acc:
         return [f"accuracy on {gpu}: no measured run on this GPU has been compared with a plan "
@@ -120,8 +122,11 @@ def describe(gpu: str, adjusted: bool = False, trainer: str = "meshloom") -> lis
                      f"no published run of {trainer} on {gpu} was planned"
                      + (f" (its runs were on {', '.join(elsewhere)})" if elsewhere else ""))
     elif own:
+        most = own["gpus"][1]
+        beyond = (f"; none on more than {most} GPU{'s' if most > 1 else ''} yet"
+                  if gpus > most else "")
         parts.append(f"meshloom's own {own['runs']} run{'s' if own['runs'] > 1 else ''} "
-                     f"({_gpus(own)}) {_spread(own)}")
+                     f"({_gpus(own)}) {_spread(own)}{beyond}")
     pub = acc.get("published")
     if pub and (trainer == "meshloom" or pub["trainers"] != [trainer]):
         parts.append(("all " if trainer != "meshloom" else "")
