@@ -4,10 +4,10 @@ implementation keys the validation plans that trainer's published runs with (pla
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import load_benchmark
 
 from meshloom.plan import PlanError
 from meshloom.plan.trainers import OTHER_LOOP, TRAINERS, trainer_impl, trainer_key
@@ -19,8 +19,7 @@ PLAN = ["plan", "--model", "gpt2", "--gpus", "8", "--seq", "1024", "--global-bat
 
 
 def test_every_published_run_has_its_trainer_and_the_validation_uses_this_table():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import planner_validation as pv
+    pv = load_benchmark("planner_validation")
     assert pv.trainer_impl is trainer_impl
     for run in json.loads(RUNS.read_text())["runs"]:
         assert trainer_key(run["trainer"]) in TRAINERS, run["id"]
@@ -167,8 +166,7 @@ def _argv_for(run: dict) -> list[str]:
     """`meshloom plan` flags that plan a published run as the validation does: its model by
     dimensions, its cluster, --trainer, and --fix with its layout and whatever the run sets
     beyond its trainer's keys."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import planner_validation as pv
+    pv = load_benchmark("planner_validation")
     m = run["model"]
     argv = ["plan", "--arch", m["arch"], "--hidden", str(m["hidden"]), "--layers",
             str(m["layers"]), "--heads", str(m["heads"]), "--vocab", str(m["vocab"]),
@@ -181,8 +179,7 @@ def _argv_for(run: dict) -> list[str]:
             argv.append("--dropout" if m["dropout"] else "--no-dropout")
     argv += ["--gpu", run["gpu"], "--gpus", str(run["gpus"]), "--gpus-per-node",
              str(run.get("gpus_per_node", 8)), "--seq", str(run["seq"]), "--global-batch",
-             str(run["global_batch"]), "--attention", run.get("attention", "flash"),
-             "--top", "1", "--json"]
+             str(run["global_batch"]), "--attention", run.get("attention", "flash")]
     if run.get("gpu_memory_gb"):
         argv += ["--gpu-memory-gb", str(run["gpu_memory_gb"])]
     if run.get("inter_gbps"):
@@ -201,22 +198,21 @@ def test_a_published_run_is_planned_from_the_command_line_as_the_validation_plan
     --trainer T --fix <its layout and own settings>` gives the validation row's shape and
     throughput: what a user types reproduces docs/plan.md's table."""
     from meshloom.commands import main
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import planner_validation as pv
+    pv = load_benchmark("planner_validation")
     rows = {r["id"]: r for r in json.loads(pv.DEFAULT_OUT.read_text())["rows"]}
     done = set()
     for run in json.loads(RUNS.read_text())["runs"]:
         key = trainer_key(run["trainer"])
         if key in done or run["model"].get("n_experts") or run["model"].get("rotary") is False:
             continue  # MoE dims and ALiBi have no plan flags; the next run of it stands in
-        assert main(_argv_for(run)) == 0, run["id"]
+        argv = _argv_for(run)
+        assert main([*argv, "--top", "1", "--json"]) == 0, run["id"]
         got = json.loads(capsys.readouterr().out)
         assert got["model"] == pv.run_shape(run).to_dict() | {"name": got["model"]["name"]}
         assert got["candidates"][0]["tokens_per_s_per_gpu"] == pytest.approx(
             rows[run["id"]]["predicted_tokens_per_s_per_gpu"], rel=1e-3), run["id"]
         if run["id"] == "nemo-h100-gpt3-175b-2048-128gpu-2411":  # docs/plan.md shows it
-            shown = " ".join(a for a in _argv_for(run) if a not in ("--top", "1", "--json"))
-            assert f"meshloom {shown}\n" in pv.DOC.read_text()
+            assert f"meshloom {' '.join(argv)}\n" in pv.DOC.read_text()
             assert f"(planned {round(got['candidates'][0]['tokens_per_s_per_gpu'])} tokens/s " \
                    f"per GPU,\n  published {round(run['published']['tokens_per_s_per_gpu'])}" \
                 in pv.DOC.read_text()
