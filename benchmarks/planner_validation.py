@@ -304,9 +304,11 @@ def published_rows(path: Path = RUNS) -> list[dict]:
         if fixed.get("attention_kernel", "fa2") != "fa2":  # what FlashAttention-2 would give
             row["error_fa2_attention"] = _published_row(
                 run, shape, {**fixed, "attention_kernel": "fa2"}, {})["error"]
-        if fixed.get("zero") == 3:  # its gathers and reduce-scatters not overlapped at all
-            row["error_fsdp_no_overlap"] = _published_row(
-                run, shape, {**fixed, "fsdp_prefetch": False}, {})["error"]
+        if fixed.get("zero") == 3:  # priced the other way: its collectives overlapped or not
+            other = not fixed.get("fsdp_prefetch", True)
+            key = "error_fsdp_overlap" if other else "error_fsdp_no_overlap"
+            row[key] = _published_row(run, shape, {**fixed, "fsdp_prefetch": other},
+                                      {})["error"]
         if fixed.get("expert_tp"):  # with meshloom's whole experts on every tp rank
             whole = _published_row(run, shape, {**fixed, "expert_tp": False}, {})
             row["error_whole_experts"] = whole["error"]
@@ -359,15 +361,17 @@ def summarise(rows: list[dict]) -> dict:
                              measured_kernels_max_abs_error=round(max(alt), 4))
         for prefix, key in (("sustained_gemm", "error_sustained_gemm"),
                             ("power_duty", "error_power_duty"),
-                            ("fsdp_no_overlap", "error_fsdp_no_overlap")):
+                            ("fsdp_no_overlap", "error_fsdp_no_overlap"),
+                            ("fsdp_overlap", "error_fsdp_overlap")):
             errs = [r[key] for r in sel if key in r]
             if errs:
                 out[name].update({f"{prefix}_rows": len(errs),
                                   f"{prefix}_mean_error": round(statistics.mean(errs), 4),
                                   f"{prefix}_mean_abs_error": round(
                                       statistics.mean(abs(e) for e in errs), 4)})
-        fsdp = [abs(r["error"]) for r in sel if "error_fsdp_no_overlap" in r]
-        if fsdp:  # the same rows as planned, to set beside the variant
+        fsdp = [abs(r["error"]) for r in sel
+                if "error_fsdp_no_overlap" in r or "error_fsdp_overlap" in r]
+        if fsdp:  # the same rows as planned, to set beside the variants
             out[name]["fsdp_rows_mean_abs_error"] = round(statistics.mean(fsdp), 4)
         mem = [abs(r["memory_error"]) for r in sel if "memory_error" in r]
         if mem:

@@ -25,7 +25,7 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   (Megatron-LM 2021's default `--DDP-impl local`, whose `allreduce_gradients()` runs after the
   forward-backward schedule).
 - `fsdp_prefetch`: ZeRO-3 gathers the next unit while the current one computes (meshloom does;
-  off, every gather and reduce-scatter waits).
+  off, every gather and reduce-scatter waits, as llm-foundry's FSDP1 runs behave: trainers.py).
 - `fsdp_no_sync`: ZeRO-3 accumulates whole unsharded gradients over a step's micro-batches and
   reduce-scatters them only on the last (PyTorch FSDP's `no_sync()`, which Lightning Fabric's
   `no_backward_sync` and Accelerate's gradient accumulation enter: TinyLlama's pretrain script).
