@@ -11,6 +11,10 @@ waited on, `fsdp_prefetch=false`: plan/trainers.py) and with them overlapped
 (`fsdp_prefetch=true`, the planner's default). The ratio of each row's throughput to the same
 model's at one sequence per GPU does not depend on the kernel rates' level, only on how the
 step's fixed and per-token parts are priced: that is what tells the two apart.
+
+Then a check on rows that decided nothing: every row of llm-foundry's H100 table at 2048 tokens
+on more than 8 GPUs that the validation does not hold (published/llmfoundry_h100_multinode.txt),
+planned both ways.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from meshloom.plan.search import search
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import parser, provenance, write_result  # noqa: E402
+from llmfoundry_seq_sweep import parse as parse_readme  # noqa: E402
 from llmfoundry_seq_sweep import planned_run  # noqa: E402
 from llmfoundry_seq_sweep import quoted_rows as _quoted  # noqa: E402
 
@@ -31,6 +36,7 @@ DEFAULT_OUT = HERE / "results" / "planner" / "llmfoundry_mb_sweep.json"
 SOURCE = ("mosaicml/llm-foundry scripts/train/benchmarking/larger_mb_1.md at "
           "beb8dee6922c5e31d27a24a713a1315b4013185d")
 TABLE = HERE / "published" / "llmfoundry_mb_sweep.txt"
+HELD_OUT = HERE / "published" / "llmfoundry_h100_multinode.txt"  # README.md@061f2c7 rows
 GPUS = {"a100_80gb": "a100-80g"}
 PRICINGS = {"waited": False, "overlapped": True}  # name -> fsdp_prefetch
 
@@ -93,6 +99,28 @@ def fixed_cost(rows: list[dict]) -> dict:
     return out
 
 
+def held_out() -> list[dict]:
+    """The H100 table's multi-node rows at 2048 tokens that validation.json does not hold,
+    planned both ways."""
+    out = []
+    for line in quoted_rows(HELD_OUT):
+        row = parse_readme(line)
+        planned = {name: predict(row, flag) for name, flag in PRICINGS.items()}
+        out.append({**{k: row[k] for k in ("model", "gpu", "gpus", "seq", "micro_batch",
+                                           "grad_accum", "tokens_per_s_per_gpu", "quote")},
+                    **{f"planned_{n}": round(v, 1) for n, v in planned.items()},
+                    **{f"error_{n}": round(v / row["tokens_per_s_per_gpu"] - 1, 4)
+                       for n, v in planned.items()}})
+    return out
+
+
+def summarise_held_out(rows: list[dict]) -> dict:
+    return {n: {"rows": len(rows),
+                "mean_abs_error": round(statistics.mean(abs(r[f"error_{n}"]) for r in rows), 4),
+                "max_abs_error": round(max(abs(r[f"error_{n}"]) for r in rows), 4)}
+            for n in PRICINGS}
+
+
 def summarise(rows: list[dict]) -> dict:
     out = {"published_fixed_s_per_micro_batch": fixed_cost(rows)}
     for n in PRICINGS:
@@ -108,7 +136,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
     rows = sweep()
+    others = held_out()
     result = {"source": SOURCE, "rows": rows, "summary": summarise(rows),
+              "held_out_source": "mosaicml/llm-foundry scripts/train/benchmarking/README.md at "
+                                 "061f2c7 (runs.json source llmfoundry-bench)",
+              "held_out": others, "held_out_summary": summarise_held_out(others),
               "note": "waited: fsdp_prefetch=false (how the validation plans llm-foundry); "
                       "overlapped: fsdp_prefetch=true. ratio_*: a row's tokens/s per GPU over "
                       "its model's at the smallest micro-batch",
@@ -128,6 +160,12 @@ def main(argv: list[str] | None = None) -> dict:
             s = r["summary"][n]
             print(f"{n}: mean |error| {s['mean_abs_error']:.1%}, max {s['max_abs_error']:.1%}, "
                   f"ratios off by at most {s['max_abs_ratio_error']:.1%}")
+        print("held out: H100 rows at 2048 tokens on more than 8 GPUs")
+        for row in r["held_out"]:
+            print(f"{row['model']:<9}{row['gpus']:>3} GPUs {row['tokens_per_s_per_gpu']:>8.0f}  "
+                  f"waited {row['error_waited']:+6.1%}  overlapped {row['error_overlapped']:+6.1%}")
+        for n, s in r["held_out_summary"].items():
+            print(f"{n}: mean |error| {s['mean_abs_error']:.1%}, max {s['max_abs_error']:.1%}")
     return write_result(result, args.out, show)
 
 

@@ -102,7 +102,8 @@ from meshloom.plan import PlanError
 # beb8dee; benchmarks/llmfoundry_mb_sweep.py). A fixed cost per micro-batch shows as throughput
 # rising with the micro-batch: 7B on 8 A100s runs 3366, 4044, 4513, 4715 tokens/s per GPU at 1,
 # 2, 4, 6 sequences; waited-on gathers and reduce-scatters reproduce every ratio to the first
-# within 2%, overlapped ones predict 1.16 where 1.40 ran. Why they serialize is not identified:
+# within 2%, overlapped ones predict 1.16 where 1.40 ran; on its H100 table's multi-node rows
+# that the validation does not hold, 3.5% against 10.3% off. Why they serialize is not identified:
 # read for these runs (`limit_all_gathers`, Composer's `BACKWARD_POST`), FSDP1 issues each
 # gather one unit ahead. TinyLlama, also FSDP1, keeps the overlap: no sweep of its own.
 # What every other trainer's loop does unlike meshloom's (implementation.py). Their attention
