@@ -16,7 +16,8 @@ import json
 import sys
 from pathlib import Path
 
-from meshloom.plan.hardware import make_cluster
+from meshloom.plan.hardware import Cluster, make_cluster
+from meshloom.plan.models import ModelShape
 from meshloom.plan.search import search
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -57,7 +58,7 @@ def as_run(row: dict) -> dict:
                        "recompute": "full" if row["recompute"] else "none"}}
 
 
-def planned_run(row: dict) -> tuple[dict, object, dict, object]:
+def planned_run(row: dict) -> tuple[dict, ModelShape, dict, Cluster]:
     """The row's run, model, implementation keys and cluster, as the validation plans it; the
     table's own parameter count checks the model's dimensions."""
     run = as_run(row)
@@ -114,8 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
                       "on; error_fsdp_overlap and attention_tflops_to_close_fsdp_overlap: with "
                       "them overlapped). Attention priced as in validation.json: A100 rows with "
                       "the Triton kernel's published A100 rate, H100 rows with FlashAttention-2's "
-                      "H100 rate "
-                      "times the Triton kernel's A100 ratio to it (h100.json "
+                      "H100 rate times the Triton kernel's A100 ratio to it (h100.json "
                       "attention_ratio_from; no H100 rate of the 2023 Triton kernel is "
                       "published); attention_tflops_to_close does not depend on that price",
               "config": provenance()}
