@@ -110,3 +110,13 @@ def test_docs_quote_the_committed_sweep(committed, sweep_mod):
             f"{100 * h['waited']['max_abs_error']:.1f}%) and "
             f"{100 * h['overlapped']['mean_abs_error']:.1f}% overlapped (worst "
             f"+{100 * h['overlapped']['max_abs_error']:.1f}%)") in doc
+    # The validation's 760M row on 8 GPUs against the same model held out on 16 and 32.
+    small = [r for r in committed["held_out"] if r["model"] == "mpt-760m"]
+    row = next(r for r in json.loads(pv.DEFAULT_OUT.read_text())["rows"]
+               if r["id"] == "llmfoundry-h100-mpt-760m-2048-8gpu")
+    assert len({f"{r['error_waited']:+.3f}" for r in small}) == 1
+    slower = sorted(1 - row["published_tokens_per_s_per_gpu"] / r["tokens_per_s_per_gpu"]
+                    for r in small)
+    assert (f"reads {100 * small[0]['error_waited']:+.1f}%, where the validation's 760M row on 8 "
+            f"GPUs, published {100 * slower[0]:.0f}–{100 * slower[-1]:.0f}% slower a GPU, reads "
+            f"{100 * row['error']:+.1f}%") in doc
