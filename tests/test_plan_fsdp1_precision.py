@@ -182,3 +182,32 @@ def test_the_keys_parse_as_flags():
         "fsdp_flat_param": True, "fp32_params": True, "zero_redundancy_optimizer": True}
     assert not any((Implementation().fsdp_flat_param, Implementation().fp32_params,
                     Implementation().zero_redundancy_optimizer))
+
+
+def test_flat_param_zero2_is_shard_grad_op():
+    """ZeRO-2 under `fsdp_flat_param` is FSDP1's SHARD_GRAD_OP: each unit is gathered in every
+    micro-batch's forward and kept to its backward, where it is reduce-scattered, unit by unit;
+    meshloom's ZeRO-2 gathers once a step. `fsdp_prefetch` off waits on all of it, and
+    `fsdp_no_sync` reduce-scatters on the last micro-batch only."""
+    cl = make_cluster("h100", 8)
+    lay = Layout(dp=8, zero=2, micro_batch=2)
+    psi, units = _psi(lay), SHAPE.layers
+    fsdp1, mine = _dp(_plan(FSDP1, lay)), _dp(_plan(Implementation(**OTHER), lay))
+    gather = cl.collective("all_gather", psi * 2 / units, 8, 1, "auto").seconds
+    scatter = cl.collective("reduce_scatter", psi * 2 / units, 8, 1, "auto").seconds
+    assert fsdp1["calls"]["all_gather"]["calls"] == M * units
+    assert fsdp1["ops"]["all_gather"] == pytest.approx(M * units * gather, rel=1e-12)
+    assert fsdp1["calls"]["reduce_scatter"]["calls"] == M * units
+    assert fsdp1["ops"]["reduce_scatter"] == pytest.approx(M * units * scatter, rel=1e-12)
+    buckets = mine["calls"]["all_gather"]["calls"]  # one step's gather, in DDP's buckets
+    bucket = cl.collective("all_gather", psi * 2 / buckets, 8, 1, "auto").seconds
+    assert mine["ops"]["all_gather"] == pytest.approx(buckets * bucket, rel=1e-12)
+    zero3 = _dp(_plan(FSDP1))
+    assert zero3["calls"]["all_gather"]["calls"] == 2 * fsdp1["calls"]["all_gather"]["calls"]
+    waited = _dp(_plan(Implementation(**OTHER, fsdp_flat_param=True, fsdp_prefetch=False),
+                       lay))
+    assert waited["exposed"] == pytest.approx(sum(waited["ops"].values()), rel=1e-12)
+    assert fsdp1["exposed"] < waited["exposed"]
+    once = _dp(_plan(Implementation(**OTHER, fsdp_flat_param=True, fsdp_no_sync=True), lay))
+    assert once["calls"]["reduce_scatter"]["calls"] == units
+    assert once["calls"]["all_gather"]["calls"] == M * units

@@ -24,16 +24,17 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   backward (meshloom, PyTorch DDP). Off: one all-reduce after the whole backward, exposed
   (Megatron-LM 2021's default `--DDP-impl local`, whose `allreduce_gradients()` runs after the
   forward-backward schedule).
-- `fsdp_prefetch`: ZeRO-3 gathers the next unit while the current one computes (meshloom does;
-  off, every gather and reduce-scatter waits, as llm-foundry's FSDP1 runs behave: trainers.py).
+- `fsdp_prefetch`: ZeRO-3 (and FSDP1's ZeRO-2, below) gathers the next unit while the current
+  one computes (meshloom does; off, every gather and reduce-scatter waits, as llm-foundry's FSDP1
+  runs behave: trainers.py).
 - `fsdp_no_sync`: ZeRO-3 accumulates whole unsharded gradients over a step's micro-batches and
   reduce-scatters them only on the last (PyTorch FSDP's `no_sync()`, which Lightning Fabric's
   `no_backward_sync` and Accelerate's gradient accumulation enter: TinyLlama's pretrain script).
   Every micro-batch still gathers twice (FULL_SHARD frees the gathered parameters in backward
   even then); the whole gradients stay in memory (the gradient dtype's bytes for every parameter
   of the rank) and every micro-batch after the first adds into them. Off (meshloom, torchtitan,
-  Composer): every micro-batch reduce-scatters. A no-op unless zero = 3 with more than one
-  micro-batch.
+  Composer): every micro-batch reduce-scatters. A no-op unless zero = 3 (or FSDP1's zero = 2)
+  with more than one micro-batch.
 - `fsdp_flat_param`: ZeRO-3 as PyTorch's FSDP1 runs it: each unit's parameters are views of
   one flat parameter, so every backward's gradients reach it through autograd's concatenation
   of the views' gradients (`split_with_sizes` backward: a read and a write of every gradient,
@@ -41,7 +42,10 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   gradient to the reduce dtype before each reduce-scatter when the two differ
   (`_post_backward_hook`: `flat_param.grad.to(reduce_dtype)`). Off (meshloom's ZeRO-3, FSDP2):
   the gradients are packed into the send buffer in the reduce dtype, once per reduce-scatter.
-  Composer (llm-foundry) and Lightning (TinyLlama) run FSDP1. A no-op unless zero = 3.
+  Composer (llm-foundry) and Lightning (TinyLlama) run FSDP1. With zero = 2 it is FSDP1's
+  SHARD_GRAD_OP: each unit is gathered in every micro-batch's forward and kept to its backward,
+  where it is reduce-scattered, unit by unit (meshloom's ZeRO-2 gathers once after the step).
+  A no-op unless zero is 2 or 3.
 - `fp32_params`: the trainer keeps fp32 parameters and computes under autocast, whatever it
   shards: every forward casts each weight to bf16 (read 4, write 2) and every backward casts
   its weight gradient back to fp32, as meshloom's unsharded layouts do (compute.casts_weights);
@@ -301,9 +305,10 @@ def keeps_grads(impl: Implementation, lay) -> bool:
 
 
 def zero3_no_sync(impl: Implementation, lay, m: int) -> bool:
-    """Whether ZeRO-3 keeps whole gradients over the step's `m` micro-batches and
-    reduce-scatters once (`fsdp_no_sync`)."""
-    return impl.fsdp_no_sync and lay.zero == 3 and m > 1
+    """Whether ZeRO-3 (or FSDP1's ZeRO-2, `fsdp_flat_param`) keeps whole gradients over the
+    step's `m` micro-batches and reduce-scatters once (`fsdp_no_sync`)."""
+    fsdp = lay.zero == 3 or lay.zero == 2 and impl.fsdp_flat_param
+    return impl.fsdp_no_sync and fsdp and m > 1
 
 
 def fp32_working_params(impl: Implementation, lay, dtype: str) -> bool:

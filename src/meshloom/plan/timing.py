@@ -376,15 +376,18 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     once after the last backward; ZeRO-2 reduce-scatters after every micro-batch behind its
     backward; ZeRO-1/2 all-gather the updated parameters after the step (exposed); ZeRO-3
     gathers every unit for forward and backward and reduce-scatters its gradient, prefetched
-    behind the micro-batch's compute, except the first unit's gather. `dp_overlap` (Megatron's
+    behind the micro-batch's compute, except the first unit's gather; FSDP1's ZeRO-2
+    (`fsdp_flat_param`, SHARD_GRAD_OP) gathers each unit once a micro-batch, behind its
+    forward, and reduce-scatters it behind its backward. `dp_overlap` (Megatron's
     distributed optimizer): ZeRO-1/2's reduce-scatter hides behind the last backward and the
     gather behind the first forward. `zero_redundancy_optimizer` (PyTorch's, over DDP): ZeRO-1
     all-reduces the whole gradient in DDP's buckets during the last backward and broadcasts
     the updated parameters after the step (a gather's bytes, exposed). `fsdp_prefetch` off:
-    every ZeRO-3 gather and reduce-scatter waits. `fsdp_no_sync`: ZeRO-3 reduce-scatters (and
-    copies in, but for FSDP1's concatenation, below) on the last micro-batch only, the others
-    gather as usual. HSDP all-reduces the shard across replicas after the step, and with cp > 1
-    the shard is averaged over the cp ranks too (both exposed). `fsdp_copy_out` (FSDP2): every
+    every ZeRO-3 (and FSDP1 ZeRO-2) gather and reduce-scatter waits. `fsdp_no_sync`: ZeRO-3
+    (and FSDP1 ZeRO-2) reduce-scatters (and copies in, but for FSDP1's concatenation, below)
+    on the last micro-batch only, the others gather as usual. HSDP all-reduces the shard across
+    replicas after the step, and with cp > 1 the shard is averaged over the cp ranks too (both
+    exposed). `fsdp_copy_out` (FSDP2): every
     ZeRO-3 gather is copied out of its flat buffer into each parameter on the
     compute stream, a read and a write of the gathered bytes (`rates`' copy rate), exposed.
     Before each ZeRO-3 reduce-scatter, every implementation copies the unit's gradients into
@@ -455,15 +458,20 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
         return result(_exposed(reduce, b_mb) if impl.ddp_overlap else reduce, reduce)
     out = 0.0
     units = max(1, layers)
+    # FSDP1's ZeRO-2 (SHARD_GRAD_OP under `fsdp_flat_param`) keeps each unit gathered from its
+    # forward to its backward only: every micro-batch gathers it again.
+    fsdp1_zero2 = lay.zero == 2 and impl.fsdp_flat_param
+    by_unit = lay.zero == 3 or fsdp1_zero2
     # ZeRO-3 gathers and reduces unit by unit (a block each); ZeRO-1/2 bucket by bucket.
     calls = partial(dp_calls, impl.dp_buckets, impl.dp_overlap)
 
     def per(nbytes: float, params: float, ranks: int) -> int:
-        return units if lay.zero == 3 else calls(nbytes, params, ranks)
+        return units if by_unit else calls(nbytes, params, ranks)
 
     # How often a step repeats each: ZeRO-3 gathers twice a micro-batch and reduces once (once
-    # a step under `fsdp_no_sync`), ZeRO-2 reduces every micro-batch, ZeRO-1 once.
-    ag_times = 2 * m if lay.zero == 3 else 1
+    # a step under `fsdp_no_sync`), FSDP1's ZeRO-2 gathers and reduces once a micro-batch,
+    # meshloom's ZeRO-2 reduces every micro-batch and gathers once a step, ZeRO-1 once.
+    ag_times = 2 * m if lay.zero == 3 else m if fsdp1_zero2 else 1
     rs_times = m if lay.zero >= 2 and not zero3_no_sync(impl, lay, m) else 1
     # DeepSpeed's BF16_Optimizer and PyTorch's ZeroRedundancyOptimizer (over DDP) all-reduce
     # the whole gradient where ZeRO reduce-scatters it.
@@ -477,12 +485,12 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
                    per(x_param, experts, xn), ag_times)
         rs += coll(red, red, x_grad, xn, lay.ep * lay.tp, per(x_grad, experts, xn), rs_times)
     reduced = (dense if n > 1 else 0.0) + (experts if xn > 1 else 0.0)
-    flat_param = lay.zero == 3 and impl.fsdp_flat_param
+    flat_param = by_unit and impl.fsdp_flat_param
     # FSDP1 casts the flat gradient to the wire dtype on its post-backward stream, before the
     # reduce-scatter (`_post_backward_hook`), so the cast rides with the collective.
     cast = (rates.stream(reduced * (grad_bytes + wire), units)
             if flat_param and reduced and grad_bytes != wire else 0.0)
-    if lay.zero in (1, 2):
+    if lay.zero in (1, 2) and not fsdp1_zero2:
         ops = {red: rs * rs_times, "all_gather": ag}
         if whole:  # after the pipeline drains, then the step's gather: none of it overlapped
             out += rs + ag
@@ -498,12 +506,14 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
         ops = {"all_gather": ag_times * ag, "reduce_scatter": rs_times * rs}
         if cast:
             ops["reduce_scatter_cast"] = rs_times * cast
+        # Backward gathers again under ZeRO-3 only.
+        ag_b = ag if lay.zero == 3 else 0.0
         if impl.fsdp_prefetch:  # the micro-batches that reduce-scatter hide it behind backward
             out += (m * (_exposed(ag, f_mb) + ag / units)
-                    + rs_times * _exposed(ag + rs + cast, b_mb)
-                    + (m - rs_times) * _exposed(ag, b_mb))
+                    + rs_times * _exposed(ag_b + rs + cast, b_mb)
+                    + (m - rs_times) * _exposed(ag_b, b_mb))
         else:
-            out += m * 2 * ag + rs_times * (rs + cast)
+            out += ag_times * ag + rs_times * (rs + cast)
         gathered = (param_b if n > 1 else 0.0) + (x_param if xn > 1 else 0.0)
         if impl.fsdp_copy_out and gathered:  # one copy kernel per unit and gather
             copy_out = ag_times * rates.stream(2 * gathered, units)
