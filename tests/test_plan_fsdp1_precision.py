@@ -41,6 +41,23 @@ def _dp(plan):
     return plan.timing.detail["comm_s"]["dp"]
 
 
+def _one_step_in_buckets(cl, dp: dict, op: str, psi: float) -> None:
+    """meshloom's ZeRO-2 gather / DDP all-reduce: one step's bf16 bytes, in DDP's buckets."""
+    buckets = dp["calls"][op]["calls"]
+    bucket = cl.collective(op, psi * 2 / buckets, 8, 1, "auto").seconds
+    assert dp["ops"][op] == pytest.approx(buckets * bucket, rel=1e-12)
+
+
+def _waited_and_no_sync(lay, fsdp1: dict) -> dict:
+    """FSDP1 with `fsdp_prefetch` off (every collective on the step: exposed = all of it,
+    more than prefetched) and the plan under `fsdp_no_sync`, returned."""
+    waited = _dp(_plan(Implementation(**OTHER, fsdp_flat_param=True, fsdp_prefetch=False),
+                       lay))
+    assert waited["exposed"] == pytest.approx(sum(waited["ops"].values()), rel=1e-12)
+    assert fsdp1["exposed"] < waited["exposed"]
+    return _dp(_plan(Implementation(**OTHER, fsdp_flat_param=True, fsdp_no_sync=True), lay))
+
+
 def test_flat_param_in_16_bits_is_the_packed_copy_in():
     """With bf16 gradients on a bf16 wire, FSDP1's concatenation moves what the packed copy-in
     does (4 bytes a parameter each micro-batch): the same plan, and no cast."""
@@ -171,7 +188,7 @@ def test_zero_redundancy_optimizer_all_reduces_in_ddp_buckets_and_broadcasts_aft
 
 def test_fp32_params_are_a_no_op_in_fp32_training():
     for lay in (LAY, Layout(dp=8, zero=1, micro_batch=2), Layout(dp=8, zero=0, micro_batch=2)):
-        off = _plan(Implementation(**OTHER), lay, dtype="fp32")
+        off = _plan(FSDP1, lay, dtype="fp32")
         on = _plan(LIGHTNING, lay, dtype="fp32")
         assert on.timing.step_time_s == pytest.approx(off.timing.step_time_s, rel=1e-12)
         assert on.memory.total == pytest.approx(off.memory.total, rel=1e-12)
@@ -199,15 +216,29 @@ def test_flat_param_zero2_is_shard_grad_op():
     assert fsdp1["ops"]["all_gather"] == pytest.approx(M * units * gather, rel=1e-12)
     assert fsdp1["calls"]["reduce_scatter"]["calls"] == M * units
     assert fsdp1["ops"]["reduce_scatter"] == pytest.approx(M * units * scatter, rel=1e-12)
-    buckets = mine["calls"]["all_gather"]["calls"]  # one step's gather, in DDP's buckets
-    bucket = cl.collective("all_gather", psi * 2 / buckets, 8, 1, "auto").seconds
-    assert mine["ops"]["all_gather"] == pytest.approx(buckets * bucket, rel=1e-12)
+    _one_step_in_buckets(cl, mine, "all_gather", psi)
     zero3 = _dp(_plan(FSDP1))
     assert zero3["calls"]["all_gather"]["calls"] == 2 * fsdp1["calls"]["all_gather"]["calls"]
-    waited = _dp(_plan(Implementation(**OTHER, fsdp_flat_param=True, fsdp_prefetch=False),
-                       lay))
-    assert waited["exposed"] == pytest.approx(sum(waited["ops"].values()), rel=1e-12)
-    assert fsdp1["exposed"] < waited["exposed"]
-    once = _dp(_plan(Implementation(**OTHER, fsdp_flat_param=True, fsdp_no_sync=True), lay))
+    once = _waited_and_no_sync(lay, fsdp1)
     assert once["calls"]["reduce_scatter"]["calls"] == units
     assert once["calls"]["all_gather"]["calls"] == M * units
+
+
+def test_flat_param_zero0_is_no_shard():
+    """ZeRO-0 under `fsdp_flat_param` is FSDP1's NO_SHARD: every micro-batch's backward
+    all-reduces each unit's flat gradient (after autograd's concatenation into it), where
+    meshloom's DDP all-reduces its buckets once a step; `fsdp_prefetch` off waits on them and
+    `fsdp_no_sync` all-reduces on the last micro-batch only."""
+    cl = make_cluster("h100", 8)
+    r = rates_for(cl)
+    lay = Layout(dp=8, zero=0, micro_batch=2)
+    psi, units = _psi(lay), SHAPE.layers
+    fsdp1, ddp = _dp(_plan(FSDP1, lay)), _dp(_plan(Implementation(**OTHER), lay))
+    one = cl.collective("all_reduce", psi * 2 / units, 8, 1, "auto").seconds
+    assert fsdp1["calls"]["all_reduce"]["calls"] == M * units
+    assert fsdp1["ops"]["all_reduce"] == pytest.approx(M * units * one, rel=1e-12)
+    assert fsdp1["ops"]["reduce_scatter_copy_in"] == pytest.approx(
+        M * r.stream(psi * 4, units), rel=1e-12)
+    _one_step_in_buckets(cl, ddp, "all_reduce", psi)
+    once = _waited_and_no_sync(lay, fsdp1)
+    assert once["calls"]["all_reduce"]["calls"] == units

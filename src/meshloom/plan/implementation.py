@@ -25,16 +25,16 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   (Megatron-LM 2021's default `--DDP-impl local`, whose `allreduce_gradients()` runs after the
   forward-backward schedule).
 - `fsdp_prefetch`: ZeRO-3 (and FSDP1's ZeRO-2, below) gathers the next unit while the current
-  one computes (meshloom does; off, every gather and reduce-scatter waits, as llm-foundry's FSDP1
-  runs behave: trainers.py).
+  one computes (meshloom does; off, every gather and reduce-scatter waits, and FSDP1's ZeRO-0
+  all-reduces too, as llm-foundry's FSDP1 runs behave: trainers.py).
 - `fsdp_no_sync`: ZeRO-3 accumulates whole unsharded gradients over a step's micro-batches and
   reduce-scatters them only on the last (PyTorch FSDP's `no_sync()`, which Lightning Fabric's
   `no_backward_sync` and Accelerate's gradient accumulation enter: TinyLlama's pretrain script).
   Every micro-batch still gathers twice (FULL_SHARD frees the gathered parameters in backward
   even then); the whole gradients stay in memory (the gradient dtype's bytes for every parameter
   of the rank) and every micro-batch after the first adds into them. Off (meshloom, torchtitan,
-  Composer): every micro-batch reduce-scatters. A no-op unless zero = 3 (or FSDP1's zero = 2)
-  with more than one micro-batch.
+  Composer): every micro-batch reduce-scatters. A no-op unless zero = 3 (or FSDP1's zero = 0
+  or 2) with more than one micro-batch.
 - `fsdp_flat_param`: ZeRO-3 as PyTorch's FSDP1 runs it: each unit's parameters are views of
   one flat parameter, so every backward's gradients reach it through autograd's concatenation
   of the views' gradients (`split_with_sizes` backward: a read and a write of every gradient,
@@ -44,8 +44,9 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   the gradients are packed into the send buffer in the reduce dtype, once per reduce-scatter.
   Composer (llm-foundry) and Lightning (TinyLlama) run FSDP1. With zero = 2 it is FSDP1's
   SHARD_GRAD_OP: each unit is gathered in every micro-batch's forward and kept to its backward,
-  where it is reduce-scattered, unit by unit (meshloom's ZeRO-2 gathers once after the step).
-  A no-op unless zero is 2 or 3.
+  where it is reduce-scattered, unit by unit (meshloom's ZeRO-2 gathers once after the step);
+  with zero = 0 its NO_SHARD: every micro-batch's backward all-reduces each unit's flat
+  gradient (meshloom's DDP all-reduces its buckets once a step). A no-op with zero = 1.
 - `fp32_params`: the trainer keeps fp32 parameters and computes under autocast, whatever it
   shards: every forward casts each weight to bf16 (read 4, write 2) and every backward casts
   its weight gradient back to fp32, as meshloom's unsharded layouts do (compute.casts_weights);
