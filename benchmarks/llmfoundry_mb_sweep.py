@@ -63,17 +63,20 @@ def predict(row: dict, fsdp_prefetch: bool) -> float:
     return best.tokens_per_s_per_gpu
 
 
+def both_ways(row: dict) -> dict:
+    """The published row with its throughput planned under each pricing, and the errors."""
+    planned = {name: predict(row, flag) for name, flag in PRICINGS.items()}
+    return {**{k: row[k] for k in ("model", "gpu", "gpus", "seq", "micro_batch", "grad_accum",
+                                   "tokens_per_s_per_gpu", "quote")},
+            **{f"planned_{n}": round(v, 1) for n, v in planned.items()},
+            **{f"error_{n}": round(v / row["tokens_per_s_per_gpu"] - 1, 4)
+               for n, v in planned.items()}}
+
+
 def sweep() -> list[dict]:
     rows = sorted((parse(line) for line in quoted_rows()),
                   key=lambda r: (r["model"], r["micro_batch"]))
-    out = []
-    for row in rows:
-        planned = {name: predict(row, flag) for name, flag in PRICINGS.items()}
-        out.append({**{k: row[k] for k in ("model", "gpu", "gpus", "seq", "micro_batch",
-                                           "grad_accum", "tokens_per_s_per_gpu", "quote")},
-                    **{f"planned_{n}": round(v, 1) for n, v in planned.items()},
-                    **{f"error_{n}": round(v / row["tokens_per_s_per_gpu"] - 1, 4)
-                       for n, v in planned.items()}})
+    out = [both_ways(row) for row in rows]
     for row in out:  # each throughput over its model's at the smallest micro-batch
         first = min((r for r in out if r["model"] == row["model"]),
                     key=lambda r: r["micro_batch"])
@@ -102,32 +105,24 @@ def fixed_cost(rows: list[dict]) -> dict:
 def held_out() -> list[dict]:
     """The H100 table's multi-node rows at 2048 tokens that validation.json does not hold,
     planned both ways."""
-    out = []
-    for line in quoted_rows(HELD_OUT):
-        row = parse_readme(line)
-        planned = {name: predict(row, flag) for name, flag in PRICINGS.items()}
-        out.append({**{k: row[k] for k in ("model", "gpu", "gpus", "seq", "micro_batch",
-                                           "grad_accum", "tokens_per_s_per_gpu", "quote")},
-                    **{f"planned_{n}": round(v, 1) for n, v in planned.items()},
-                    **{f"error_{n}": round(v / row["tokens_per_s_per_gpu"] - 1, 4)
-                       for n, v in planned.items()}})
-    return out
+    return [both_ways(parse_readme(line)) for line in quoted_rows(HELD_OUT)]
+
+
+def _errors(rows: list[dict], pricing: str) -> dict:
+    errs = [abs(r[f"error_{pricing}"]) for r in rows]
+    return {"mean_abs_error": round(statistics.mean(errs), 4),
+            "max_abs_error": round(max(errs), 4)}
 
 
 def summarise_held_out(rows: list[dict]) -> dict:
-    return {n: {"rows": len(rows),
-                "mean_abs_error": round(statistics.mean(abs(r[f"error_{n}"]) for r in rows), 4),
-                "max_abs_error": round(max(abs(r[f"error_{n}"]) for r in rows), 4)}
-            for n in PRICINGS}
+    return {n: {"rows": len(rows), **_errors(rows, n)} for n in PRICINGS}
 
 
 def summarise(rows: list[dict]) -> dict:
     out = {"published_fixed_s_per_micro_batch": fixed_cost(rows)}
     for n in PRICINGS:
         ratios = [abs(r[f"ratio_error_{n}"]) for r in rows if r["ratio_published"] != 1]
-        out[n] = {"mean_abs_error": round(statistics.mean(abs(r[f"error_{n}"]) for r in rows), 4),
-                  "max_abs_error": round(max(abs(r[f"error_{n}"]) for r in rows), 4),
-                  "max_abs_ratio_error": round(max(ratios), 4)}
+        out[n] = {**_errors(rows, n), "max_abs_ratio_error": round(max(ratios), 4)}
     return out
 
 

@@ -379,7 +379,7 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     behind the micro-batch's compute, except the first unit's gather; FSDP1's ZeRO-2
     (`fsdp_flat_param`, SHARD_GRAD_OP) gathers each unit once a micro-batch, behind its
     forward, and reduce-scatters it behind its backward; its ZeRO-0 (NO_SHARD) all-reduces
-    each unit every micro-batch (`_fsdp1_no_shard`). `dp_overlap` (Megatron's
+    each unit every micro-batch. `dp_overlap` (Megatron's
     distributed optimizer): ZeRO-1/2's reduce-scatter hides behind the last backward and the
     gather behind the first forward. `zero_redundancy_optimizer` (PyTorch's, over DDP): ZeRO-1
     all-reduces the whole gradient in DDP's buckets during the last backward and broadcasts
@@ -448,11 +448,25 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
                           for k, (c, f, pairs) in made.items()}}
 
     if lay.zero == 0 and impl.fsdp_flat_param:
+        # FSDP1's NO_SHARD: every micro-batch's backward all-reduces each unit's flat gradient
+        # from its post-backward hook (once a step, on the last, under `fsdp_no_sync`), cast to
+        # the wire dtype first on the same stream, behind the backward or waited on
+        # (`fsdp_prefetch`), after autograd has concatenated the unit's gradients into it on
+        # the compute stream (every micro-batch).
         units, grads = max(1, layers), dense + experts
+        times = 1 if impl.fsdp_no_sync and m > 1 else m
+        reduce = coll("all_reduce", "all_reduce", grad_b, lay.dp * lay.cp, lay.tp, units, times)
+        if experts:
+            reduce += coll("all_reduce", "all_reduce", x_grad, expert_replicas(lay),
+                           lay.ep * lay.tp, units, times)
         cast = rates.stream(grads * (grad_bytes + wire), units) if grad_bytes != wire else 0.0
-        return result(*_fsdp1_no_shard(coll, ops, lay, impl, m, units, grad_b, x_grad,
-                                       experts, b_mb, rates.stream(grads * 2 * grad_bytes,
-                                                                   units), cast))
+        concat = m * rates.stream(grads * 2 * grad_bytes, units)
+        ops["all_reduce"] = times * reduce
+        if cast:
+            ops["reduce_scatter_cast"] = times * cast
+        ops["reduce_scatter_copy_in"] = concat
+        waits = _exposed(reduce + cast, b_mb) if impl.fsdp_prefetch else reduce + cast
+        return result(times * waits + concat, times * (reduce + cast) + concat)
     if lay.zero == 0:  # meshloom's DDP averages over every replica: dp x cp ranks, stride tp
         ranks, xr = lay.dp * lay.cp, expert_replicas(lay)
         calls = partial(dp_calls, impl.dp_buckets, impl.ddp_overlap)
@@ -696,28 +710,6 @@ def cp_ring_backward(cp: int, kv_bytes: float, e: int, link: float, latency: flo
         sends = (i < cp - 1) + (i > 0)
         out += _exposed(nbytes / link + sends * latency, step)
     return out + (acc / link + latency if scheme == "meshloom" else 0.0)
-
-
-def _fsdp1_no_shard(coll: Callable, ops: dict, lay: Layout, impl: Implementation, m: int,
-                    units: int, grad_b: float, x_grad: float, experts: float, b_mb: float,
-                    concat: float, cast: float) -> tuple[float, float]:
-    """ZeRO-0 as FSDP1 runs it (`fsdp_flat_param`, NO_SHARD): every micro-batch's backward
-    all-reduces each unit's flat gradient from its post-backward hook (once a step, on the last,
-    under `fsdp_no_sync`), cast to the wire dtype first on the same stream (`cast`), behind the
-    backward or waited on (`fsdp_prefetch`), after autograd has concatenated the unit's
-    gradients into it on the compute stream (`concat`, every micro-batch). Returns (exposed,
-    total) seconds; fills `ops`."""
-    times = 1 if impl.fsdp_no_sync and m > 1 else m
-    reduce = coll("all_reduce", "all_reduce", grad_b, lay.dp * lay.cp, lay.tp, units, times)
-    if experts:
-        reduce += coll("all_reduce", "all_reduce", x_grad, expert_replicas(lay),
-                       lay.ep * lay.tp, units, times)
-    ops["all_reduce"] = times * reduce
-    if cast:
-        ops["reduce_scatter_cast"] = times * cast
-    ops["reduce_scatter_copy_in"] = m * concat
-    waits = _exposed(reduce + cast, b_mb) if impl.fsdp_prefetch else reduce + cast
-    return times * waits + m * concat, times * (reduce + cast) + m * concat
 
 
 def _exposed(comm: float, compute: float) -> float:
