@@ -113,11 +113,12 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"source": SOURCE, "rows": rows,
               "note": "Planned as validation.json plans llm-foundry (FSDP collectives waited "
                       "on; error_fsdp_overlap and attention_tflops_to_close_fsdp_overlap: with "
-                      "them overlapped). Attention priced as in validation.json: A100 rows with "
-                      "the Triton kernel's published A100 rate, H100 rows with FlashAttention-2's "
-                      "H100 rate times the Triton kernel's A100 ratio to it (h100.json "
-                      "attention_ratio_from; no H100 rate of the 2023 Triton kernel is "
-                      "published); attention_tflops_to_close does not depend on that price",
+                      "them overlapped). Attention priced as in validation.json: the Triton kernel "
+                      "as FlashAttention 1 (kernel_table.PRICED_AS; no benchmark gives its own "
+                      "rate), A100 rows at FlashAttention 1's published A100 rate, H100 rows at "
+                      "FlashAttention-2's H100 rate times FlashAttention 1's A100 ratio to it "
+                      "(h100.json attention_ratio_from); attention_tflops_to_close does not "
+                      "depend on that price",
               "config": provenance()}
 
     def show(r: dict) -> None:

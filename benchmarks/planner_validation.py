@@ -260,7 +260,8 @@ def run_shape(run: dict):
 
 def run_fixed(run: dict) -> tuple[dict, dict]:
     """A published run's layout and implementation keys for the search, and `unpriced` when
-    its attention kernel has no rate on its GPU (then priced as FlashAttention-2), or
+    its attention kernel has no rate on its GPU (then priced as FlashAttention-2),
+    `attention_priced_as` when the kernel is priced as another (kernel_table `PRICED_AS`), and
     `attention_ratio_from` when its GPU's table borrows the kernel's ratio to FlashAttention-2
     from another GPU's (kernel_table `attention_ratio_from`)."""
     lay = run["layout"]
@@ -277,9 +278,11 @@ def run_fixed(run: dict) -> tuple[dict, dict]:
     table = kernel_table.for_gpu(run["gpu"])
     kernel = impl.get("attention_kernel", "fa2")
     lender = table.borrowed_ratio(kernel) if table else None
+    if table and table.priced_as(kernel) != kernel:
+        unpriced["attention_priced_as"] = table.priced_as(kernel)
     if lender:
         unpriced["attention_ratio_from"] = lender
-    elif kernel != "fa2" and not (table and table.other_attention.get(kernel)):
+    elif kernel != "fa2" and not (table and table.prices(kernel)):
         impl["attention_kernel"] = "fa2"
         unpriced["unpriced"] = (f"attention_kernel={kernel}: no published rate for "
                                 f"{run['gpu']}, priced as FlashAttention-2")
@@ -485,8 +488,9 @@ def render_readme(result: dict) -> str:
         f"runs mean {low:.1%}-{high:.1%} per trainer (the A100 80GB set "
         f"{a80['mean_abs_error']:.1%}, worst {a80['max_abs_error']:.1%}, a "
         f"{worst80['trainer']} run); {fits} published layout that trained is predicted to fit; "
-        f"published H100 FSDP runs from 2023 (llm-foundry, their Triton attention priced at "
-        f"its A100 ratio) mean {_mean_abs(foundry):.1%}, worst {_max_abs(foundry):.1%}, "
+        f"published H100 FSDP runs from 2023 (llm-foundry, their Triton attention priced as "
+        f"FlashAttention 1 at its A100 ratio) mean {_mean_abs(foundry):.1%}, worst "
+        f"{_max_abs(foundry):.1%}, "
         f"torchtitan's runs on 500 W H100s {bias(titan)} on average (see "
         "[docs/plan.md](docs/plan.md), \"Known gaps\").")
     text = textwrap.fill(text, width=100, break_long_words=False, break_on_hyphens=False)

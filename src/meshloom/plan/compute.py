@@ -215,10 +215,12 @@ def attention_source(rates: Rates, kernel: str, flash: bool, cp_ring: str | None
         return f"attention: {named}, {cp_ring}'s ring"
     if kernel == "sdpa":
         return f"attention: {sdpa_kernel(rates.table)}, SDPA's pick"
+    priced = rates.table.priced_as(kernel)
+    named = f"{kernel}, priced as {priced}" if priced != kernel else kernel
     lender = rates.table.borrowed_ratio(kernel)
     if lender:
-        return f"attention: {kernel}, at its ratio to fa2 on {lender} (not published here)"
-    return f"attention: {kernel}"
+        return f"attention: {named}, at its ratio to fa2 on {lender} (not published here)"
+    return f"attention: {named}"
 
 
 def ring_kernel(kernel: str, cp_ring: str) -> str:

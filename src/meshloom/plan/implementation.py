@@ -152,7 +152,8 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   `triton` (the Triton FlashAttention of 2023 trainers, flash-attn's `flash_attn_triton`,
   llm-foundry's default `attn_impl: triton`). All but `fa2` are priced from the kernel table's
   rows of that kernel: FlashAttention-2's rate times the ratio between the two kernels in the
-  benchmark that ran both (plan/kernel_table.py).
+  benchmark that ran both (plan/kernel_table.py); `triton`, which no benchmark gives a rate
+  for, as FlashAttention 1 (`kernel_table.PRICED_AS`).
 - `pp_split`: how the blocks are cut into pipeline stages (plan/stages.py): `balanced`
   (meshloom: stages of equal training FLOPs, the head counted on the last) or `even` (the same
   number of blocks per stage, the remainder to the first: Megatron-LM, DeepSpeed).

@@ -22,6 +22,8 @@ A shape measured by several sources is one point, their mean. Lookups between po
 - Other attention kernels (rows with `"kernel"`: `"fa1"`, FlashAttention 1; `"triton"`, the
   Triton FlashAttention of 2023 trainers; `"cudnn"`, cuDNN's fused flash attention) are
   published or measured beside FlashAttention-2 in the same benchmark, often for fewer shapes.
+  A kernel no benchmark publishes in numbers is priced as the kernel its authors measured it
+  against (`PRICED_AS`) until a table has rows of its own.
   Such a kernel runs at FlashAttention-2's rate for the asked shape times its ratio to
   FlashAttention-2 in the nearest series it was published for (head width, mask, direction),
   at the asked sequence length: the shape dependence the table knows, scaled by what the
@@ -90,6 +92,18 @@ def padded_head_dim(head_dim: int, kernel: str) -> int:
     return -(-head_dim // step) * step
 
 
+# Kernels without a published rate of their own, priced as the kernel their authors measured
+# them against, with why (quoted in benchmarks/published/triton_attention_kernel.txt). The
+# Triton FlashAttention llm-foundry ran (flash-attn's flash_attn_triton.py on triton-pre-mlir)
+# was only ever compared with FlashAttention 1 in words, by both parties that ran the two: its
+# author ("Overall Triton forward + backward is slightly slower than CUDA forward + backward",
+# the module's docstring, when the CUDA kernel was FlashAttention 1) and llm-foundry ("In our
+# experience, `triton` is slightly faster than `flash`", TUTORIAL.md, when `flash` was
+# flash-attn 1.0.3). The "Triton" bars of the FlashAttention-2 paper are another kernel: its
+# benchmark script imports OpenAI's `triton.ops.flash_attention`.
+PRICED_AS = {"triton": "fa1"}
+
+
 # FlashAttention's FLOP convention (per direction, relative to one forward).
 ATTENTION_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
 
@@ -147,21 +161,39 @@ class KernelTable:
                         kernel: str) -> float:
         """`kernel`'s speed over FlashAttention-2's at `seq` in the nearest series a benchmark
         ran both in: this table's, or the lending table's (`ratio_from`)."""
+        priced = self.priced_as(kernel)
         lender = self.borrowed_ratio(kernel)
         table = for_gpu(lender) if lender else self
-        rows = table.other_attention.get(kernel) if table is not None else None
+        rows = table.other_attention.get(priced) if table is not None else None
         if not rows:
-            raise PlanError(f"kernel table {self.gpu}: no '{kernel}' attention rows (published "
-                            f"for {', '.join(_tables_with(kernel)) or 'no GPU'})")
+            via = f"priced as {priced}, which is " if priced != kernel else ""
+            raise PlanError(f"kernel table {self.gpu}: no '{kernel}' attention rows ({via}"
+                            f"published for {', '.join(_tables_with(priced)) or 'no GPU'})")
         d, c, direction_of = _nearest_series(rows, width, causal, direction)
         return (_series_rate(rows, seq, d, c, direction_of)
                 / _series_rate(table.attention, seq, d, c, direction_of))
 
+    def priced_as(self, kernel: str) -> str:
+        """The kernel whose rows price `kernel` here: its own where this table has or borrows
+        them, else the kernel `PRICED_AS` names for it."""
+        if self.other_attention.get(kernel) or kernel in self.ratio_from:
+            return kernel
+        return PRICED_AS.get(kernel, kernel)
+
     def borrowed_ratio(self, kernel: str) -> str | None:
         """The table `kernel`'s ratio to FlashAttention-2 is borrowed from, if it is."""
+        kernel = self.priced_as(kernel)
         if self.other_attention.get(kernel):
             return None
         return self.ratio_from.get(kernel)
+
+    def prices(self, kernel: str) -> bool:
+        """Whether this table has a rate for `kernel`, its own, borrowed or through
+        `PRICED_AS`."""
+        if kernel in ("fa2", "sdpa"):
+            return self.has_attention
+        kernel = self.priced_as(kernel)
+        return bool(self.other_attention.get(kernel)) or kernel in self.ratio_from
 
     @property
     def has_attention(self) -> bool:

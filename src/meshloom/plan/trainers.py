@@ -23,7 +23,8 @@ from meshloom.plan import PlanError
 # llm-foundry's benchmark script runs MPT with `attn_impl: triton` unless told otherwise (the
 # Triton FlashAttention of 2023); flash-attention's training table is FlashAttention 1's (its
 # 189 TFLOP/s headline is the FlashAttention column of the FlashAttention-2 paper's Table 1).
-# Both kernels' rates are published for the A100 only; the H100 table prices them at their A100
+# The Triton kernel is priced as FlashAttention 1 (kernel_table.PRICED_AS: no benchmark gives its
+# own rate), whose rates are published for the A100 only; the H100 table prices it at its A100
 # ratio to FlashAttention-2 (`attention_ratio_from`, derived), and a GPU whose table has neither
 # keeps FlashAttention-2's rate and says so (`unpriced`).
 # Megatron-LM 2021 (Table 1) waited on every pipeline send and receive and synchronized the
