@@ -37,7 +37,7 @@ SOURCE = ("mosaicml/llm-foundry scripts/train/benchmarking/larger_mb_1.md at "
           "beb8dee6922c5e31d27a24a713a1315b4013185d")
 TABLE = HERE / "published" / "llmfoundry_mb_sweep.txt"
 HELD_OUT = HERE / "published" / "llmfoundry_h100_multinode.txt"  # README.md@061f2c7 rows
-GPUS = {"a100_80gb": "a100-80g"}
+GPUS = {"a100_80gb": "a100-80g", "h100_80gb": "h100"}
 PRICINGS = {"waited": False, "overlapped": True}  # name -> fsdp_prefetch
 
 
@@ -46,7 +46,8 @@ def quoted_rows(path: Path = TABLE) -> list[str]:
 
 
 def parse(line: str) -> dict:
-    """One row of larger_mb_1.md (its columns: no model-FLOP column, unlike the README's)."""
+    """One row of larger_mb_1.md (its columns, h100old.md's too: no model-FLOP column, unlike
+    the README's)."""
     cells = [c.strip() for c in line.strip().strip("|").split("|")]
     return {"model": f"mpt-{cells[0]}", "seq": int(cells[1]), "gpus": int(cells[2]),
             "gpu": GPUS[cells[3]], "micro_batch": int(cells[6]), "grad_accum": int(cells[7]),

@@ -46,11 +46,14 @@ def parse(line: str) -> dict:
 
 def as_run(row: dict) -> dict:
     """The row as a runs.json run: the validation's run of the same model on the same GPU
-    (its dimensions, trainer and implementation) at this row's length and batch."""
-    runs = json.loads(RUNS.read_text())["runs"]
-    base = next(r for r in runs if r["model"]["name"] == row["model"]
-                and r["gpu"] == row["gpu"] and r["trainer"] == "llm-foundry")
-    return {**base, "seq": row["seq"], "gpus": row["gpus"],
+    (its dimensions, trainer and implementation) at this row's length and batch; on another
+    GPU's run of the model where the validation has none on this one (the dimensions are the
+    model's, the GPU the row's)."""
+    runs = [r for r in json.loads(RUNS.read_text())["runs"]
+            if r["model"]["name"] == row["model"] and r["trainer"] == "llm-foundry"]
+    base = next((r for r in runs if r["gpu"] == row["gpu"]), None) or runs[0]
+    return {**base, "gpu": row["gpu"], "seq": row["seq"],
+            "gpus": row["gpus"],
             "micro_batch": row["micro_batch"],
             "global_batch": row["micro_batch"] * row["grad_accum"] * row["gpus"],
             "model": {**base["model"], "positions": row["seq"]},  # learned, max_seq_len rows
