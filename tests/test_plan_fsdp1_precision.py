@@ -224,6 +224,25 @@ def test_flat_param_zero2_is_shard_grad_op():
     assert once["calls"]["all_gather"]["calls"] == M * units
 
 
+def test_flat_param_zero2_keeps_fp32_gradient_shards():
+    """FSDP1's SHARD_GRAD_OP keeps each reduce-scattered gradient shard in its flat parameter's
+    fp32: 4 bytes a parameter over dp where meshloom's ZeRO-2 keeps 2, nothing else in memory
+    moves. Under FULL_SHARD the planner's bf16 shards stay (2 + 2 + 4 + 8 over dp already total
+    FSDP1's 4 + 4 + 8), and in fp32 training the shards are fp32 either way."""
+    lay = Layout(dp=8, zero=2, micro_batch=2)
+    fsdp1, mine = _plan(FSDP1, lay).memory, _plan(Implementation(**OTHER), lay).memory
+    psi = _psi(lay)
+    assert mine.grads == pytest.approx(2 * psi / 8, rel=1e-12)
+    assert fsdp1.grads == pytest.approx(4 * psi / 8, rel=1e-12)
+    assert (fsdp1.params, fsdp1.optimizer, fsdp1.activations) == \
+        (mine.params, mine.optimizer, mine.activations)
+    zero3 = [_plan(impl).memory for impl in (FSDP1, Implementation(**OTHER))]
+    assert zero3[0].grads == zero3[1].grads == pytest.approx(2 * _psi() / 8, rel=1e-12)
+    fp32 = [_plan(impl, lay, dtype="fp32").memory.grads
+            for impl in (FSDP1, Implementation(**OTHER))]
+    assert fp32[0] == fp32[1] == pytest.approx(4 * psi / 8, rel=1e-12)
+
+
 def test_flat_param_zero0_is_no_shard():
     """ZeRO-0 under `fsdp_flat_param` is FSDP1's NO_SHARD: every micro-batch's backward
     all-reduces each unit's flat gradient (after autograd's concatenation into it), where

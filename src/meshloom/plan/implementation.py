@@ -44,7 +44,8 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   the gradients are packed into the send buffer in the reduce dtype, once per reduce-scatter.
   Composer (llm-foundry) and Lightning (TinyLlama) run FSDP1. With zero = 2 it is FSDP1's
   SHARD_GRAD_OP: each unit is gathered in every micro-batch's forward and kept to its backward,
-  where it is reduce-scattered, unit by unit (meshloom's ZeRO-2 gathers once after the step);
+  where it is reduce-scattered, unit by unit (meshloom's ZeRO-2 gathers once after the step),
+  into fp32 gradient shards (`fp32_gradient_shards`; meshloom's are bf16);
   with zero = 0 its NO_SHARD: every micro-batch's backward all-reduces each unit's flat
   gradient (meshloom's DDP all-reduces its buckets once a step). A no-op with zero = 1.
 - `fp32_params`: the trainer keeps fp32 parameters and computes under autocast, whatever it
@@ -311,6 +312,16 @@ def zero3_no_sync(impl: Implementation, lay, m: int) -> bool:
     step's `m` micro-batches and reduce-scatters once (`fsdp_no_sync`)."""
     fsdp = lay.zero == 3 or lay.zero == 2 and impl.fsdp_flat_param
     return impl.fsdp_no_sync and fsdp and m > 1
+
+
+def fp32_gradient_shards(impl: Implementation, lay) -> bool:
+    """Whether the sharded gradients are fp32 in bf16 training where meshloom's are bf16:
+    FSDP1's ZeRO-2 (SHARD_GRAD_OP, `fsdp_flat_param`) keeps each reduce-scattered gradient
+    shard in its flat parameter's dtype, the fp32 of the sharded masters (FSDP1 upcasts the
+    shard unless `keep_low_precision_grads`). Under FULL_SHARD the same holds, but there the
+    flat parameter is the fp32 master itself and no bf16 shard is kept, so the planner's
+    2 + 2 + 4 + 8 bytes a parameter over dp already total FSDP1's 4 + 4 + 8."""
+    return impl.fsdp_flat_param and lay.zero == 2
 
 
 def fp32_working_params(impl: Implementation, lay, dtype: str) -> bool:
