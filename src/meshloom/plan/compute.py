@@ -35,6 +35,7 @@ from meshloom.plan.moe import (
     ffn_tokens,
     load_factor,
 )
+from meshloom.plan.reruns import tp_reruns
 from meshloom.plan.step_kernels import (
     Gemm,
     block_gemms,
@@ -339,7 +340,38 @@ def block_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, e: int, f
         bwd = bwd + att
         if impl.selective_elementwise:  # the rest of the forward but its GEMMs
             bwd = bwd + PassCost(elementwise=fwd.elementwise - att.elementwise)
+    copies_f, copies_b = sp_copies(shape, lay, impl)  # after the recompute: tp_reruns has it
+    if copies_f or copies_b:
+        one = rates.stream(2 * tokens * shape.hidden * e, 1)  # read and write the whole
+        fwd.elementwise += copies_f * one
+        bwd.elementwise += copies_b * one
     return BlockCost(fwd, bwd, att, ring)
+
+
+# Under SP each all-reduce's worth of a block's tp traffic is an all-gather and a
+# reduce-scatter (timing.step_time counts 2 forward and 2 + tp_reruns backward).
+SP_COLLECTIVES_PER_PAIR = 2
+
+
+def sp_copies(shape: ModelShape, lay: Layout, impl: Implementation) -> tuple[float, float]:
+    """(forward, backward) sequence-parallel collectives of a block, per micro-batch, that also
+    copy their whole (gathered) tensor on the compute stream (`Implementation.sp_copies`):
+    NCCL gathers and scatters along the leading dimension, so a sequence split along dimension
+    1 of batch-first tensors is rearranged around every call (meshloom's `comm._gather_dim`
+    cat and `_reduce_scatter_dim` stack; PyTorch's functional collectives' chunk-and-cat under
+    DTensor's Shard(1), which recent PyTorch makes a view when the micro-batch is one sequence:
+    `batch`). Megatron's sequence-first tensors need none; nor do collectives fused into their
+    GEMMs (torchtitan's async TP), which it does in the forward only (`tp_overlap_backward`
+    off)."""
+    if not lay.sp or lay.tp == 1 or impl.sp_copies == "none":
+        return 0.0, 0.0
+    pairs_b = 2 + tp_reruns(shape, lay, impl)
+    if impl.sp_copies == "batch":
+        if lay.micro_batch == 1:
+            return 0.0, 0.0
+        if impl.tp_overlap:  # fused into their GEMMs: the forward's, or every pass's
+            return 0.0, (0.0 if impl.tp_overlap_backward else pairs_b * SP_COLLECTIVES_PER_PAIR)
+    return 2.0 * SP_COLLECTIVES_PER_PAIR, pairs_b * SP_COLLECTIVES_PER_PAIR
 
 
 def head_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int,

@@ -16,6 +16,12 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   row-parallel projections forward in 4 pipelined splits before their reduce-scatter
   (`split_overlap_ag` / `split_overlap_rs`, TE's default `num_splits` 4). Off: each GEMM
   whole, as meshloom runs them. A no-op without `tp_overlap`, SP, or with tp = 1.
+- `tp_overlap_backward`: with `tp_overlap`, the backward's tp collectives (and those its
+  recompute reruns) overlap too, as TransformerEngine's under Megatron do. Off: only the
+  forward's, as torchtitan's async TP (PyTorch Inductor's micro-pipeline pass) was published to
+  speed up: "Up to ~29% forward pass speedup and ~8% E2E speedup" (its announcement,
+  discuss.pytorch.org/t/209487); the backward's collectives wait, with their copies
+  (`sp_copies`).
 - `dp_overlap`: ZeRO-1/2 reduce-scatter the gradients bucket by bucket during the last
   micro-batch's backward and all-gather the updated parameters during the next forward
   (Megatron's distributed optimizer with `--overlap-grad-reduce --overlap-param-gather`).
@@ -230,6 +236,17 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   all-reduce, the tree, each with the LL, LL128 or Simple protocol, as NCCL's tuner prices
   them) or `simple` (the ring with the Simple protocol only: `NCCL_ALGO=Ring
   NCCL_PROTO=Simple`, the pair NCCL picks for large messages).
+- `sp_copies`: whether each sequence-parallel all-gather and reduce-scatter of a block also
+  copies the whole gathered tensor on the compute stream, a read and a write
+  (`compute.sp_copies`). NCCL gathers and scatters along a buffer's leading dimension; a
+  sequence split along dimension 1 of batch-first [b, s, h] tensors is rearranged around each
+  call. `always` (meshloom: `comm._gather_dim` cats the gathered pieces along the sequence,
+  `_reduce_scatter_dim` stacks the chunks), `batch` (PyTorch's functional collectives under
+  DTensor's Shard(1) sequence parallel, torchtitan: chunk-and-cat around each call, a view when
+  the micro-batch is one sequence in recent PyTorch; none under async TP, whose fused
+  all-gather-matmul and matmul-reduce-scatter take the layout as it is) or `none` (Megatron's
+  sequence-first [s, b, h] tensors, gathered along the leading dimension). The embedding's
+  and the head's own collectives (one pair each per micro-batch) are not counted.
 """
 
 from __future__ import annotations
@@ -246,6 +263,7 @@ class Implementation:
     compile: bool = False
     tp_overlap: bool = False
     tp_overlap_chunks: bool = False
+    tp_overlap_backward: bool = True
     dp_overlap: bool = False
     ddp_overlap: bool = True
     fsdp_prefetch: bool = True
@@ -279,6 +297,7 @@ class Implementation:
     cp_ring: str = "meshloom"
     qkv_transpose: bool = False
     nccl_protocols: str = "auto"
+    sp_copies: str = "always"
 
     @property
     def elementwise(self) -> str:
@@ -358,13 +377,14 @@ def parse_bool(key: str, value: str) -> bool:
 
 STR_IMPL_KEYS = ("attention_kernel", "pp_split", "optimizer_state", "optimizer_impl",
                  "grad_reduce_dtype", "dp_buckets", "cross_entropy", "train_metrics", "cp_ring",
-                 "nccl_protocols")
+                 "nccl_protocols", "sp_copies")
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 OPTIMIZER_IMPLS = ("fused", "foreach", "for_loop")
 # Bytes per parameter beside the bf16 parameter and gradient: (master copy, Adam moments).
 OPTIMIZER_STATES = {"fp32": (4, 8), "fp32_remainders": (2, 8), "bf16": (0, 4)}
 DP_BUCKETS = ("torch", "mcore", "deepspeed", "whole")
 NCCL_PROTOCOLS = ("auto", "simple")
+SP_COPIES = ("always", "batch", "none")
 CROSS_ENTROPY = ("auto", "fused", "eager", "xentropy", "megatron", "megatron_fused")
 # Eager cross-entropy forwards over the logits a loop's training metrics run per micro-batch.
 TRAIN_METRIC_PASSES = {"none": 0, "composer": 2}

@@ -16,6 +16,7 @@ from meshloom.plan.implementation import (
     NCCL_PROTOCOLS,
     OPTIMIZER_IMPLS,
     OPTIMIZER_STATES,
+    SP_COPIES,
     STR_IMPL_KEYS,
     TRAIN_METRIC_PASSES,
     parse_bool,
@@ -107,7 +108,8 @@ def parse_fix(text: str) -> dict:
                        "cross_entropy": CROSS_ENTROPY,
                        "train_metrics": tuple(TRAIN_METRIC_PASSES),
                        "cp_ring": CP_RINGS,
-                       "nccl_protocols": NCCL_PROTOCOLS}.get(key, SCHEDULES)
+                       "nccl_protocols": NCCL_PROTOCOLS,
+                       "sp_copies": SP_COPIES}.get(key, SCHEDULES)
             if value not in options:
                 raise PlanError(f"--fix: {key}={value} must be one of {', '.join(options)}")
             out[key] = value

@@ -17,6 +17,11 @@ issues. How much depends on the implementation, not only on the mode:
   pieces, and its checkpoint reruns as eager does.
 - Megatron-style full recompute reruns each layer's forward (both pairs); its selective one
   reruns the attention core only, no tp collective.
+- torchtitan's per-op selective policy (`op_sac`) keeps the outputs of the reduce-scatters it
+  lists (`_save_list` in its activation-checkpoint code) and marks every other op to be
+  recomputed, all-gathers included, so under SP the backward gathers each projection's input
+  again: the forward's two all-gathers, half of its tp traffic (compiled too: the partitioner
+  recomputes what the policy marks).
 - Context parallel's ring lives in the attention core, which both recompute modes rerun
   (meshloom's and Megatron's alike), except torchtitan's per-op policy, which keeps the attention
   kernel's outputs.
@@ -40,7 +45,10 @@ def tp_reruns(shape: ModelShape, lay: Layout, impl: Implementation) -> float:
         return 0.0
     full = lay.recompute == "full"
     if not impl.meshloom_block:  # Megatron's: the layer's forward again, or attention only
-        return 2.0 if full else 0.0
+        if full:
+            return 2.0
+        # torchtitan's per-op policy keeps reduce-scatter outputs, not all-gathers'
+        return 1.0 if impl.op_sac and lay.sp else 0.0
     if full and impl.compile:  # the compiled block, inside the checkpoint, reruns whole
         return 1.0 if shape.is_moe else 2.0  # an MoE feed-forward is not split over tp
     if impl.compile and not shape.is_moe and lay.cp == 1:  # one graph keeps their outputs

@@ -160,6 +160,8 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     tp_f_all, tp_b_all = 2 * tp_one, (2 + tp_reruns(shape, lay, impl)) * tp_one
     if impl.tp_overlap:  # the hidden part still slows the GEMMs it runs beside
         tp_f, tp_b = _exposed(tp_f_all, blk.fwd.gemm), _exposed(tp_b_all, blk.bwd.gemm)
+        if not impl.tp_overlap_backward:  # only the forward's run under its GEMMs
+            tp_b = tp_b_all
     else:
         tp_f, tp_b = tp_f_all, tp_b_all
 
@@ -639,7 +641,8 @@ def end_collectives(lay: Layout, tp_one: float, start: float, head_wgrad_s: floa
         emb_f = emb_b = head_f = head_b = tp_one / 2
     else:
         emb_f, emb_b, head_f, head_b = tp_one, 0.0, 0.0, tp_one
-    exposed_b = _exposed(head_b, head_wgrad_s) if impl.tp_overlap else head_b
+    overlapped = impl.tp_overlap and impl.tp_overlap_backward
+    exposed_b = _exposed(head_b, head_wgrad_s) if overlapped else head_b
     return EndCollectives(emb_f, emb_b, head_f, exposed_b, head_b, start, lay.sp)
 
 

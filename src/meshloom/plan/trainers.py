@@ -112,7 +112,7 @@ from meshloom.plan import PlanError
 # ran it before PyTorch 2.9 put cuDNN first, and which kernel TransformerEngine picked for NeMo
 # is not cited.
 OTHER_LOOP = {"meshloom_block": False, "free_unbucketed_grads": False, "clip_in_optimizer": False,
-              "attention_kernel": "fa2"}
+              "attention_kernel": "fa2", "sp_copies": "none"}
 TRAINERS: dict[str, dict] = {
     "megatron-lm": {"compile": True, "tp_overlap": True, "tp_overlap_chunks": True,
                     "grad_reduce_dtype": "bf16",
@@ -142,7 +142,8 @@ TRAINERS: dict[str, dict] = {
                     "train_metrics": "composer", "fsdp_prefetch": False},
     "torchtitan": {"compile": False, "op_sac": True, "cross_entropy": "eager",
                    "optimizer_impl": "foreach", "fsdp_copy_out": True, "rope_complex": True,
-                   "grad_reduce_dtype": "fp32"},
+                   "grad_reduce_dtype": "fp32", "sp_copies": "batch",
+                   "tp_overlap_backward": False},
 }
 
 
