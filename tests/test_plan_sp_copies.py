@@ -1,6 +1,7 @@
 """Three tensor-parallel terms read from the code that runs them (plan/compute.py `sp_copies`,
-plan/reruns.py `tp_reruns`, plan/timing.py `tp_overlap_backward`), and the held-out torchtitan
-TP rows they were checked on (benchmarks/published/runs.json, source torchtitan-asynctp-h100)."""
+plan/reruns.py `tp_reruns`, plan/timing.py `tp_overlap_backward`), the GEMM memory roofline
+(compute.Rates.gemm), and the held-out torchtitan TP rows they were checked on
+(benchmarks/published/runs.json, source torchtitan-asynctp-h100)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ from pathlib import Path
 import pytest
 
 from meshloom.plan import PlanError
-from meshloom.plan.compute import block_cost, rates_for, sp_copies
+from meshloom.plan.compute import GEMM_BYTES, block_cost, rates_for, sp_copies
 from meshloom.plan.hardware import make_cluster
 from meshloom.plan.implementation import MESHLOOM, Implementation
 from meshloom.plan.layout import Layout, parse_fix
 from meshloom.plan.models import from_dims
 from meshloom.plan.reruns import tp_reruns
+from meshloom.plan.step_kernels import Gemm
 from meshloom.plan.timing import _exposed, step_time
 from meshloom.plan.trainers import trainer_impl
 
@@ -137,3 +139,17 @@ def test_async_tp_gain_in_the_docs_is_the_files():
                                                        "70b-8192-256gpu-fsdp32-async",
                                                        "8b-8192-64gpu-fsdp8-async")]
     assert [f"{100 * rows[i]['error']:.1f}" for i in ids] == list(m.groups())
+
+
+def test_no_gemm_runs_faster_than_moving_its_operands_once():
+    rates = rates_for(make_cluster("h100-96gb", 8))
+    thin = Gemm("wk", 98304, 128, 4096)  # a GQA key projection under tp 8
+    interpolated = thin.flops / (rates.table.gemm_tflops(thin.m, thin.n, thin.k) * 1e12)
+    moved = GEMM_BYTES * (98304 * 4096 + 4096 * 128 + 98304 * 128) / (rates.hbm_gbps * 1e9)
+    assert moved > 1.5 * interpolated  # the table's neighbours would price it twice as fast
+    assert rates.gemm(thin) == pytest.approx(moved, rel=1e-12)
+    square = Gemm("w1", 16384, 14336, 4096)  # compute-bound: the table's rate stands
+    assert rates.gemm(square) == pytest.approx(
+        square.flops / (rates.table.gemm_tflops(16384, 14336, 4096) * 1e12), rel=1e-12)
+    sheet = rates_for(make_cluster("h100-96gb", 8, kernels="datasheet"))
+    assert sheet.gemm(thin) == pytest.approx(thin.flops / (sheet.peak_tflops * 1e12))

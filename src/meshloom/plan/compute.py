@@ -3,7 +3,9 @@ the GPU's kernel table (plan/kernel_table.py) and the block's kernel inventory
 (plan/step_kernels.py).
 
 - GEMMs: every forward GEMM at its own shape's rate, and in backward its input gradient and its
-  weight gradient at theirs.
+  weight gradient at theirs; none faster than reading its two operands and writing its
+  output once at the table's streaming bandwidth (the memory roofline: a thin GEMM, such as
+  a GQA key or value projection of 128 columns, is bound by reading its input).
 - Attention: a fused kernel (FlashAttention / SDPA) at the table's attention rate for the
   sequence, head width and causal mask, counting the FLOPs it really does (causal: half);
   unfused attention as its two batched GEMMs per direction (QK^T, PV; four in backward) plus
@@ -136,6 +138,9 @@ def overlap_pieces(gemms: list[Gemm], tp: int) -> tuple[list[Gemm], list[Gemm]]:
     return fwd, bwd
 
 
+GEMM_BYTES = 2  # bf16 operands and output, as the GEMM tables are measured
+
+
 @dataclass(frozen=True)
 class Rates:
     """What one GPU's kernels run at: its kernel table (or None) and the figures used without."""
@@ -155,9 +160,13 @@ class Rates:
         """Seconds of one GEMM (all its `count` instances, as one grouped launch)."""
         if g.m <= 0 or g.n <= 0 or g.k <= 0 or g.count <= 0:
             return 0.0
-        rate = (self.table.gemm_tflops(g.m, g.n, g.k) * self.scale if self.table
-                else self.peak_tflops)
-        return max(g.flops / (rate * 1e12), self.launch_s)
+        if self.table is None:  # the datasheet's peak: an upper bound on speed
+            return max(g.flops / (self.peak_tflops * 1e12), self.launch_s)
+        rate = self.table.gemm_tflops(g.m, g.n, g.k) * self.scale
+        # The table's rows are its shapes; one far from them (a GQA projection of 128 columns
+        # under tp 8) may be interpolated faster than reading its operands once allows.
+        moved = GEMM_BYTES * (g.m * g.k + g.k * g.n + g.m * g.n) * g.count
+        return max(g.flops / (rate * 1e12), moved / (self.hbm_gbps * GB), self.launch_s)
 
     def attention(self, flops: float, seq: int, head_dim: int, causal: bool,
                   direction: str, kernel: str = "sdpa") -> float:
