@@ -13,7 +13,15 @@ from pathlib import Path
 import pytest
 
 from meshloom.plan import PlanError
-from meshloom.plan.compute import GEMM_BYTES, block_cost, rates_for, sp_copies
+from meshloom.plan.compute import (
+    GEMM_BYTES,
+    block_cost,
+    embedding_cost,
+    end_sp_copies,
+    head_cost,
+    rates_for,
+    sp_copies,
+)
 from meshloom.plan.hardware import make_cluster
 from meshloom.plan.implementation import MESHLOOM, Implementation
 from meshloom.plan.layout import Layout, parse_fix
@@ -54,6 +62,23 @@ def test_which_trainers_copy_around_sp_collectives():
     assert sp_copies(LLAMA8B, lay, replace(ASYNC, tp_overlap_backward=True)) == (0.0, 0.0)
     assert sp_copies(LLAMA8B, _lay(sp=False), MESHLOOM) == (0.0, 0.0)
     assert sp_copies(LLAMA8B, _lay(tp=1, dp=64), MESHLOOM) == (0.0, 0.0)
+
+
+def test_the_ends_copy_as_the_blocks_do():
+    lay = _lay()
+    assert end_sp_copies(lay, TITAN, fused_forward=True) == (1.0, 1.0)
+    assert end_sp_copies(_lay(micro_batch=1), TITAN, fused_forward=True) == (0.0, 0.0)
+    assert end_sp_copies(lay, MEGATRON, fused_forward=False) == (0.0, 0.0)
+    assert end_sp_copies(_lay(micro_batch=1), MESHLOOM, fused_forward=False) == (1.0, 1.0)
+    # async TP fuses the head's gather into its matmul, never the lookup's reduce-scatter
+    assert end_sp_copies(lay, ASYNC, fused_forward=True) == (0.0, 1.0)
+    assert end_sp_copies(lay, ASYNC, fused_forward=False) == (1.0, 1.0)
+    rates = rates_for(make_cluster("h100-96gb", 64))
+    one = 2 * lay.micro_batch * 8192 * LLAMA8B.hidden * 2 / (rates.hbm_gbps * 1e9)
+    none = replace(TITAN, sp_copies="none")
+    for cost in (head_cost, embedding_cost):
+        (f, b), (f0, b0) = (cost(LLAMA8B, lay, rates, 8192, i) for i in (TITAN, none))
+        assert (f - f0, b - b0) == pytest.approx((one, one), rel=1e-9)
 
 
 def test_op_sac_reruns_the_all_gathers_only_under_sp():

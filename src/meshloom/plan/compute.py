@@ -383,6 +383,22 @@ def sp_copies(shape: ModelShape, lay: Layout, impl: Implementation) -> tuple[flo
     return 2.0 * SP_COLLECTIVES_PER_PAIR, pairs_b * SP_COLLECTIVES_PER_PAIR
 
 
+def end_sp_copies(lay: Layout, impl: Implementation, fused_forward: bool) -> tuple[float, float]:
+    """(forward, backward) copies of an end's sequence-parallel pair per micro-batch, as
+    `sp_copies` counts a block's: the embedding's reduce-scatter of its output and the gather
+    of its gradient, or the head's gather of its input and the reduce-scatter of its input's
+    gradient. Under async TP only a collective next to a matmul is fused, and only in the
+    forward: the head's gather (`fused_forward`), not the embedding lookup's."""
+    if not lay.sp or lay.tp == 1 or impl.sp_copies == "none":
+        return 0.0, 0.0
+    if impl.sp_copies == "batch":
+        if lay.micro_batch == 1:
+            return 0.0, 0.0
+        if impl.tp_overlap:
+            return (0.0 if fused_forward else 1.0), (0.0 if impl.tp_overlap_backward else 1.0)
+    return 1.0, 1.0
+
+
 def head_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int,
               impl: Implementation, e: int = 2) -> tuple[float, float]:
     """(forward, backward) seconds of the output head and the cross entropy on the last stage,
@@ -402,6 +418,10 @@ def head_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int,
     if metrics:  # after the backward: eager cross-entropy forwards, no gradient
         eager_f, eager_k = CE_BYTES_PER_LOGIT["eager"][0], CE_KERNELS["eager"][0]
         bwd += metrics * rates.stream(eager_f * logits, eager_k)
+    # the gather of the head's input and the reduce-scatter of its gradient (SP)
+    copy_f, copy_b = end_sp_copies(lay, impl, fused_forward=True)
+    one = rates.stream(2 * tokens * shape.hidden * e, 1)
+    fwd, bwd = fwd + copy_f * one, bwd + copy_b * one
     return fwd, bwd + tied_gradient_add(shape, lay, rates, impl, 4 if casts else e)
 
 
@@ -444,7 +464,11 @@ def embedding_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, impl:
         bwd_bytes, bwd_kernels = bwd_bytes + rows, bwd_kernels + 1
     if impl.fused_grad_accumulation:
         bwd_bytes, bwd_kernels = bwd_bytes + table * (w + 8), bwd_kernels + 1
-    return rates.stream(fwd_passes * rows, fwd_kernels), rates.stream(bwd_bytes, bwd_kernels)
+    # the reduce-scatter of the lookup's output and the gather of its gradient (SP)
+    copy_f, copy_b = end_sp_copies(lay, impl, fused_forward=False)
+    one = rates.stream(2 * tokens * shape.hidden * e, 1)
+    return (rates.stream(fwd_passes * rows, fwd_kernels) + copy_f * one,
+            rates.stream(bwd_bytes, bwd_kernels) + copy_b * one)
 
 
 def qkv_transpose_cost(shape: ModelShape, tp: int, tokens: int, e: int, rates: Rates) -> float:

@@ -246,7 +246,7 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   the micro-batch is one sequence in recent PyTorch; none under async TP, whose fused
   all-gather-matmul and matmul-reduce-scatter take the layout as it is) or `none` (Megatron's
   sequence-first [s, b, h] tensors, gathered along the leading dimension). The embedding's
-  and the head's own collectives (one pair each per micro-batch) are not counted.
+  and the head's own pairs copy likewise (`compute.end_sp_copies`).
 """
 
 from __future__ import annotations
