@@ -285,10 +285,11 @@ def block_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, e: int, f
         rows = (etp * moe_tokens * shape.top_k * load_factor(shape, lay) * lay.ep
                 / shape.n_experts)
     gemms = block_gemms(shape, tokens, t, rows, local, moe_tokens, etp)
+    run_fwd, run_bwd = gemms, [b for g in gemms for b in g.backward()]
     if impl.tp_overlap and impl.tp_overlap_chunks and lay.sp and t > 1:
-        run_fwd, run_bwd = overlap_pieces(gemms, t)
-    else:
-        run_fwd, run_bwd = gemms, [b for g in gemms for b in g.backward()]
+        pieces_fwd, pieces_bwd = overlap_pieces(gemms, t)
+        run_fwd = pieces_fwd  # the backward's in pieces only where its collectives overlap
+        run_bwd = pieces_bwd if impl.tp_overlap_backward else run_bwd
     fwd = PassCost(gemm=sum(rates.gemm(g) for g in run_fwd))
     bwd = PassCost(gemm=sum(rates.gemm(b) for b in run_bwd))
 
