@@ -173,6 +173,10 @@ def test_no_gemm_runs_faster_than_moving_its_operands_once():
     moved = GEMM_BYTES * (98304 * 4096 + 4096 * 128 + 98304 * 128) / (rates.hbm_gbps * 1e9)
     assert moved > 1.5 * interpolated  # the table's neighbours would price it twice as fast
     assert rates.gemm(thin) == pytest.approx(moved, rel=1e-12)
+    doc = " ".join(DOC.read_text().split())  # the figures "Step time", GEMMs, quotes
+    assert (f"{rates.hbm_gbps:.0f} GB/s on the Grand Teton part, "
+            f"{thin.flops / moved / 1e12:.0f} TFLOP/s, where the interpolation gave "
+            f"{thin.flops / interpolated / 1e12:.0f}") in doc
     square = Gemm("w1", 16384, 14336, 4096)  # compute-bound: the table's rate stands
     assert rates.gemm(square) == pytest.approx(
         square.flops / (rates.table.gemm_tflops(16384, 14336, 4096) * 1e12), rel=1e-12)

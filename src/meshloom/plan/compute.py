@@ -352,7 +352,7 @@ def block_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, e: int, f
             bwd = bwd + PassCost(elementwise=fwd.elementwise - att.elementwise)
     copies_f, copies_b = sp_copies(shape, lay, impl)  # after the recompute: tp_reruns has it
     if copies_f or copies_b:
-        one = rates.stream(2 * tokens * shape.hidden * e, 1)  # read and write the whole
+        one = sp_copy_seconds(rates, tokens, shape.hidden, e)
         fwd.elementwise += copies_f * one
         bwd.elementwise += copies_b * one
     return BlockCost(fwd, bwd, att, ring)
@@ -373,14 +373,11 @@ def sp_copies(shape: ModelShape, lay: Layout, impl: Implementation) -> tuple[flo
     `batch`). Megatron's sequence-first tensors need none; nor do collectives fused into their
     GEMMs (torchtitan's async TP), which it does in the forward only (`tp_overlap_backward`
     off)."""
-    if not lay.sp or lay.tp == 1 or impl.sp_copies == "none":
+    if not _sp_copying(lay, impl):
         return 0.0, 0.0
     pairs_b = 2 + tp_reruns(shape, lay, impl)
-    if impl.sp_copies == "batch":
-        if lay.micro_batch == 1:
-            return 0.0, 0.0
-        if impl.tp_overlap:  # fused into their GEMMs: the forward's, or every pass's
-            return 0.0, (0.0 if impl.tp_overlap_backward else pairs_b * SP_COLLECTIVES_PER_PAIR)
+    if _fused_into_gemms(impl):  # the forward's, or every pass's
+        return 0.0, (0.0 if impl.tp_overlap_backward else pairs_b * SP_COLLECTIVES_PER_PAIR)
     return 2.0 * SP_COLLECTIVES_PER_PAIR, pairs_b * SP_COLLECTIVES_PER_PAIR
 
 
@@ -390,14 +387,28 @@ def end_sp_copies(lay: Layout, impl: Implementation, fused_forward: bool) -> tup
     of its gradient, or the head's gather of its input and the reduce-scatter of its input's
     gradient. Under async TP only a collective next to a matmul is fused, and only in the
     forward: the head's gather (`fused_forward`), not the embedding lookup's."""
-    if not lay.sp or lay.tp == 1 or impl.sp_copies == "none":
+    if not _sp_copying(lay, impl):
         return 0.0, 0.0
-    if impl.sp_copies == "batch":
-        if lay.micro_batch == 1:
-            return 0.0, 0.0
-        if impl.tp_overlap:
-            return (0.0 if fused_forward else 1.0), (0.0 if impl.tp_overlap_backward else 1.0)
+    if _fused_into_gemms(impl):
+        return (0.0 if fused_forward else 1.0), (0.0 if impl.tp_overlap_backward else 1.0)
     return 1.0, 1.0
+
+
+def _sp_copying(lay: Layout, impl: Implementation) -> bool:
+    """Whether this layout's sequence-parallel collectives copy at all (`sp_copies`)."""
+    if not lay.sp or lay.tp == 1 or impl.sp_copies == "none":
+        return False
+    return impl.sp_copies == "always" or lay.micro_batch > 1
+
+
+def _fused_into_gemms(impl: Implementation) -> bool:
+    """PyTorch's collectives fused into their matmuls (torchtitan's async TP) copy nothing."""
+    return impl.sp_copies == "batch" and impl.tp_overlap
+
+
+def sp_copy_seconds(rates: Rates, tokens: int, hidden: int, e: int) -> float:
+    """One sequence-parallel copy: a read and a write of the micro-batch's whole [tokens, h]."""
+    return rates.stream(2 * tokens * hidden * e, 1)
 
 
 def head_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int,
@@ -421,8 +432,9 @@ def head_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int,
         bwd += metrics * rates.stream(eager_f * logits, eager_k)
     # the gather of the head's input and the reduce-scatter of its gradient (SP)
     copy_f, copy_b = end_sp_copies(lay, impl, fused_forward=True)
-    one = rates.stream(2 * tokens * shape.hidden * e, 1)
-    fwd, bwd = fwd + copy_f * one, bwd + copy_b * one
+    if copy_f or copy_b:
+        one = sp_copy_seconds(rates, tokens, shape.hidden, e)
+        fwd, bwd = fwd + copy_f * one, bwd + copy_b * one
     return fwd, bwd + tied_gradient_add(shape, lay, rates, impl, 4 if casts else e)
 
 
@@ -467,7 +479,7 @@ def embedding_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, impl:
         bwd_bytes, bwd_kernels = bwd_bytes + table * (w + 8), bwd_kernels + 1
     # the reduce-scatter of the lookup's output and the gather of its gradient (SP)
     copy_f, copy_b = end_sp_copies(lay, impl, fused_forward=False)
-    one = rates.stream(2 * tokens * shape.hidden * e, 1)
+    one = sp_copy_seconds(rates, tokens, shape.hidden, e) if copy_f or copy_b else 0.0
     return (rates.stream(fwd_passes * rows, fwd_kernels) + copy_f * one,
             rates.stream(bwd_bytes, bwd_kernels) + copy_b * one)
 
