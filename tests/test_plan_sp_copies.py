@@ -55,9 +55,17 @@ def test_which_trainers_copy_around_sp_collectives():
     assert sp_copies(LLAMA8B, lay, TITAN) == whole
     assert sp_copies(LLAMA8B, _lay(micro_batch=1), TITAN) == (0.0, 0.0)  # a view at b = 1
     assert sp_copies(LLAMA8B, lay, MEGATRON) == (0.0, 0.0)  # sequence-first tensors
-    meshloom_lay = _lay(micro_batch=1)
-    assert sp_copies(LLAMA8B, meshloom_lay, MESHLOOM) == (
-        4.0, 2 * (2 + tp_reruns(LLAMA8B, meshloom_lay, MESHLOOM)))  # cat / stack always
+    # meshloom cats / stacks at b > 1 and hands the collective the tensor itself at b = 1
+    # (comm._leading; tests/test_tensor_layers.py checks the storage); `always` copies even then
+    assert sp_copies(LLAMA8B, lay, MESHLOOM) == (
+        4.0, 2 * (2 + tp_reruns(LLAMA8B, lay, MESHLOOM)))
+    assert sp_copies(LLAMA8B, _lay(micro_batch=1), MESHLOOM) == (0.0, 0.0)
+    one = _lay(micro_batch=1)
+    assert sp_copies(LLAMA8B, one, replace(MESHLOOM, sp_copies="always")) == (
+        4.0, 2 * (2 + tp_reruns(LLAMA8B, one, MESHLOOM)))
+    # meshloom has no fused all-gather-matmul: overlap alone does not drop its copies
+    assert sp_copies(LLAMA8B, lay, replace(MESHLOOM, tp_overlap=True)) == \
+        sp_copies(LLAMA8B, lay, MESHLOOM)
     assert sp_copies(LLAMA8B, lay, ASYNC) == (0.0, whole[1])  # fused forward only
     assert sp_copies(LLAMA8B, lay, replace(ASYNC, tp_overlap_backward=True)) == (0.0, 0.0)
     assert sp_copies(LLAMA8B, _lay(sp=False), MESHLOOM) == (0.0, 0.0)
@@ -69,7 +77,10 @@ def test_the_ends_copy_as_the_blocks_do():
     assert end_sp_copies(lay, TITAN, fused_forward=True) == (1.0, 1.0)
     assert end_sp_copies(_lay(micro_batch=1), TITAN, fused_forward=True) == (0.0, 0.0)
     assert end_sp_copies(lay, MEGATRON, fused_forward=False) == (0.0, 0.0)
-    assert end_sp_copies(_lay(micro_batch=1), MESHLOOM, fused_forward=False) == (1.0, 1.0)
+    assert end_sp_copies(lay, MESHLOOM, fused_forward=False) == (1.0, 1.0)
+    assert end_sp_copies(_lay(micro_batch=1), MESHLOOM, fused_forward=False) == (0.0, 0.0)
+    assert end_sp_copies(_lay(micro_batch=1), replace(MESHLOOM, sp_copies="always"),
+                         fused_forward=False) == (1.0, 1.0)
     # async TP fuses the head's gather into its matmul, never the lookup's reduce-scatter
     assert end_sp_copies(lay, ASYNC, fused_forward=True) == (0.0, 1.0)
     assert end_sp_copies(lay, ASYNC, fused_forward=False) == (1.0, 1.0)

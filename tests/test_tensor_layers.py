@@ -39,11 +39,11 @@ def _linear(i, o, seed=1):
     return nn.Linear(i, o, bias=False)
 
 
-def _column_job(world, sp):
+def _column_job(world, sp, batch=2):
     mesh = _mesh(world)
     full = _linear(8, 12)
-    x = _data(2, 8, 8).requires_grad_()
-    r = _data(2, 8, 12, seed=3)
+    x = _data(batch, 8, 8).requires_grad_()
+    r = _data(batch, 8, 12, seed=3)
     (full(x) * r).sum().backward()
     layer = ColumnParallelLinear.from_module(full, mesh, sequence_parallel=sp)
     xs = x.detach().clone().requires_grad_()
@@ -55,11 +55,11 @@ def _column_job(world, sp):
             "gx_ref": x.grad, "bytes": dict(mesh.counter.bytes)}
 
 
-def _row_job(world, sp):
+def _row_job(world, sp, batch=2):
     mesh = _mesh(world)
     full = _linear(12, 8)
-    x = _data(2, 8, 12).requires_grad_()
-    r = _data(2, 8, 8, seed=3)
+    x = _data(batch, 8, 12).requires_grad_()
+    r = _data(batch, 8, 8, seed=3)
     (full(x) * r).sum().backward()
     layer = RowParallelLinear.from_module(full, mesh, sequence_parallel=sp)
     xs = x.detach().clone().requires_grad_()
@@ -79,10 +79,14 @@ def _check(res):
         torch.testing.assert_close(r["gx"], r["gx_ref"], rtol=1e-5, atol=1e-6)
 
 
+# A micro-batch of one sequence takes sequence parallel's copy-free path (comm._leading).
+LAYOUTS = [(False, 2), (True, 2), (True, 1)]
+
+
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("sp", [False, True])
-def test_column_parallel_linear(world, sp):
-    res = run_ranks(_column_job, world, world, sp)
+@pytest.mark.parametrize("sp, batch", LAYOUTS)
+def test_column_parallel_linear(world, sp, batch):
+    res = run_ranks(_column_job, world, world, sp, batch)
     _check(res)
     ops = {op for _, op in res[0]["bytes"]}
     # Sequence parallel swaps the input all-reduce (backward) for all-gather/reduce-scatter.
@@ -90,13 +94,62 @@ def test_column_parallel_linear(world, sp):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("sp", [False, True])
-def test_row_parallel_linear(world, sp):
-    res = run_ranks(_row_job, world, world, sp)
+@pytest.mark.parametrize("sp, batch", LAYOUTS)
+def test_row_parallel_linear(world, sp, batch):
+    res = run_ranks(_row_job, world, world, sp, batch)
     _check(res)
-    # Forward: one all-reduce of the output (4 bytes x 2*8*8), or its reduce-scatter with SP.
+    # Forward: one all-reduce of the output (4 bytes x b*8*8), or its reduce-scatter with SP.
     op = "reduce_scatter" if sp else "all_reduce"
-    assert res[0]["bytes"][("tp", op)] == 4 * 2 * 8 * 8
+    assert res[0]["bytes"][("tp", op)] == 4 * batch * 8 * 8
+
+
+def _buffers_job(world, batch):
+    """Which buffers the sequence-parallel pair hands its collectives, forward and backward."""
+    mesh = _mesh(world)
+    seen = {"gather_out": [], "scatter_in": []}
+    gather, scatter = comm.all_gather_into, comm.reduce_scatter_into
+
+    def gather_spy(out, shard, *a, **kw):
+        seen["gather_out"].append(out.data_ptr())
+        return gather(out, shard, *a, **kw)
+
+    def scatter_spy(out, full, *a, **kw):
+        seen["scatter_in"].append(full.data_ptr())
+        return scatter(out, full, *a, **kw)
+
+    comm.all_gather_into, comm.reduce_scatter_into = gather_spy, scatter_spy
+    try:
+        x = _data(batch, 4, 3, seed=mesh.coord("tp")).requires_grad_()
+        y = comm.gather_seq(x, mesh, "tp")  # all-gather forward, reduce-scatter backward
+        g = _data(batch, 4 * world, 3, seed=7)
+        y.backward(g)
+        z = _data(batch, 4 * world, 3, seed=9)
+        w = comm.reduce_scatter_seq(z, mesh, "tp")
+    finally:
+        comm.all_gather_into, comm.reduce_scatter_into = gather, scatter
+    return {"y": y.detach(), "x": x.detach(), "gx": x.grad, "g": g, "z": z, "w": w,
+            "y_is_buffer": y.data_ptr() == seen["gather_out"][0],
+            "grad_scattered_in_place": seen["scatter_in"][0] == g.data_ptr(),
+            "z_scattered_in_place": seen["scatter_in"][1] == z.data_ptr()}
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_sequence_parallel_copies_only_when_the_batch_is_not_one(batch):
+    """At one sequence a micro-batch, the gathered activations are the collective's own output
+    buffer and the reduce-scatters read the tensor as it is: no cat, no stack (the planner's
+    `sp_copies=batch` for meshloom). Values match either way."""
+    world = 2
+    res = run_ranks(_buffers_job, world, world, batch)
+    xs = [r["x"] for r in res]
+    for rank, r in enumerate(res):
+        torch.testing.assert_close(r["y"], torch.cat(xs, dim=1), rtol=0, atol=0)
+        summed = sum(q["g"] for q in res).chunk(world, dim=1)[rank]
+        torch.testing.assert_close(r["gx"], summed)
+        torch.testing.assert_close(r["w"], sum(q["z"] for q in res).chunk(world, dim=1)[rank])
+        copy_free = batch == 1
+        assert r["y_is_buffer"] == copy_free
+        assert r["grad_scattered_in_place"] == copy_free
+        assert r["z_scattered_in_place"] == copy_free
 
 
 def _embedding_job(world, padding_idx=None):

@@ -11,6 +11,7 @@ all-reduce of Ψ, as in the ZeRO paper's accounting.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 import weakref
 from collections import defaultdict
@@ -193,12 +194,25 @@ def all_to_all_rows(x: torch.Tensor, mesh: Mesh, axis: str, send_rows: list[int]
 # without the layers knowing about communication.
 
 
+def _leading(x: torch.Tensor, dim: int) -> bool:
+    """Whether every dimension before `dim` has size 1. The collectives work on flat buffers,
+    rank after rank; then the ranks' pieces along `dim` already lie in that order in memory, so
+    gathering or scattering along `dim` needs no rearranging copy (a micro-batch of one sequence
+    under sequence parallel)."""
+    return math.prod(x.shape[:dim]) == 1
+
+
 def _gather_dim(x: torch.Tensor, mesh: Mesh, axis: str, dim: int) -> torch.Tensor:
     """Concatenate every rank's `x` along `dim` (equal shapes)."""
     n = mesh.size(axis)
     if n == 1:
         return x
     x = x.contiguous()
+    if _leading(x, dim):  # gathered straight into the result
+        shape = (*x.shape[:dim], n * x.shape[dim], *x.shape[dim + 1:])
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+        all_gather_into(out.view(-1), x.view(-1), mesh, axis)
+        return out
     out = torch.empty((n, *x.shape), dtype=x.dtype, device=x.device)
     all_gather_into(out.view(-1), x.view(-1), mesh, axis)
     return torch.cat(out.unbind(0), dim=dim)
@@ -224,8 +238,13 @@ def _reduce_scatter_dim(x: torch.Tensor, mesh: Mesh, axis: str, dim: int) -> tor
     if n == 1:
         return x
     _check_splits(x, n, axis, dim)
-    parts = torch.stack(x.chunk(n, dim=dim)).contiguous()  # [n, ...slice]
-    out = torch.empty(parts.shape[1:], dtype=x.dtype, device=x.device)
+    if _leading(x, dim):  # the chunks already lie rank after rank
+        parts = x.contiguous()
+        shape = (*x.shape[:dim], x.shape[dim] // n, *x.shape[dim + 1:])
+    else:
+        parts = torch.stack(x.chunk(n, dim=dim)).contiguous()  # [n, ...slice]
+        shape = parts.shape[1:]
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
     reduce_scatter_into(out.view(-1), parts.view(-1), mesh, axis)
     return out
 

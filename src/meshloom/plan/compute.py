@@ -367,12 +367,13 @@ def sp_copies(shape: ModelShape, lay: Layout, impl: Implementation) -> tuple[flo
     """(forward, backward) sequence-parallel collectives of a block, per micro-batch, that also
     copy their whole (gathered) tensor on the compute stream (`Implementation.sp_copies`):
     NCCL gathers and scatters along the leading dimension, so a sequence split along dimension
-    1 of batch-first tensors is rearranged around every call (meshloom's `comm._gather_dim`
-    cat and `_reduce_scatter_dim` stack; PyTorch's functional collectives' chunk-and-cat under
-    DTensor's Shard(1), which recent PyTorch makes a view when the micro-batch is one sequence:
-    `batch`). Megatron's sequence-first tensors need none; nor do collectives fused into their
-    GEMMs (torchtitan's async TP), which it does in the forward only (`tp_overlap_backward`
-    off)."""
+    1 of batch-first tensors is rearranged around every call unless the micro-batch is one
+    sequence (`batch`: meshloom's `comm._gather_dim` cat and `_reduce_scatter_dim` stack, which
+    gather into and scatter from the tensor as it lies at b = 1, and PyTorch's functional
+    collectives' chunk-and-cat under DTensor's Shard(1), a view at b = 1 in recent PyTorch;
+    `always` for an implementation that rearranges even then). Megatron's sequence-first
+    tensors need none; nor do collectives fused into their GEMMs piece by piece (torchtitan's
+    async TP), which it does in the forward only (`tp_overlap_backward` off)."""
     if not _sp_copying(lay, impl):
         return 0.0, 0.0
     pairs_b = 2 + tp_reruns(shape, lay, impl)
@@ -402,8 +403,9 @@ def _sp_copying(lay: Layout, impl: Implementation) -> bool:
 
 
 def _fused_into_gemms(impl: Implementation) -> bool:
-    """PyTorch's collectives fused into their matmuls (torchtitan's async TP) copy nothing."""
-    return impl.sp_copies == "batch" and impl.tp_overlap
+    """PyTorch's collectives fused into their matmuls, which run on each gathered piece as it
+    lies (torchtitan's async TP: `tp_overlap` in chunks), copy nothing."""
+    return impl.sp_copies == "batch" and impl.tp_overlap and impl.tp_overlap_chunks
 
 
 def sp_copy_seconds(rates: Rates, tokens: int, hidden: int, e: int) -> float:

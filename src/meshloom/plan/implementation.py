@@ -240,11 +240,14 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   copies the whole gathered tensor on the compute stream, a read and a write
   (`compute.sp_copies`). NCCL gathers and scatters along a buffer's leading dimension; a
   sequence split along dimension 1 of batch-first [b, s, h] tensors is rearranged around each
-  call. `always` (meshloom: `comm._gather_dim` cats the gathered pieces along the sequence,
-  `_reduce_scatter_dim` stacks the chunks), `batch` (PyTorch's functional collectives under
-  DTensor's Shard(1) sequence parallel, torchtitan: chunk-and-cat around each call, a view when
-  the micro-batch is one sequence in recent PyTorch; none under async TP, whose fused
-  all-gather-matmul and matmul-reduce-scatter take the layout as it is) or `none` (Megatron's
+  call unless the micro-batch is one sequence. `batch` (meshloom: `comm._gather_dim` cats the
+  gathered pieces along the sequence and `_reduce_scatter_dim` stacks the chunks, but gathers
+  straight into, and scatters straight from, a micro-batch of one sequence, whose pieces
+  already lie rank after rank; PyTorch's functional collectives under DTensor's Shard(1)
+  sequence parallel, torchtitan: chunk-and-cat around each call, a view at one sequence in
+  recent PyTorch; none under async TP in chunks, whose fused all-gather-matmul and
+  matmul-reduce-scatter take the layout as it is), `always` (an implementation that
+  rearranges even at one sequence, as meshloom did before 2026-11-29) or `none` (Megatron's
   sequence-first [s, b, h] tensors, gathered along the leading dimension). The embedding's
   and the head's own pairs copy likewise (`compute.end_sp_copies`).
 """
@@ -297,7 +300,7 @@ class Implementation:
     cp_ring: str = "meshloom"
     qkv_transpose: bool = False
     nccl_protocols: str = "auto"
-    sp_copies: str = "always"
+    sp_copies: str = "batch"
 
     @property
     def elementwise(self) -> str:
