@@ -272,6 +272,15 @@ class BlockCost:
     ring: RingCost | None = None  # context parallel's ring attention (cp > 1, fused attention)
 
 
+def launched_gemms(gemms: list[Gemm], impl: Implementation) -> list[Gemm]:
+    """A block's GEMMs as the trainer launches them: with `fused_qkv`, a Llama-style block's
+    wq, wk and wv as one projection of their summed widths (Megatron's `linear_qkv`)."""
+    if not impl.fused_qkv or [g.name for g in gemms[:3]] != ["wq", "wk", "wv"]:
+        return gemms
+    q, k, v = gemms[:3]
+    return [Gemm("qkv", q.m, q.n + k.n + v.n, q.k, q.count), *gemms[3:]]
+
+
 def block_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, e: int, flash: bool,
                impl: Implementation) -> BlockCost:
     """One block, one micro-batch (lay.micro_batch sequences of seq / cp local tokens)."""
@@ -285,9 +294,10 @@ def block_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, e: int, f
         rows = (etp * moe_tokens * shape.top_k * load_factor(shape, lay) * lay.ep
                 / shape.n_experts)
     gemms = block_gemms(shape, tokens, t, rows, local, moe_tokens, etp)
-    run_fwd, run_bwd = gemms, [b for g in gemms for b in g.backward()]
+    launched = launched_gemms(gemms, impl)
+    run_fwd, run_bwd = launched, [b for g in launched for b in g.backward()]
     if impl.tp_overlap and impl.tp_overlap_chunks and lay.sp and t > 1:
-        pieces_fwd, pieces_bwd = overlap_pieces(gemms, t)
+        pieces_fwd, pieces_bwd = overlap_pieces(launched, t)
         run_fwd = pieces_fwd  # the backward's in pieces only where its collectives overlap
         run_bwd = pieces_bwd if impl.tp_overlap_backward else run_bwd
     fwd = PassCost(gemm=sum(rates.gemm(g) for g in run_fwd))
@@ -335,8 +345,8 @@ def block_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, e: int, f
     bwd.elementwise += rates.stream(2 * (ew_bytes + score_bytes), 2 * n_ew)
     if casts_weights(lay, e, impl):  # recompute reruns the forward's casts too (below)
         weights = sum(g.n * g.k * g.count for g in gemms)
-        fwd.elementwise += rates.stream(weights * (4 + e), len(gemms))
-        bwd.elementwise += rates.stream(weights * (4 + e), len(gemms))
+        fwd.elementwise += rates.stream(weights * (4 + e), len(launched))
+        bwd.elementwise += rates.stream(weights * (4 + e), len(launched))
     if not flash:  # softmax (and dropout) belong to the attention core: selective reruns them
         att.elementwise = rates.stream(score_bytes)
 

@@ -231,6 +231,11 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   FlashAttention backend under Megatron's sequence-first tensors: `transpose(0, 1).contiguous()`
   each, or one `_PrepareQKVForFA` kernel for interleaved q, k, v of width 128). Off (meshloom,
   and TE's cuDNN backend, which reads sequence-first tensors as they are): no copies.
+- `fused_qkv`: a Llama-style block projects q, k and v with one GEMM of (heads + 2 kv_heads)
+  x head_dim / tp output columns (Megatron-Core's and NeMo's `linear_qkv`, lit-gpt's `attn`,
+  TinyLlama), not three (meshloom's and torchtitan's wq, wk and wv): the same FLOPs, fewer
+  launches, and the narrow K and V projections of GQA priced inside the wide one. A no-op for
+  GPT-style blocks, whose projection is one GEMM already.
 - `nccl_protocols`: which algorithms and protocols NCCL may run a collective with
   (plan/nccl.py): `auto` (NCCL's default: for each call the cheapest of the ring and, for an
   all-reduce, the tree, each with the LL, LL128 or Simple protocol, as NCCL's tuner prices
@@ -299,6 +304,7 @@ class Implementation:
     train_metrics: str = "none"
     cp_ring: str = "meshloom"
     qkv_transpose: bool = False
+    fused_qkv: bool = False
     nccl_protocols: str = "auto"
     sp_copies: str = "batch"
 

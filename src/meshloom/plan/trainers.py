@@ -110,6 +110,10 @@ from meshloom.plan import PlanError
 # that the validation does not hold, 3.5% against 10.3% off. Why they serialize is not identified:
 # read for these runs (`limit_all_gathers`, Composer's `BACKWARD_POST`), FSDP1 issues each
 # gather one unit ahead. TinyLlama, also FSDP1, keeps the overlap: no sweep of its own.
+# Megatron-Core's attention (Megatron-LM, NeMo) projects q, k and v with one column-parallel
+# `linear_qkv` of (heads + 2 kv_heads) x head_dim columns, and lit-gpt's (TinyLlama's) with one
+# `attn` linear of the same width; meshloom's and torchtitan's Llama run wq, wk and wv apart
+# (`fused_qkv`). GPT-style blocks (MPT, GPT-3, BLOOM) are priced with one projection anyway.
 # What every other trainer's loop does unlike meshloom's (implementation.py). Their attention
 # is FlashAttention-2's unless the trainer's entry says otherwise: torchtitan's SDPA on an H100
 # ran it before PyTorch 2.9 put cuDNN first, and which kernel TransformerEngine picked for NeMo
@@ -118,12 +122,12 @@ OTHER_LOOP = {"meshloom_block": False, "free_unbucketed_grads": False, "clip_in_
               "attention_kernel": "fa2", "sp_copies": "none"}
 TRAINERS: dict[str, dict] = {
     "megatron-lm": {"compile": True, "tp_overlap": True, "tp_overlap_chunks": True,
-                    "grad_reduce_dtype": "bf16",
+                    "grad_reduce_dtype": "bf16", "fused_qkv": True,
                     "dp_overlap": True, "selective_elementwise": False, "pp_split": "even",
                     "fused_swiglu": True, "expand_kv": False, "dp_buckets": "mcore",
                     "cross_entropy": "megatron", "cp_ring": "te"},
     "nemo": {"compile": True, "tp_overlap": True, "tp_overlap_chunks": True, "dp_overlap": True,
-             "grad_reduce_dtype": "bf16",
+             "grad_reduce_dtype": "bf16", "fused_qkv": True,
              "selective_elementwise": False, "fused_grad_accumulation": True,
              "cross_entropy": "megatron_fused",
              "pp_split": "even", "fused_swiglu": True, "expand_kv": False,
@@ -137,6 +141,7 @@ TRAINERS: dict[str, dict] = {
                         "grad_reduce_dtype": "fp32", "fp32_params": True,
                         "zero_redundancy_optimizer": True},
     "tinyllama": {"compile": True, "expand_kv": False, "cross_entropy": "xentropy",
+                  "fused_qkv": True,
                   "optimizer_impl": "for_loop", "grad_reduce_dtype": "bf16",
                   "fsdp_no_sync": True, "fsdp_flat_param": True, "fp32_params": True},
     "llm-foundry": {"compile": False, "attention_kernel": "triton",
