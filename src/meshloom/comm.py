@@ -208,14 +208,11 @@ def _gather_dim(x: torch.Tensor, mesh: Mesh, axis: str, dim: int) -> torch.Tenso
     if n == 1:
         return x
     x = x.contiguous()
-    if _leading(x, dim):  # gathered straight into the result
-        shape = (*x.shape[:dim], n * x.shape[dim], *x.shape[dim + 1:])
-        out = torch.empty(shape, dtype=x.dtype, device=x.device)
-        all_gather_into(out.view(-1), x.view(-1), mesh, axis)
-        return out
-    out = torch.empty((n, *x.shape), dtype=x.dtype, device=x.device)
+    leading = _leading(x, dim)  # then gathered straight into the result
+    shape = (*x.shape[:dim], n * x.shape[dim], *x.shape[dim + 1:]) if leading else (n, *x.shape)
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
     all_gather_into(out.view(-1), x.view(-1), mesh, axis)
-    return torch.cat(out.unbind(0), dim=dim)
+    return out if leading else torch.cat(out.unbind(0), dim=dim)
 
 
 def _check_splits(x: torch.Tensor, n: int, axis: str, dim: int) -> None:
