@@ -27,7 +27,12 @@ from functools import cache
 
 from meshloom.plan.cp_ring import RingCost, ring_cost
 from meshloom.plan.hardware import GB, GPUS, Cluster
-from meshloom.plan.implementation import TRAIN_METRIC_PASSES, Implementation, autocast_weights
+from meshloom.plan.implementation import (
+    TRAIN_METRIC_PASSES,
+    Implementation,
+    autocast_weights,
+    fp32_residual,
+)
 from meshloom.plan.kernel_table import KernelTable, attention_flops, for_gpu, load, sdpa_kernel
 from meshloom.plan.layout import Layout
 from meshloom.plan.models import ModelShape
@@ -44,6 +49,7 @@ from meshloom.plan.step_kernels import (
     block_kernels,
     elementwise_bytes_per_token,
     head_gemm,
+    norm_casts,
     score_bytes_per_entry,
 )
 
@@ -336,11 +342,14 @@ def block_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, e: int, f
     ffn = (ffn_elementwise_elems_per_token(shape, lay) * ffn_tokens(lay, tokens) / tokens
            if shape.is_moe else None)
     impl_ew = impl.elementwise
+    fp32_stream = fp32_residual(impl, e)
+    casts = norm_casts(shape, impl.fused_qkv, impl.fused_swiglu) if fp32_stream else 0
     ew_bytes = tokens * elementwise_bytes_per_token(shape, t, lay.sp, e, impl_ew, ffn,
-                                                    expand_kv, impl.rope_complex)
+                                                    expand_kv, impl.rope_complex, fp32_stream,
+                                                    casts)
     score_bytes = tokens * bh / lay.micro_batch * kv_len * score_bytes_per_entry(shape, e, flash)
-    n_ew = (block_kernels(shape, impl_ew, flash, expand_kv, impl.rope_complex) - len(gemms)
-            - (1 if flash else 4))
+    n_ew = (block_kernels(shape, impl_ew, flash, expand_kv, impl.rope_complex, casts)
+            - len(gemms) - (1 if flash else 4))
     fwd.elementwise = rates.stream(ew_bytes + score_bytes, n_ew) + att.elementwise
     bwd.elementwise += rates.stream(2 * (ew_bytes + score_bytes), 2 * n_ew)
     if casts_weights(lay, e, impl):  # recompute reruns the forward's casts too (below)

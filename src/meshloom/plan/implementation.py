@@ -236,6 +236,19 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   TinyLlama), not three (meshloom's and torchtitan's wq, wk and wv): the same FLOPs, fewer
   launches, and the narrow K and V projections of GQA priced inside the wide one. A no-op for
   GPT-style blocks, whose projection is one GEMM already.
+- `fp32_residual`: the residual stream between blocks is fp32 and the norms keep its dtype,
+  as in a trainer that keeps fp32 parameters under autocast (`fp32_params`) and runs
+  hand-fused norms: the embedding's output is fp32 (autocast leaves embeddings alone), each
+  `x = x + branch` promotes to fp32, and the norms (flash-attn's fused RMSNorm, whose output
+  takes its input's dtype) read and write fp32, which autocast casts to bf16 once for every
+  projection that reads it (TinyLlama: lit_gpt/model.py's `Block`, FusedRMSNorm, one `attn`
+  linear and xformers' SwiGLU). Priced in the fused elementwise count (plan/step_kernels.py:
+  (8 + e)h bytes a token per add, 8h per norm, (4 + e)h and a kernel per cast) and in memory
+  (the norms' fp32 inputs, and the block input full recompute keeps). Off (meshloom, and the
+  trainers that keep bf16 parameters): a 16-bit stream. meshloom's own unsharded layouts carry
+  an fp32 stream under autocast too, but their compiled block's count without the key is
+  within 6% of a profiled step's Triton kernels (34.8 ms against 32.9, docs/kernel-tables.md),
+  so the key stays off for them. A no-op in fp32 training.
 - `nccl_protocols`: which algorithms and protocols NCCL may run a collective with
   (plan/nccl.py): `auto` (NCCL's default: for each call the cheapest of the ring and, for an
   all-reduce, the tree, each with the LL, LL128 or Simple protocol, as NCCL's tuner prices
@@ -305,6 +318,7 @@ class Implementation:
     cp_ring: str = "meshloom"
     qkv_transpose: bool = False
     fused_qkv: bool = False
+    fp32_residual: bool = False
     nccl_protocols: str = "auto"
     sp_copies: str = "batch"
 
@@ -365,6 +379,12 @@ def autocast_weights(impl: Implementation, lay, dtype: str) -> bool:
     under `fp32_params`."""
     return (dtype == "bf16" and impl.meshloom_block and lay.zero == 0
             or fp32_working_params(impl, lay, dtype))
+
+
+def fp32_residual(impl: Implementation, e: int) -> bool:
+    """Whether the residual stream and norms are fp32 (`fp32_residual`) in 16-bit training
+    (activation element bytes `e`)."""
+    return impl.fp32_residual and e < 4
 
 
 def whole_fp32_states(impl: Implementation, lay, dtype: str) -> bool:

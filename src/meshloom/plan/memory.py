@@ -34,6 +34,7 @@ from meshloom.plan.implementation import (
     Implementation,
     autocast_weights,
     fp32_gradient_shards,
+    fp32_residual,
     fp32_working_params,
     keeps_grads,
     whole_fp32_states,
@@ -50,7 +51,7 @@ from meshloom.plan.moe import (
     load_factor,
 )
 from meshloom.plan.stages import rank_layers, stage_layers
-from meshloom.plan.step_kernels import ATTENTION_GEMMS, block_gemms
+from meshloom.plan.step_kernels import ATTENTION_GEMMS, block_gemms, norm_casts
 
 # The CUDA context plus library workspaces (cuBLAS, NCCL) per GPU, outside the allocator's
 # count. A layout fits when its peak of allocated bytes plus this is at most the GPU's memory:
@@ -389,7 +390,10 @@ def layer_activation_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype
     """Activation bytes one layer keeps for backward per micro-batch (s = local tokens per
     sequence, i.e. seq / cp). Terms, in units of sb x element size:
     - whole on every TP rank (split by SP): the two norm inputs and the two matmul-block inputs
-      (4h), plus for GPT two 1-byte dropout masks (Korthikanti's 10 = 8 + 2);
+      (4h), plus for GPT two 1-byte dropout masks (Korthikanti's 10 = 8 + 2); under an fp32
+      residual stream (`impl.fp32_residual`) the norm inputs are fp32 (8h bytes) and each
+      projection reading a norm keeps its own cast (`step_kernels.norm_casts`), and full
+      recompute's block input is fp32;
     - split over tp: Q, O (2 q_dim, hidden unless the head width is its own), K, V (2 kv_dim;
       2 q_dim when the trainer copies them out to every query head before the attention,
       `impl.expand_kv`, which then saves the copies), and the MLP's tensors: GeLU keeps its
@@ -408,10 +412,17 @@ def layer_activation_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype
     t, e = lay.tp, act_elem_bytes(dtype)
     h, a, f = shape.hidden, shape.heads, shape.ffn_hidden
     sb = s * b
+    stream = residual_bytes(impl, e)
     if rec == "full":  # only the layer input (SP: its sequence slice)
-        return sb * h * e / (t if lay.sp else 1)
+        return sb * h * stream / (t if lay.sp else 1)
     gpt, drop = shape.arch == "gpt", shape.has_dropout
-    whole = 4 * h * e + (2 * h if drop else 0)  # two 1-byte dropout masks
+    # The two norms' inputs and what the projections read: the two norm outputs, or under an
+    # fp32 stream (`fp32_residual`) fp32 norm inputs and autocast's cast for each projection.
+    if stream == e:
+        whole = 4 * h * e
+    else:
+        whole = 2 * h * stream + norm_casts(shape, impl.fused_qkv, impl.fused_swiglu) * h * e
+    whole += 2 * h if drop else 0  # two 1-byte dropout masks
     # SwiGLU keeps gate, up, silu(gate) and their product; a fused SwiGLU (impl.fused_swiglu)
     # recomputes silu from gate; selective recompute reruns silu*up as well.
     if gpt or rec == "selective":
@@ -437,6 +448,11 @@ def layer_activation_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype
     return whole_bytes + sb * split / t + sb * core / t + moe
 
 
+def residual_bytes(impl: Implementation | None, e: int) -> int:
+    """Bytes an element of the residual stream takes: 4 under `fp32_residual`, else `e`."""
+    return 4 if impl is not None and fp32_residual(impl, e) else e
+
+
 def logits_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype: str,
                  impl: Implementation | None = None) -> float:
     """The last rank's loss: logits in the compute dtype plus one fp32 copy for the cross
@@ -456,13 +472,14 @@ def logits_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype: str,
 
 def final_norm_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype: str,
                      impl: Implementation | None = None) -> float:
-    """The final norm's saved input: sbh·e. meshloom's: the Llama RMSNorm's fp32 input (or the
-    fp32 copy of its bf16 one) and normalised value, and the bf16 tensor the head reads, 10 bytes
-    per h; GPT-2's LayerNorm its input and the head's bf16 input, 6 (amp) or 4 (bf16)."""
+    """The final norm's saved input: sbh·e (4 bytes an element under `fp32_residual`).
+    meshloom's: the Llama RMSNorm's fp32 input (or the fp32 copy of its bf16 one) and
+    normalised value, and the bf16 tensor the head reads, 10 bytes per h; GPT-2's LayerNorm
+    its input and the head's bf16 input, 6 (amp) or 4 (bf16)."""
     if uses_meshloom_block(shape, dtype, impl):
         per = 10 if shape.arch == "llama" else 6 if lay.zero == 0 else 4
     else:
-        per = act_elem_bytes(dtype)
+        per = residual_bytes(impl, act_elem_bytes(dtype))
     return s * b * shape.hidden * per / (lay.tp if lay.sp else 1)
 
 

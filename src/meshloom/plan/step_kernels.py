@@ -30,6 +30,11 @@ Elementwise bytes per token depend on the implementation (`fused`):
   generate code for complex operators and runs the multiply as its eager kernel
   (pytorch/torchtitan#15: "Torchinductor does not support code generation for complex
   operators").
+- fp32 residual stream (`fp32_residual`, fused only: a trainer whose parameters are fp32 under
+  autocast and whose norms keep their input's dtype, TinyLlama): the embedding's output is fp32,
+  so each residual add reads the fp32 stream and the 16-bit branch and writes fp32 ((8 + e)h),
+  each norm reads and writes fp32 (8h), and autocast casts a norm's output once for each
+  projection that reads it (read 4h, write eh, one kernel each: `norm_casts`).
 Backward moves twice the forward's bytes (every op reads the output gradient and what it saved,
 and writes the input gradient) with twice its kernels.
 """
@@ -122,14 +127,42 @@ def _expands_kv(shape: ModelShape, expand_kv: bool) -> bool:
     return expand_kv and shape.kv_heads != shape.heads
 
 
+def norm_casts(shape: ModelShape, fused_qkv: bool, fused_swiglu: bool) -> int:
+    """Projections that read a block's two norm outputs, each through its own autocast cast
+    when the norms write fp32 (`fp32_residual`): q, k and v (one under `fused_qkv`, and in GPT
+    blocks), and the feed-forward's first: GPT's fc1, a SwiGLU's gate and up (one op under
+    `fused_swiglu`: Megatron's linear_fc1, xformers' packed SwiGLU, which casts its input
+    once), an MoE block's router and its experts' dispatch."""
+    attention = 1 if fused_qkv or shape.arch == "gpt" else 3
+    if shape.arch == "gpt":
+        return attention + 1
+    if shape.is_moe:
+        return attention + 2
+    return attention + (1 if fused_swiglu else 2)
+
+
+def _stream_bytes(h: float, e: int, whole: int, casts: int, fp32_residual: bool,
+                  mask: float = 0.0) -> float:
+    """The fused block's two residual adds and two norms (with GPT's dropout masks), per
+    token: 16-bit (read 2, write 1 per add; read, write per norm), or an fp32 stream with the
+    norms' casts (`fp32_residual`); adds and norms on the 1/t slice under SP, the casts of
+    the whole tensor the projections read."""
+    if not fp32_residual:
+        return (4 * h * e + 2 * (3 * h * e + mask)) / whole
+    return (2 * ((8 + e) * h + mask) + 2 * 8 * h) / whole + casts * (4 + e) * h
+
+
 def elementwise_bytes_per_token(shape: ModelShape, tp: int, sp: bool, e: int, impl: str,
                                 ffn_elems: float | None = None, expand_kv: bool = True,
-                                rope_complex: bool = False) -> float:
+                                rope_complex: bool = False, fp32_residual: bool = False,
+                                casts: int = 0) -> float:
     """HBM bytes one block's memory-bound kernels move in forward, per local token, excluding
     the attention scores (`score_bytes_per_entry`). `ffn_elems`: an MoE block's feed-forward
     elementwise width per token (plan/moe.py), replacing the dense SwiGLU's F/t. `expand_kv`:
     K and V are copied out to every query head (Implementation.expand_kv). `rope_complex`: RoPE
-    runs on complex numbers (Implementation.rope_complex), the same bytes eager or compiled."""
+    runs on complex numbers (Implementation.rope_complex), the same bytes eager or compiled.
+    `fp32_residual` with `casts` (`norm_casts`): the fused block's residual stream and norms in
+    fp32 (Implementation.fp32_residual); the eager count keeps its own norms."""
     h, t = shape.hidden, tp
     whole = t if sp else 1  # norms and residuals run on a 1/t slice of the sequence under SP
     q, kv = shape.q_dim / t, shape.kv_dim / t
@@ -143,7 +176,8 @@ def elementwise_bytes_per_token(shape: ModelShape, tp: int, sp: bool, e: int, im
         # RoPE (no position table, no ALiBi): the trainers that run such a block fuse it.
         rope = fused_rope if shape.has_rope else 0.0
         if impl == "fused":
-            return (4 * h * e + 2 * (3 * h * e + mask)) / whole + 2 * f * e + rope + expand
+            return (_stream_bytes(h, e, whole, casts, fp32_residual, mask) + 2 * f * e + rope
+                    + expand)
         # eager: LayerNorm read+write, dropout (read, write, mask) then add (read 2, write 1)
         # twice, bias add and GeLU as separate passes over 4h/t (no bias: the GeLU's only).
         drop = 2 * h * e + mask if shape.has_dropout else 0
@@ -152,7 +186,8 @@ def elementwise_bytes_per_token(shape: ModelShape, tp: int, sp: bool, e: int, im
                 + rope + expand)
     mlp = 3 * shape.ffn_hidden / t if ffn_elems is None else ffn_elems
     if impl == "fused":
-        return (4 * h + 2 * 3 * h) * e / whole + mlp * e + fused_rope + expand
+        return (_stream_bytes(h, e, whole, casts, fp32_residual) + mlp * e + fused_rope
+                + expand)
     norms = 2 * 40 * h * e / 2  # 40h bytes per norm at e = 2 (fp32 internals scale with it)
     rope = complex_rope if rope_complex else 48 * (q + kv) * e / 2
     contiguous = 2 * q * e
@@ -171,10 +206,11 @@ def score_bytes_per_entry(shape: ModelShape, e: int, flash: bool) -> float:
 
 
 def block_kernels(shape: ModelShape, impl: str, flash: bool, expand_kv: bool = True,
-                  rope_complex: bool = False) -> int:
+                  rope_complex: bool = False, casts: int = 0) -> int:
     """Kernels one block's forward launches (backward: twice as many). Counted from meshloom's
     block as written (eager) and from a compiled block (fused: the GEMMs, attention, and one
-    fused kernel per run of elementwise work between them, RoPE's among them)."""
+    fused kernel per run of elementwise work between them, RoPE's among them), plus `casts`
+    autocast casts of fp32 norm outputs (fused, `fp32_residual`)."""
     gemms = 4 if shape.arch == "gpt" else 7
     if shape.is_moe:
         gemms = 4 + 1 + (3 if shape.shared_hidden else 0) + 3
@@ -183,7 +219,7 @@ def block_kernels(shape: ModelShape, impl: str, flash: bool, expand_kv: bool = T
     complex_rope = 2 * 3 if rope_complex and shape.has_rope else 0
     rope = complex_rope or (1 if shape.has_rope else 0)
     if impl == "fused":
-        return gemms + attention + 6 + rope + repeat
+        return gemms + attention + 6 + rope + repeat + casts
     if shape.arch == "gpt":
         return gemms + attention + 2 * 3 + 2 * 2 + 2 + 2 + rope + repeat
     rope = complex_rope or 2 * 10

@@ -114,6 +114,17 @@ from meshloom.plan import PlanError
 # `linear_qkv` of (heads + 2 kv_heads) x head_dim columns, and lit-gpt's (TinyLlama's) with one
 # `attn` linear of the same width; meshloom's and torchtitan's Llama run wq, wk and wv apart
 # (`fused_qkv`). GPT-style blocks (MPT, GPT-3, BLOOM) are priced with one projection anyway.
+# TinyLlama's residual stream is fp32 (`fp32_residual`): under Lightning's fp32-parameter
+# autocast its `wte` returns fp32, each `x = x + h` adds the bf16 branch into it, and its
+# FusedRMSNorm (flash-attn's dropout_add_ln kernel, whose output takes the input's dtype,
+# `otype = itype` in ln_api.cpp) reads and writes fp32, cast to bf16 by autocast once for the
+# one `attn` linear and once for the MLP: xformers' SwiGLU with `_pack_weights=False` still
+# takes its packed path (`swiglu_packedw`, whose autocast wrapper casts x once) because FSDP1's
+# flat parameter lays w1 and w2 side by side, where `stack_or_none` finds them stacked; that
+# op saves x, x1 and x2 and reruns silu(x1)·x2 in its backward (`fused_swiglu`: 3F kept is
+# the nearest count; it keeps 2F). Its README lists "fused SwiGLU" among its speed-ups; had
+# the op fallen back (xformers' fused autograd op declines bf16 autocast), its silu and
+# product would run as two eager kernels and x be cast twice.
 # What every other trainer's loop does unlike meshloom's (implementation.py). Their attention
 # is FlashAttention-2's unless the trainer's entry says otherwise: torchtitan's SDPA on an H100
 # ran it before PyTorch 2.9 put cuDNN first, and which kernel TransformerEngine picked for NeMo
@@ -141,7 +152,7 @@ TRAINERS: dict[str, dict] = {
                         "grad_reduce_dtype": "fp32", "fp32_params": True,
                         "zero_redundancy_optimizer": True},
     "tinyllama": {"compile": True, "expand_kv": False, "cross_entropy": "xentropy",
-                  "fused_qkv": True,
+                  "fused_qkv": True, "fp32_residual": True, "fused_swiglu": True,
                   "optimizer_impl": "for_loop", "grad_reduce_dtype": "bf16",
                   "fsdp_no_sync": True, "fsdp_flat_param": True, "fp32_params": True},
     "llm-foundry": {"compile": False, "attention_kernel": "triton",
