@@ -31,7 +31,7 @@ from meshloom.plan.implementation import (
     TRAIN_METRIC_PASSES,
     Implementation,
     autocast_weights,
-    fp32_residual,
+    residual_stream,
 )
 from meshloom.plan.kernel_table import KernelTable, attention_flops, for_gpu, load, sdpa_kernel
 from meshloom.plan.layout import Layout
@@ -342,11 +342,10 @@ def block_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, e: int, f
     ffn = (ffn_elementwise_elems_per_token(shape, lay) * ffn_tokens(lay, tokens) / tokens
            if shape.is_moe else None)
     impl_ew = impl.elementwise
-    fp32_stream = fp32_residual(impl, e)
-    casts = norm_casts(shape, impl.fused_qkv, impl.fused_swiglu) if fp32_stream else 0
+    stream = residual_stream(impl, e)
+    casts = norm_casts(shape, impl.fused_qkv, impl.fused_swiglu) if stream == "fp32_cast" else 0
     ew_bytes = tokens * elementwise_bytes_per_token(shape, t, lay.sp, e, impl_ew, ffn,
-                                                    expand_kv, impl.rope_complex, fp32_stream,
-                                                    casts)
+                                                    expand_kv, impl.rope_complex, stream, casts)
     score_bytes = tokens * bh / lay.micro_batch * kv_len * score_bytes_per_entry(shape, e, flash)
     n_ew = (block_kernels(shape, impl_ew, flash, expand_kv, impl.rope_complex, casts)
             - len(gemms) - (1 if flash else 4))

@@ -236,19 +236,24 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   TinyLlama), not three (meshloom's and torchtitan's wq, wk and wv): the same FLOPs, fewer
   launches, and the narrow K and V projections of GQA priced inside the wide one. A no-op for
   GPT-style blocks, whose projection is one GEMM already.
-- `fp32_residual`: the residual stream between blocks is fp32 and the norms keep its dtype,
-  as in a trainer that keeps fp32 parameters under autocast (`fp32_params`) and runs
-  hand-fused norms: the embedding's output is fp32 (autocast leaves embeddings alone), each
-  `x = x + branch` promotes to fp32, and the norms (flash-attn's fused RMSNorm, whose output
-  takes its input's dtype) read and write fp32, which autocast casts to bf16 once for every
-  projection that reads it (TinyLlama: lit_gpt/model.py's `Block`, FusedRMSNorm, one `attn`
-  linear and xformers' SwiGLU). Priced in the fused elementwise count (plan/step_kernels.py:
-  (8 + e)h bytes a token per add, 8h per norm, (4 + e)h and a kernel per cast) and in memory
-  (the norms' fp32 inputs, and the block input full recompute keeps). Off (meshloom, and the
-  trainers that keep bf16 parameters): a 16-bit stream. meshloom's own unsharded layouts carry
-  an fp32 stream under autocast too, but their compiled block's count without the key is
-  within 6% of a profiled step's Triton kernels (34.8 ms against 32.9, docs/kernel-tables.md),
-  so the key stays off for them. A no-op in fp32 training.
+- `residual_stream`: the dtype of the residual stream between blocks and what the norms write
+  (`16bit|fp32|fp32_cast`). `16bit` (meshloom, and trainers that keep bf16 parameters): the
+  stream in the compute dtype. `fp32`: the stream kept in fp32 and each norm writing the
+  compute dtype, flash-attn's GPT with `residual_in_fp32: True` and `fused_dropout_add_ln`
+  (its kernel reads the 16-bit branch and the fp32 residual, writes the fp32 sum and the
+  normalised output in the branch's dtype: `otype = itype` in csrc/layer_norm/ln_api.cpp).
+  `fp32_cast`: a trainer that keeps fp32 parameters under autocast with norms that keep their
+  input's dtype: the token table's output is fp32 (autocast leaves embeddings alone), each
+  `x = x + branch` promotes to fp32, the norms read and write fp32, and autocast casts a
+  norm's output to bf16 once for every projection that reads it (TinyLlama: lit_gpt/model.py's
+  `Block`, FusedRMSNorm, one `attn` linear and xformers' SwiGLU). Priced in the fused
+  elementwise count (plan/step_kernels.py: (8 + e)h bytes a token per add, (4 + e)h or 8h per
+  norm, (4 + e)h and a kernel per cast) and in memory (the norms' fp32 inputs, one cast per
+  projection under `fp32_cast`, the block input full recompute keeps, the final norm's
+  input). meshloom's own unsharded layouts carry an fp32 stream under autocast too, but their
+  compiled block's count as `16bit` is within 6% of a profiled step's Triton kernels (34.8 ms
+  against 32.9, docs/kernel-tables.md), so the key stays `16bit` for them. A no-op in fp32
+  training.
 - `nccl_protocols`: which algorithms and protocols NCCL may run a collective with
   (plan/nccl.py): `auto` (NCCL's default: for each call the cheapest of the ring and, for an
   all-reduce, the tree, each with the LL, LL128 or Simple protocol, as NCCL's tuner prices
@@ -318,7 +323,7 @@ class Implementation:
     cp_ring: str = "meshloom"
     qkv_transpose: bool = False
     fused_qkv: bool = False
-    fp32_residual: bool = False
+    residual_stream: str = "16bit"
     nccl_protocols: str = "auto"
     sp_copies: str = "batch"
 
@@ -381,10 +386,10 @@ def autocast_weights(impl: Implementation, lay, dtype: str) -> bool:
             or fp32_working_params(impl, lay, dtype))
 
 
-def fp32_residual(impl: Implementation, e: int) -> bool:
-    """Whether the residual stream and norms are fp32 (`fp32_residual`) in 16-bit training
-    (activation element bytes `e`)."""
-    return impl.fp32_residual and e < 4
+def residual_stream(impl: Implementation, e: int) -> str:
+    """The residual stream (`residual_stream`) in training at activation element bytes `e`:
+    always the compute dtype's in fp32 training."""
+    return impl.residual_stream if e < 4 else "16bit"
 
 
 def whole_fp32_states(impl: Implementation, lay, dtype: str) -> bool:
@@ -406,7 +411,7 @@ def parse_bool(key: str, value: str) -> bool:
 
 STR_IMPL_KEYS = ("attention_kernel", "pp_split", "optimizer_state", "optimizer_impl",
                  "grad_reduce_dtype", "dp_buckets", "cross_entropy", "train_metrics", "cp_ring",
-                 "nccl_protocols", "sp_copies")
+                 "nccl_protocols", "sp_copies", "residual_stream")
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 OPTIMIZER_IMPLS = ("fused", "foreach", "for_loop")
 # Bytes per parameter beside the bf16 parameter and gradient: (master copy, Adam moments).
@@ -414,6 +419,7 @@ OPTIMIZER_STATES = {"fp32": (4, 8), "fp32_remainders": (2, 8), "bf16": (0, 4)}
 DP_BUCKETS = ("torch", "mcore", "deepspeed", "whole")
 NCCL_PROTOCOLS = ("auto", "simple")
 SP_COPIES = ("always", "batch", "none")
+RESIDUAL_STREAMS = ("16bit", "fp32", "fp32_cast")
 CROSS_ENTROPY = ("auto", "fused", "eager", "xentropy", "megatron", "megatron_fused")
 # Eager cross-entropy forwards over the logits a loop's training metrics run per micro-batch.
 TRAIN_METRIC_PASSES = {"none": 0, "composer": 2}

@@ -16,6 +16,7 @@ from meshloom.plan.implementation import (
     NCCL_PROTOCOLS,
     OPTIMIZER_IMPLS,
     OPTIMIZER_STATES,
+    RESIDUAL_STREAMS,
     SP_COPIES,
     STR_IMPL_KEYS,
     TRAIN_METRIC_PASSES,
@@ -109,7 +110,8 @@ def parse_fix(text: str) -> dict:
                        "train_metrics": tuple(TRAIN_METRIC_PASSES),
                        "cp_ring": CP_RINGS,
                        "nccl_protocols": NCCL_PROTOCOLS,
-                       "sp_copies": SP_COPIES}.get(key, SCHEDULES)
+                       "sp_copies": SP_COPIES,
+                       "residual_stream": RESIDUAL_STREAMS}.get(key, SCHEDULES)
             if value not in options:
                 raise PlanError(f"--fix: {key}={value} must be one of {', '.join(options)}")
             out[key] = value

@@ -34,9 +34,9 @@ from meshloom.plan.implementation import (
     Implementation,
     autocast_weights,
     fp32_gradient_shards,
-    fp32_residual,
     fp32_working_params,
     keeps_grads,
+    residual_stream,
     whole_fp32_states,
     zero3_no_sync,
 )
@@ -391,9 +391,9 @@ def layer_activation_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype
     sequence, i.e. seq / cp). Terms, in units of sb x element size:
     - whole on every TP rank (split by SP): the two norm inputs and the two matmul-block inputs
       (4h), plus for GPT two 1-byte dropout masks (Korthikanti's 10 = 8 + 2); under an fp32
-      residual stream (`impl.fp32_residual`) the norm inputs are fp32 (8h bytes) and each
-      projection reading a norm keeps its own cast (`step_kernels.norm_casts`), and full
-      recompute's block input is fp32;
+      residual stream (`impl.residual_stream`) the norm inputs are fp32 (8h bytes), under
+      `fp32_cast` each projection reading a norm keeps its own cast
+      (`step_kernels.norm_casts`), and full recompute's block input is fp32;
     - split over tp: Q, O (2 q_dim, hidden unless the head width is its own), K, V (2 kv_dim;
       2 q_dim when the trainer copies them out to every query head before the attention,
       `impl.expand_kv`, which then saves the copies), and the MLP's tensors: GeLU keeps its
@@ -416,13 +416,12 @@ def layer_activation_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype
     if rec == "full":  # only the layer input (SP: its sequence slice)
         return sb * h * stream / (t if lay.sp else 1)
     gpt, drop = shape.arch == "gpt", shape.has_dropout
-    # The two norms' inputs and what the projections read: the two norm outputs, or under an
-    # fp32 stream (`fp32_residual`) fp32 norm inputs and autocast's cast for each projection.
-    if stream == e:
-        whole = 4 * h * e
-    else:
-        whole = 2 * h * stream + norm_casts(shape, impl.fused_qkv, impl.fused_swiglu) * h * e
-    whole += 2 * h if drop else 0  # two 1-byte dropout masks
+    # The two norms' inputs (fp32 under an fp32 stream) and what the projections read: the
+    # two norm outputs, or under `fp32_cast` autocast's cast for each projection.
+    casts = 2
+    if impl is not None and residual_stream(impl, e) == "fp32_cast":
+        casts = norm_casts(shape, impl.fused_qkv, impl.fused_swiglu)
+    whole = 2 * h * stream + casts * h * e + (2 * h if drop else 0)  # 1-byte dropout masks
     # SwiGLU keeps gate, up, silu(gate) and their product; a fused SwiGLU (impl.fused_swiglu)
     # recomputes silu from gate; selective recompute reruns silu*up as well.
     if gpt or rec == "selective":
@@ -449,8 +448,9 @@ def layer_activation_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype
 
 
 def residual_bytes(impl: Implementation | None, e: int) -> int:
-    """Bytes an element of the residual stream takes: 4 under `fp32_residual`, else `e`."""
-    return 4 if impl is not None and fp32_residual(impl, e) else e
+    """Bytes an element of the residual stream takes: 4 in an fp32 `residual_stream`, else
+    `e`."""
+    return 4 if impl is not None and residual_stream(impl, e) != "16bit" else e
 
 
 def logits_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype: str,
@@ -472,7 +472,7 @@ def logits_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype: str,
 
 def final_norm_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype: str,
                      impl: Implementation | None = None) -> float:
-    """The final norm's saved input: sbh·e (4 bytes an element under `fp32_residual`).
+    """The final norm's saved input: sbh·e (4 bytes an element in an fp32 `residual_stream`).
     meshloom's: the Llama RMSNorm's fp32 input (or the fp32 copy of its bf16 one) and
     normalised value, and the bf16 tensor the head reads, 10 bytes per h; GPT-2's LayerNorm
     its input and the head's bf16 input, 6 (amp) or 4 (bf16)."""

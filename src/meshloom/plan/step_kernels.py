@@ -30,11 +30,13 @@ Elementwise bytes per token depend on the implementation (`fused`):
   generate code for complex operators and runs the multiply as its eager kernel
   (pytorch/torchtitan#15: "Torchinductor does not support code generation for complex
   operators").
-- fp32 residual stream (`fp32_residual`, fused only: a trainer whose parameters are fp32 under
-  autocast and whose norms keep their input's dtype, TinyLlama): the embedding's output is fp32,
-  so each residual add reads the fp32 stream and the 16-bit branch and writes fp32 ((8 + e)h),
-  each norm reads and writes fp32 (8h), and autocast casts a norm's output once for each
-  projection that reads it (read 4h, write eh, one kernel each: `norm_casts`).
+- fp32 residual stream (`residual_stream`, fused only: a trainer that keeps the stream between
+  blocks in fp32): each residual add reads the fp32 stream and the 16-bit branch and writes
+  fp32 ((8 + e)h), each norm reads fp32 and writes its output in the compute dtype
+  ((4 + e)h: `fp32`, flash-attn's fused dropout-add-LayerNorm with `residual_in_fp32`) or in
+  fp32 (8h: `fp32_cast`, a norm that keeps its input's dtype under fp32-parameter autocast,
+  TinyLlama), which autocast then casts once for each projection that reads it (read 4h,
+  write eh, one kernel each: `norm_casts`).
 Backward moves twice the forward's bytes (every op reads the output gradient and what it saved,
 and writes the input gradient) with twice its kernels.
 """
@@ -129,10 +131,10 @@ def _expands_kv(shape: ModelShape, expand_kv: bool) -> bool:
 
 def norm_casts(shape: ModelShape, fused_qkv: bool, fused_swiglu: bool) -> int:
     """Projections that read a block's two norm outputs, each through its own autocast cast
-    when the norms write fp32 (`fp32_residual`): q, k and v (one under `fused_qkv`, and in GPT
-    blocks), and the feed-forward's first: GPT's fc1, a SwiGLU's gate and up (one op under
-    `fused_swiglu`: Megatron's linear_fc1, xformers' packed SwiGLU, which casts its input
-    once), an MoE block's router and its experts' dispatch."""
+    when the norms write fp32 (`residual_stream=fp32_cast`): q, k and v (one under
+    `fused_qkv`, and in GPT blocks), and the feed-forward's first: GPT's fc1, a SwiGLU's gate
+    and up (one op under `fused_swiglu`: Megatron's linear_fc1, xformers' packed SwiGLU, which
+    casts its input once), an MoE block's router and its experts' dispatch."""
     attention = 1 if fused_qkv or shape.arch == "gpt" else 3
     if shape.arch == "gpt":
         return attention + 1
@@ -141,28 +143,31 @@ def norm_casts(shape: ModelShape, fused_qkv: bool, fused_swiglu: bool) -> int:
     return attention + (1 if fused_swiglu else 2)
 
 
-def _stream_bytes(h: float, e: int, whole: int, casts: int, fp32_residual: bool,
+def _stream_bytes(h: float, e: int, whole: int, stream: str, casts: int,
                   mask: float = 0.0) -> float:
     """The fused block's two residual adds and two norms (with GPT's dropout masks), per
-    token: 16-bit (read 2, write 1 per add; read, write per norm), or an fp32 stream with the
-    norms' casts (`fp32_residual`); adds and norms on the 1/t slice under SP, the casts of
-    the whole tensor the projections read."""
-    if not fp32_residual:
+    token, for a `stream` of implementation.RESIDUAL_STREAMS: 16-bit (read 2, write 1 per
+    add; read, write per norm), or fp32 with the norms writing the compute dtype (`fp32`) or
+    fp32 and the norms' `casts` (`fp32_cast`); adds and norms on the 1/t slice under SP, the
+    casts of the whole tensor the projections read."""
+    if stream == "16bit":
         return (4 * h * e + 2 * (3 * h * e + mask)) / whole
-    return (2 * ((8 + e) * h + mask) + 2 * 8 * h) / whole + casts * (4 + e) * h
+    norm_out = e if stream == "fp32" else 4
+    per = (2 * ((8 + e) * h + mask) + 2 * (4 + norm_out) * h) / whole
+    return per + (casts * (4 + e) * h if stream == "fp32_cast" else 0.0)
 
 
 def elementwise_bytes_per_token(shape: ModelShape, tp: int, sp: bool, e: int, impl: str,
                                 ffn_elems: float | None = None, expand_kv: bool = True,
-                                rope_complex: bool = False, fp32_residual: bool = False,
+                                rope_complex: bool = False, stream: str = "16bit",
                                 casts: int = 0) -> float:
     """HBM bytes one block's memory-bound kernels move in forward, per local token, excluding
     the attention scores (`score_bytes_per_entry`). `ffn_elems`: an MoE block's feed-forward
     elementwise width per token (plan/moe.py), replacing the dense SwiGLU's F/t. `expand_kv`:
     K and V are copied out to every query head (Implementation.expand_kv). `rope_complex`: RoPE
     runs on complex numbers (Implementation.rope_complex), the same bytes eager or compiled.
-    `fp32_residual` with `casts` (`norm_casts`): the fused block's residual stream and norms in
-    fp32 (Implementation.fp32_residual); the eager count keeps its own norms."""
+    `stream` with `casts` (`norm_casts`): the fused block's residual stream
+    (Implementation.residual_stream); the eager count keeps its own norms."""
     h, t = shape.hidden, tp
     whole = t if sp else 1  # norms and residuals run on a 1/t slice of the sequence under SP
     q, kv = shape.q_dim / t, shape.kv_dim / t
@@ -176,7 +181,7 @@ def elementwise_bytes_per_token(shape: ModelShape, tp: int, sp: bool, e: int, im
         # RoPE (no position table, no ALiBi): the trainers that run such a block fuse it.
         rope = fused_rope if shape.has_rope else 0.0
         if impl == "fused":
-            return (_stream_bytes(h, e, whole, casts, fp32_residual, mask) + 2 * f * e + rope
+            return (_stream_bytes(h, e, whole, stream, casts, mask) + 2 * f * e + rope
                     + expand)
         # eager: LayerNorm read+write, dropout (read, write, mask) then add (read 2, write 1)
         # twice, bias add and GeLU as separate passes over 4h/t (no bias: the GeLU's only).
@@ -186,7 +191,7 @@ def elementwise_bytes_per_token(shape: ModelShape, tp: int, sp: bool, e: int, im
                 + rope + expand)
     mlp = 3 * shape.ffn_hidden / t if ffn_elems is None else ffn_elems
     if impl == "fused":
-        return (_stream_bytes(h, e, whole, casts, fp32_residual) + mlp * e + fused_rope
+        return (_stream_bytes(h, e, whole, stream, casts) + mlp * e + fused_rope
                 + expand)
     norms = 2 * 40 * h * e / 2  # 40h bytes per norm at e = 2 (fp32 internals scale with it)
     rope = complex_rope if rope_complex else 48 * (q + kv) * e / 2
@@ -210,7 +215,7 @@ def block_kernels(shape: ModelShape, impl: str, flash: bool, expand_kv: bool = T
     """Kernels one block's forward launches (backward: twice as many). Counted from meshloom's
     block as written (eager) and from a compiled block (fused: the GEMMs, attention, and one
     fused kernel per run of elementwise work between them, RoPE's among them), plus `casts`
-    autocast casts of fp32 norm outputs (fused, `fp32_residual`)."""
+    autocast casts of fp32 norm outputs (fused, `residual_stream=fp32_cast`)."""
     gemms = 4 if shape.arch == "gpt" else 7
     if shape.is_moe:
         gemms = 4 + 1 + (3 if shape.shared_hidden else 0) + 3

@@ -114,17 +114,24 @@ from meshloom.plan import PlanError
 # `linear_qkv` of (heads + 2 kv_heads) x head_dim columns, and lit-gpt's (TinyLlama's) with one
 # `attn` linear of the same width; meshloom's and torchtitan's Llama run wq, wk and wv apart
 # (`fused_qkv`). GPT-style blocks (MPT, GPT-3, BLOOM) are priced with one projection anyway.
-# TinyLlama's residual stream is fp32 (`fp32_residual`): under Lightning's fp32-parameter
-# autocast its `wte` returns fp32, each `x = x + h` adds the bf16 branch into it, and its
-# FusedRMSNorm (flash-attn's dropout_add_ln kernel, whose output takes the input's dtype,
-# `otype = itype` in ln_api.cpp) reads and writes fp32, cast to bf16 by autocast once for the
-# one `attn` linear and once for the MLP: xformers' SwiGLU with `_pack_weights=False` still
-# takes its packed path (`swiglu_packedw`, whose autocast wrapper casts x once) because FSDP1's
-# flat parameter lays w1 and w2 side by side, where `stack_or_none` finds them stacked; that
-# op saves x, x1 and x2 and reruns silu(x1)·x2 in its backward (`fused_swiglu`: 3F kept is
-# the nearest count; it keeps 2F). Its README lists "fused SwiGLU" among its speed-ups; had
-# the op fallen back (xformers' fused autograd op declines bf16 autocast), its silu and
-# product would run as two eager kernels and x be cast twice.
+# flash-attention's GPT configs (configs/experiment/pile/gpt3*-flash.yaml) set
+# `residual_in_fp32: True` with `fused_dropout_add_ln: True`: each block's dropout, residual
+# add and LayerNorm are one kernel that reads the 16-bit branch (its FusedDense layers cast
+# to autocast's dtype) and the fp32 residual, and writes the fp32 sum and the normalised
+# output in the branch's dtype (`residual_stream=fp32`; the first block's norm, fed the fp32
+# token and position embeddings, writes fp32, not priced).
+# TinyLlama's residual stream is fp32 too (`residual_stream=fp32_cast`): under Lightning's
+# fp32-parameter autocast its `wte` returns fp32, each `x = x + h` adds the bf16 branch into
+# it, and its FusedRMSNorm (flash-attn's dropout_add_ln kernel, whose output takes the
+# input's dtype, `otype = itype` in ln_api.cpp) reads and writes fp32, cast to bf16 by
+# autocast once for the one `attn` linear and once for the MLP: xformers' SwiGLU with
+# `_pack_weights=False` still takes its packed path (`swiglu_packedw`, whose autocast wrapper
+# casts x once) because FSDP1's flat parameter lays w1 and w2 side by side, where
+# `stack_or_none` finds them stacked; that op saves x, x1 and x2 and reruns silu(x1)·x2 in its
+# backward (`fused_swiglu`: 3F kept is the nearest count; it keeps 2F). Its README lists
+# "fused SwiGLU" among its speed-ups; had the op fallen back (xformers' fused autograd op
+# declines bf16 autocast), its silu and product would run as two eager kernels and x be cast
+# twice.
 # What every other trainer's loop does unlike meshloom's (implementation.py). Their attention
 # is FlashAttention-2's unless the trainer's entry says otherwise: torchtitan's SDPA on an H100
 # ran it before PyTorch 2.9 put cuDNN first, and which kernel TransformerEngine picked for NeMo
@@ -150,9 +157,10 @@ TRAINERS: dict[str, dict] = {
                            "dp_buckets": "deepspeed"},
     "flash-attention": {"compile": True, "attention_kernel": "fa1", "cross_entropy": "xentropy",
                         "grad_reduce_dtype": "fp32", "fp32_params": True,
+                        "residual_stream": "fp32",
                         "zero_redundancy_optimizer": True},
     "tinyllama": {"compile": True, "expand_kv": False, "cross_entropy": "xentropy",
-                  "fused_qkv": True, "fp32_residual": True, "fused_swiglu": True,
+                  "fused_qkv": True, "residual_stream": "fp32_cast", "fused_swiglu": True,
                   "optimizer_impl": "for_loop", "grad_reduce_dtype": "bf16",
                   "fsdp_no_sync": True, "fsdp_flat_param": True, "fp32_params": True},
     "llm-foundry": {"compile": False, "attention_kernel": "triton",
