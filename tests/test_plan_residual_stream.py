@@ -15,6 +15,7 @@ from meshloom.plan.implementation import MESHLOOM, Implementation
 from meshloom.plan.layout import Layout, parse_fix
 from meshloom.plan.memory import final_norm_bytes, layer_activation_bytes
 from meshloom.plan.models import from_dims
+from meshloom.plan.search import search
 from meshloom.plan.step_kernels import block_kernels, elementwise_bytes_per_token, norm_casts
 from meshloom.plan.trainers import TRAINERS, trainer_impl
 
@@ -122,3 +123,12 @@ def test_the_key_parses_and_refuses_bad_values():
     with pytest.raises(PlanError, match="residual_stream=fp64 must be one of 16bit, fp32, "
                                         "fp32_cast"):
         parse_fix("residual_stream=fp64")
+
+
+def test_an_eager_block_with_an_fp32_stream_is_refused():
+    with pytest.raises(PlanError, match="residual_stream=fp32 is priced for fused blocks only"):
+        search(TINY, make_cluster("a100-40g", 8), 2048, 64,
+               {"residual_stream": "fp32", "compile": False})
+    got = search(TINY, make_cluster("a100-40g", 8), 2048, 64,
+                 {"residual_stream": "fp32", "compile": True}, top=1)
+    assert got and got[0].fits

@@ -447,4 +447,8 @@ def dp_calls(buckets: str, overlapped: bool, nbytes: float, params: float, dp: i
 def split_fix(fixed: dict) -> tuple[dict, Implementation]:
     """(layout keys, implementation) from a parsed --fix."""
     impl = Implementation(**{k: fixed[k] for k in IMPL_KEYS if k in fixed})
+    if impl.residual_stream != "16bit" and not impl.compile:
+        # the eager count is meshloom's block as written, fp32 norm internals included
+        raise PlanError(f"--fix: residual_stream={impl.residual_stream} is priced for fused "
+                        "blocks only: add compile=true")
     return {k: v for k, v in fixed.items() if k not in IMPL_KEYS}, impl
