@@ -49,8 +49,8 @@ from meshloom.plan.step_kernels import (
     block_kernels,
     elementwise_bytes_per_token,
     head_gemm,
-    norm_casts,
     score_bytes_per_entry,
+    stream_casts,
 )
 
 # Cross entropy over the logits (`Implementation.cross_entropy`): (forward, backward) bytes per
@@ -343,7 +343,7 @@ def block_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, e: int, f
            if shape.is_moe else None)
     impl_ew = impl.elementwise
     stream = residual_stream(impl, e)
-    casts = norm_casts(shape, impl.fused_qkv, impl.fused_swiglu) if stream == "fp32_cast" else 0
+    casts = stream_casts(shape, stream, impl.fused_qkv, impl.fused_swiglu)
     ew_bytes = tokens * elementwise_bytes_per_token(shape, t, lay.sp, e, impl_ew, ffn,
                                                     expand_kv, impl.rope_complex, stream, casts)
     score_bytes = tokens * bh / lay.micro_batch * kv_len * score_bytes_per_entry(shape, e, flash)

@@ -51,7 +51,7 @@ from meshloom.plan.moe import (
     load_factor,
 )
 from meshloom.plan.stages import rank_layers, stage_layers
-from meshloom.plan.step_kernels import ATTENTION_GEMMS, block_gemms, norm_casts
+from meshloom.plan.step_kernels import ATTENTION_GEMMS, block_gemms, stream_casts
 
 # The CUDA context plus library workspaces (cuBLAS, NCCL) per GPU, outside the allocator's
 # count. A layout fits when its peak of allocated bytes plus this is at most the GPU's memory:
@@ -393,7 +393,7 @@ def layer_activation_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype
       (4h), plus for GPT two 1-byte dropout masks (Korthikanti's 10 = 8 + 2); under an fp32
       residual stream (`impl.residual_stream`) the norm inputs are fp32 (8h bytes), under
       `fp32_cast` each projection reading a norm keeps its own cast
-      (`step_kernels.norm_casts`), and full recompute's block input is fp32;
+      (`step_kernels.stream_casts`), and full recompute's block input is fp32;
     - split over tp: Q, O (2 q_dim, hidden unless the head width is its own), K, V (2 kv_dim;
       2 q_dim when the trainer copies them out to every query head before the attention,
       `impl.expand_kv`, which then saves the copies), and the MLP's tensors: GeLU keeps its
@@ -418,10 +418,9 @@ def layer_activation_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype
     gpt, drop = shape.arch == "gpt", shape.has_dropout
     # The two norms' inputs (fp32 under an fp32 stream) and what the projections read: the
     # two norm outputs, or under `fp32_cast` autocast's cast for each projection.
-    casts = 2
-    if impl is not None and residual_stream(impl, e) == "fp32_cast":
-        casts = norm_casts(shape, impl.fused_qkv, impl.fused_swiglu)
-    whole = 2 * h * stream + casts * h * e + (2 * h if drop else 0)  # 1-byte dropout masks
+    casts = 0 if impl is None else stream_casts(shape, residual_stream(impl, e), impl.fused_qkv,
+                                                impl.fused_swiglu)
+    whole = 2 * h * stream + (casts or 2) * h * e + (2 * h if drop else 0)  # 1-byte masks
     # SwiGLU keeps gate, up, silu(gate) and their product; a fused SwiGLU (impl.fused_swiglu)
     # recomputes silu from gate; selective recompute reruns silu*up as well.
     if gpt or rec == "selective":

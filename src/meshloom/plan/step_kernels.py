@@ -143,6 +143,12 @@ def norm_casts(shape: ModelShape, fused_qkv: bool, fused_swiglu: bool) -> int:
     return attention + (1 if fused_swiglu else 2)
 
 
+def stream_casts(shape: ModelShape, stream: str, fused_qkv: bool, fused_swiglu: bool) -> int:
+    """The autocast casts of the norms' outputs one block launches: `norm_casts` when the
+    norms write fp32 (`stream` `fp32_cast`), none otherwise."""
+    return norm_casts(shape, fused_qkv, fused_swiglu) if stream == "fp32_cast" else 0
+
+
 def _stream_bytes(h: float, e: int, whole: int, stream: str, casts: int,
                   mask: float = 0.0) -> float:
     """The fused block's two residual adds and two norms (with GPT's dropout masks), per
