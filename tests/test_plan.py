@@ -17,7 +17,7 @@ from meshloom.plan import PlanError
 from meshloom.plan.hardware import make_cluster
 from meshloom.plan.implementation import Implementation, dp_calls
 from meshloom.plan.layout import Layout, parse_fix
-from meshloom.plan.memory import in_flight, layer_activation_bytes
+from meshloom.plan.memory import in_flight, layer_activation_bytes, outer_params
 from meshloom.plan.models import PRESETS
 from meshloom.plan.search import evaluate, layouts, search
 from meshloom.plan.timing import _makespan, model_flops
@@ -175,9 +175,10 @@ def test_ring_latency_is_nccls_ring_model():
 
 
 def test_zero3_pays_a_call_per_unit_and_pass():
-    """ZeRO-3 gathers each block's parameters twice per micro-batch and reduce-scatters its
-    gradient once, each a collective of its own: over many ranks a small model's step is
-    dominated by the calls' fixed cost, which bytes alone would not show."""
+    """ZeRO-3 gathers each block's parameters twice per micro-batch, what lies outside the
+    blocks once (`fsdp_root`), and reduce-scatters every gradient once, each unit a collective
+    of its own: over many ranks a small model's step is dominated by the calls' fixed cost,
+    which bytes alone would not show."""
     shape = PRESETS["gpt2"]
     cl = make_cluster("h100", 512)
     lay = Layout(dp=512, zero=3, micro_batch=1)
@@ -188,11 +189,14 @@ def test_zero3_pays_a_call_per_unit_and_pass():
     calls = {op: dp["calls"][op]["fixed_s"] / dp["calls"][op]["calls"]
              for op in ("all_gather", "reduce_scatter")}
     assert calls["all_gather"] == pytest.approx(1e-6 * (8.4 + 448 * 3.4 + 63 * 14.0))
-    bytes_only = {op: got[op] - n * units * calls[op]
-                  for op, n in (("all_gather", 2), ("reduce_scatter", 1))}
-    # Two gathers of bf16 parameters move what one reduce-scatter of fp32 gradients does
-    # (meshloom's default reduce dtype).
-    assert bytes_only["all_gather"] == pytest.approx(bytes_only["reduce_scatter"], rel=1e-9)
+    assert dp["calls"]["all_gather"]["calls"] == 2 * units + 1
+    bytes_only = {op: got[op] - dp["calls"][op]["fixed_s"]
+                  for op in ("all_gather", "reduce_scatter")}
+    # bf16 parameters, the blocks' twice and the rest once, against one reduce-scatter of
+    # every fp32 gradient (meshloom's default reduce dtype).
+    blocks, outer = units * shape.layer_params, outer_params(shape, lay, 0)
+    assert bytes_only["all_gather"] / bytes_only["reduce_scatter"] == pytest.approx(
+        2 * (2 * blocks + outer) / (4 * (blocks + outer)), rel=1e-9)
     assert got["all_gather"] > 10 * bytes_only["all_gather"]
 
 

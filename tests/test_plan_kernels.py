@@ -21,7 +21,7 @@ from meshloom.plan.hardware import make_cluster
 from meshloom.plan.implementation import MESHLOOM, Implementation, split_fix
 from meshloom.plan.kernel_table import attention_flops, available, for_gpu, load, parse
 from meshloom.plan.layout import Layout, parse_fix
-from meshloom.plan.memory import memory_per_gpu, rank_param_split
+from meshloom.plan.memory import memory_per_gpu, outer_params, rank_param_split
 from meshloom.plan.models import PRESETS, from_dims
 from meshloom.plan.search import evaluate, search
 from meshloom.plan.step_kernels import all_gemms, block_gemms
@@ -659,9 +659,10 @@ def test_gradients_cross_the_data_parallel_group_in_the_reduce_dtype():
 
 
 def test_fsdp2_copies_every_gather_out_into_the_parameters():
-    """`fsdp_copy_out` (FSDP2): each ZeRO-3 gather, two a micro-batch, is read and written once
-    more at the copy rate on the compute stream, exposed in full; nothing else moves, and a
-    layout without ZeRO-3 gathers is unaffected."""
+    """`fsdp_copy_out` (FSDP2): each ZeRO-3 gather, two a micro-batch of every block and one
+    of what lies outside them (`fsdp_root`), is read and written once more at the copy rate on
+    the compute stream, exposed in full; nothing else moves, and a layout without ZeRO-3
+    gathers is unaffected."""
     shape = PRESETS["llama3-1b"]
     cl = make_cluster("h100", 8)
     r = rates_for(cl)
@@ -676,7 +677,8 @@ def test_fsdp2_copies_every_gather_out_into_the_parameters():
             continue
         dense, experts = rank_param_split(shape, lay, 0, shape.layers)
         m = 32 // (8 * lay.micro_batch)
-        expected = 2 * m * 2 * (dense + experts) * 2 / (r.hbm_gbps * 1e9)
+        gathered = 2 * (dense + experts) - outer_params(shape, lay, 0)
+        expected = m * 2 * gathered * 2 / (r.hbm_gbps * 1e9)
         assert ops["all_gather_copy_out"] == pytest.approx(expected, rel=1e-9)
         assert fsdp2.timing.step_time_s - views.timing.step_time_s == pytest.approx(expected)
         assert fsdp2.timing.compute == views.timing.compute

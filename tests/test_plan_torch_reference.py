@@ -77,6 +77,12 @@ def test_fp32_parameters_are_gathered_and_the_gradient_reduced_in_bf16_once(cens
         ("reduce_scatter", "torch.bfloat16", numel)]
 
 
+def test_the_root_unit_is_gathered_once_a_micro_batch(census):
+    """FSDP1 does not reshard its root unit (here the only one) after forward: one gather a
+    micro-batch, kept to the backward, where a block's is gathered twice (`fsdp_root`)."""
+    assert len([c for c in census["calls"] if c[0] == "all_gather"]) == M
+
+
 def test_every_backward_concatenates_and_later_ones_add(census):
     """`fsdp_flat_param`: each of the M backwards (no_sync or not) builds the flat gradient by
     autograd's concatenation of the views' gradients; the M - 1 after the first add into the

@@ -16,6 +16,10 @@ from dist_harness import run_ranks
 
 from meshloom import checkpoint
 from meshloom.plan.formulas import dp_comm_bytes, model_state_bytes
+from meshloom.plan.implementation import MESHLOOM
+from meshloom.plan.layout import Layout
+from meshloom.plan.memory import zero3_root_params
+from meshloom.plan.models import from_llama_config
 from meshloom.train import train
 
 STEPS = 4
@@ -39,6 +43,10 @@ def _job(run_dir, cache, overrides, resume=False):
         mem["forward_only_psi"] = sum(u.group.padded for u in units
                                       if not u.backward_needs_params)
         mem["root_bytes"] = sum(u.nbytes for u in units if u.name == "")
+        # What the planner keeps gathered for the same model and layout (plan/memory.py).
+        lay = Layout(dp=strat.mesh.size(strat.axes.shard), zero=3)
+        mem["planned_root_psi"] = zero3_root_params(from_llama_config(model.cfg), lay, 0,
+                                                    MESHLOOM)
         mem["largest_unit"] = max(u.nbytes for u in units if u.name != "")
     comm_bytes = dict(r.counter.bytes)  # before the gathers below
     whole = strat.full_state_dict() if hasattr(strat, "full_state_dict") else \
@@ -107,6 +115,8 @@ def test_zero_parity_memory_and_comm(tmp_path, token_cache, reference, world, ov
     if stage == 3 and reshard:  # (without resharding every unit stays gathered to backward)
         m = got["mem"]
         assert 0 < m["peak_gathered"] <= m["root_bytes"] + 2 * m["largest_unit"]
+        # The planner's root is the one meshloom gathers, but for the flat buffer's padding.
+        assert m["planned_root_psi"] <= m["root_psi"] < m["planned_root_psi"] + n_shard
     assert got["mem"]["params"] == want["params"]
     assert got["mem"]["grads"] == want["grads"]
     pad_slack = 8 * (psi_pad - reference["n_params"])

@@ -76,6 +76,16 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   `foreach_all_gather_copy_out`: `torch.split_with_sizes_copy`), a read and a write of the
   gathered bytes each time. Off (meshloom's ZeRO-3, FSDP1): the parameters are views of the
   gathered buffer.
+- `fsdp_root`: which parameters ZeRO-3's root unit holds, gathered once a micro-batch at the
+  start of its forward and kept to its backward (plan/memory.py `zero3_root_params`): `head`
+  (meshloom's parallel/fsdp.py: the final norm and the head, or a tied token table; the
+  embedding is a unit of its own, gathered for forward only and freed after it) or `outer`
+  (FSDP1 and FSDP2 wrapping each block and then the model, as Composer, Lightning and
+  torchtitan's 2024 `apply_fsdp` do: every parameter outside the blocks, embedding
+  included; neither frees the root after forward, FSDP1's `_post_forward_reshard` and
+  FSDP2's `_lazy_init`). Either way the parameters outside the blocks are gathered once a
+  micro-batch, exposed (nothing runs before them), and the blocks twice (plan/timing.py).
+  A no-op unless zero = 3.
 - `grad_reduce_dtype`: the dtype data-parallel gradient collectives carry in bf16 training:
   `fp32` (meshloom's `parallel.reduce_dtype` default, docs/mixed-precision.md; PyTorch FSDP2 as
   torchtitan configures it, `mixed_precision_reduce = "float32"`; DDP under autocast, whose
@@ -298,6 +308,7 @@ class Implementation:
     fp32_params: bool = False
     zero_redundancy_optimizer: bool = False
     fsdp_copy_out: bool = False
+    fsdp_root: str = "head"
     grad_reduce_dtype: str = "fp32"
     deepspeed_bf16_optimizer: bool = False
     dp_buckets: str = "torch"
@@ -411,7 +422,7 @@ def parse_bool(key: str, value: str) -> bool:
 
 STR_IMPL_KEYS = ("attention_kernel", "pp_split", "optimizer_state", "optimizer_impl",
                  "grad_reduce_dtype", "dp_buckets", "cross_entropy", "train_metrics", "cp_ring",
-                 "nccl_protocols", "sp_copies", "residual_stream")
+                 "nccl_protocols", "sp_copies", "residual_stream", "fsdp_root")
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 OPTIMIZER_IMPLS = ("fused", "foreach", "for_loop")
 # Bytes per parameter beside the bf16 parameter and gradient: (master copy, Adam moments).
@@ -420,6 +431,7 @@ DP_BUCKETS = ("torch", "mcore", "deepspeed", "whole")
 NCCL_PROTOCOLS = ("auto", "simple")
 SP_COPIES = ("always", "batch", "none")
 RESIDUAL_STREAMS = ("16bit", "fp32", "fp32_cast")
+FSDP_ROOTS = ("head", "outer")
 CROSS_ENTROPY = ("auto", "fused", "eager", "xentropy", "megatron", "megatron_fused")
 # Eager cross-entropy forwards over the logits a loop's training metrics run per micro-batch.
 TRAIN_METRIC_PASSES = {"none": 0, "composer": 2}

@@ -11,6 +11,7 @@ from meshloom.plan.cp_ring import CP_RINGS
 from meshloom.plan.implementation import (
     CROSS_ENTROPY,
     DP_BUCKETS,
+    FSDP_ROOTS,
     GRAD_REDUCE_DTYPES,
     IMPL_KEYS,
     NCCL_PROTOCOLS,
@@ -111,7 +112,8 @@ def parse_fix(text: str) -> dict:
                        "cp_ring": CP_RINGS,
                        "nccl_protocols": NCCL_PROTOCOLS,
                        "sp_copies": SP_COPIES,
-                       "residual_stream": RESIDUAL_STREAMS}.get(key, SCHEDULES)
+                       "residual_stream": RESIDUAL_STREAMS,
+                       "fsdp_root": FSDP_ROOTS}.get(key, SCHEDULES)
             if value not in options:
                 raise PlanError(f"--fix: {key}={value} must be one of {', '.join(options)}")
             out[key] = value

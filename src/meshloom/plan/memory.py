@@ -101,19 +101,39 @@ def rank_param_split(shape: ModelShape, lay: Layout, rank: int, layers: int | No
     """`rank_params` as (dense, routed experts): the first part ZeRO shards over dp_shard, the
     second over the expert shard degree (moe.expert_shard); 0 experts for a dense model.
     `layers`: the blocks this rank holds (plan/stages.py); by default the even split's most."""
-    t = lay.tp
     split = shape.tp_split_params
     small = shape.layer_params - split - shape.expert_layer_params
     layers = layers_on_rank(shape, lay.pp) if layers is None else layers
-    n = layers * (split / t + small)
-    table = shape.vocab * shape.hidden
-    if rank == 0:
-        n += shape.embedding_params / t
+    n = layers * (split / lay.tp + small) + outer_params(shape, lay, rank)
+    return n, layers * shape.expert_layer_params / (lay.ep * etp)
+
+
+def outer_params(shape: ModelShape, lay: Layout, rank: int) -> float:
+    """A GPU's parameters outside its blocks: the vocabulary-parallel embedding (and learned
+    positions) on the first pipeline rank, the final norm and the head (or, tied across
+    pp > 1, a copy of the token table) on the last."""
+    n = shape.embedding_params / lay.tp if rank == 0 else 0.0
     if rank == lay.pp - 1:
         n += shape.final_norm_params
         if not shape.tied or lay.pp > 1:
-            n += table / t
-    return n, layers * shape.expert_layer_params / (lay.ep * etp)
+            n += shape.vocab * shape.hidden / lay.tp
+    return n
+
+
+def zero3_root_params(shape: ModelShape, lay: Layout, rank: int,
+                      impl: Implementation) -> float:
+    """Parameters ZeRO-3 keeps gathered from the start of a micro-batch's forward to its
+    backward, beside the blocks it gathers one by one: the root unit's (`fsdp_root`).
+    meshloom's root holds the final norm and the head (a tied head: the token table) on the
+    last pipeline rank; FSDP1 and FSDP2 wrapping the blocks leave every parameter outside
+    them to the root (`outer_params`)."""
+    if lay.zero != 3 or lay.dp_shard <= 1:
+        return 0.0
+    if impl.fsdp_root == "outer":
+        return outer_params(shape, lay, rank)
+    if rank != lay.pp - 1:
+        return 0.0
+    return shape.final_norm_params + shape.vocab * shape.hidden / lay.tp
 
 
 def rank_model_states(shape: ModelShape, lay: Layout, rank: int, prec,
@@ -607,7 +627,8 @@ def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
     stage makes the step's peak fall at the start of the backward, before any gradient is
     written.
     `stages`: blocks per pipeline stage, if the run fixes them (`parallel.pp_layers`); else
-    the implementation's split (plan/stages.py)."""
+    the implementation's split (plan/stages.py). ZeRO-3's root unit, gathered through the
+    peak (`zero3_root_params`), counts with the buffers."""
     if impl.meshloom_block and not flash:
         # meshloom's blocks always call SDPA: a plan with eager attention is another stack's,
         # counted Korthikanti's way throughout (block, loss, final norm, no autocast copies).
@@ -628,8 +649,9 @@ def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
                                       impl=impl)
                if lay.recompute == "full" else 0.0)  # one layer recomputed during backward
     grads_at_peak = keeps_grads(impl, lay) or m > 1 or lay.pp > 1
-    buffers = _buffers(shape, lay, s, b, dtype, expert_tp(lay, impl),
-                       fp32_working_params(impl, lay, dtype))
+    fp32_params = fp32_working_params(impl, lay, dtype)
+    buffers = _buffers(shape, lay, s, b, dtype, expert_tp(lay, impl), fp32_params)
+    gathered_param_bytes = 4 if fp32_params else precision(dtype).param_bytes
     counted_as = activation_accounting(shape, lay, dtype, flash, impl)
     best = None
     for rank in ranks:
@@ -646,8 +668,10 @@ def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
                 + final_norm_bytes(shape, s, b, lay, dtype, impl)) if rank == lay.pp - 1 else 0.0
         acts += max(loss, working)
         acts += weight_copy_bytes(shape, lay, rank, dtype, impl, held[rank])
+        root = zero3_root_params(shape, lay, rank, impl) * gathered_param_bytes
         mem = Memory(states["params"], states["grads"] if grads_at_peak else 0.0,
-                     states["optimizer"], acts, buffers, CONTEXT_BYTES, rank, counted_as)
+                     states["optimizer"], acts, buffers + root, CONTEXT_BYTES, rank,
+                     counted_as)
         if best is None or mem.total > best.total:
             best = mem
     return best

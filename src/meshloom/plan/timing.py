@@ -53,7 +53,7 @@ from meshloom.plan.implementation import (
     zero3_no_sync,
 )
 from meshloom.plan.layout import Layout
-from meshloom.plan.memory import act_elem_bytes, precision, rank_param_split
+from meshloom.plan.memory import act_elem_bytes, outer_params, precision, rank_param_split
 from meshloom.plan.models import ModelShape
 from meshloom.plan.moe import (
     A2A_FORWARD,
@@ -377,8 +377,10 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     ranks; ZeRO-1 reduce-scatters
     once after the last backward; ZeRO-2 reduce-scatters after every micro-batch behind its
     backward; ZeRO-1/2 all-gather the updated parameters after the step (exposed); ZeRO-3
-    gathers every unit for forward and backward and reduce-scatters its gradient, prefetched
-    behind the micro-batch's compute, except the first unit's gather; FSDP1's ZeRO-2
+    gathers every block for forward and backward, what lies outside the blocks once
+    (`fsdp_root`), and reduce-scatters every gradient, prefetched behind the micro-batch's
+    compute, except the first gathers (the outer parameters' and the first block's); FSDP1's
+    ZeRO-2
     (`fsdp_flat_param`, SHARD_GRAD_OP) gathers each unit once a micro-batch, behind its
     forward, and reduce-scatters it behind its backward; its ZeRO-0 (NO_SHARD) all-reduces
     each unit every micro-batch. `dp_overlap` (Megatron's
@@ -501,12 +503,22 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     whole = whole_fp32_states(impl, lay, dtype)
     zro = impl.zero_redundancy_optimizer and lay.zero == 1
     red = "all_reduce" if whole or zro else "reduce_scatter"
-    ag = coll("all_gather", "all_gather", param_b, n, stride, per(param_b, dense, n), ag_times)
+    # ZeRO-3 gathers each block once a pass and what lies outside the blocks (embedding, final
+    # norm, head) once a micro-batch, before anything runs (`fsdp_root`).
+    outer = (outer_params(shape, lay, rank) * param_bytes if lay.zero == 3 and param_b
+             else 0.0)
+    ag = coll("all_gather", "all_gather", param_b - outer, n, stride,
+              per(param_b - outer, dense, n), ag_times)
     rs = coll(red, red, grad_b, n, stride, per(grad_b, dense, n), rs_times)
     if experts:
         ag += coll("all_gather", "all_gather", x_param, xn, lay.ep * lay.tp,
                    per(x_param, experts, xn), ag_times)
         rs += coll(red, red, x_grad, xn, lay.ep * lay.tp, per(x_grad, experts, xn), rs_times)
+    ag_b = ag if lay.zero == 3 else 0.0  # one backward's gathers: the blocks, ZeRO-3 only
+    ag_outer = coll("all_gather", "all_gather", outer, n, stride, 1, m)
+    # One forward's gathers, and the part of them nothing runs beside: the outer parameters'
+    # and the first unit's.
+    ag, first = ag + ag_outer, ag / units + ag_outer
     reduced = (dense if n > 1 else 0.0) + (experts if xn > 1 else 0.0)
     flat_param = by_unit and impl.fsdp_flat_param
     # FSDP1 casts the flat gradient to the wire dtype on its post-backward stream, before the
@@ -526,20 +538,20 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
         else:
             out += m * _exposed(rs, b_mb) + ag
     else:
-        ops = {"all_gather": ag_times * ag, "reduce_scatter": rs_times * rs}
+        ops = {"all_gather": m * (ag + ag_b), "reduce_scatter": rs_times * rs}
         if cast:
             ops["reduce_scatter_cast"] = rs_times * cast
-        # Backward gathers again under ZeRO-3 only.
-        ag_b = ag if lay.zero == 3 else 0.0
         if impl.fsdp_prefetch:  # the micro-batches that reduce-scatter hide it behind backward
-            out += (m * (_exposed(ag, f_mb) + ag / units)
+            out += (m * (_exposed(ag - ag_outer, f_mb) + first)
                     + rs_times * _exposed(ag_b + rs + cast, b_mb)
                     + (m - rs_times) * _exposed(ag_b, b_mb))
         else:
-            out += ag_times * ag + rs_times * (rs + cast)
+            out += m * (ag + ag_b) + rs_times * (rs + cast)
         gathered = (param_b if n > 1 else 0.0) + (x_param if xn > 1 else 0.0)
         if impl.fsdp_copy_out and gathered:  # one copy kernel per unit and gather
-            copy_out = ag_times * rates.stream(2 * gathered, units)
+            again = gathered - outer if lay.zero == 3 else 0.0
+            kernels = units * (2 if lay.zero == 3 else 1) + (1 if outer else 0)
+            copy_out = m * rates.stream(2 * (gathered + again), kernels)
             ops["all_gather_copy_out"] = copy_out
             out += copy_out
     # The gradients' copy into the flat send buffers in the wire dtype, on the compute stream

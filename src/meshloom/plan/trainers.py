@@ -84,6 +84,12 @@ from meshloom.plan import PlanError
 # flash-attention's training scripts, whose larger configs (gpt3l/xl, 2.7B) step PyTorch's
 # ZeroRedundancyOptimizer over DDP (`adamw-zero` with `DDPStrategyZero1`: the gradient
 # all-reduced by DDP, the updated parameters broadcast, `zero_redundancy_optimizer`).
+# Composer (MPT's `fsdp_wrap_fn` wraps each MPTBlock), Lightning (lit-gpt's auto-wrap policy
+# {Block}) and torchtitan's 2024 `apply_fsdp` (`fully_shard` on each TransformerBlock, then on
+# the model) leave the embedding, final norm and head to the root unit, which FSDP1
+# (`_post_forward_reshard`: "Do not free the root's parameters in the post-forward") and FSDP2
+# (`_lazy_init`: "For the root, do not reshard after forward") keep gathered from the start of
+# forward to its backward (`fsdp_root=outer`).
 # Composer evaluates the model's training metrics on every micro-batch
 # after its backward (`_eval_train_metrics`), and llm-foundry's MPT declares two,
 # LanguageCrossEntropy and LanguagePerplexity, each an eager cross entropy over the logits
@@ -162,15 +168,17 @@ TRAINERS: dict[str, dict] = {
     "tinyllama": {"compile": True, "expand_kv": False, "cross_entropy": "xentropy",
                   "fused_qkv": True, "residual_stream": "fp32_cast", "fused_swiglu": True,
                   "optimizer_impl": "for_loop", "grad_reduce_dtype": "bf16",
-                  "fsdp_no_sync": True, "fsdp_flat_param": True, "fp32_params": True},
+                  "fsdp_no_sync": True, "fsdp_flat_param": True, "fp32_params": True,
+                  "fsdp_root": "outer"},
     "llm-foundry": {"compile": False, "attention_kernel": "triton",
                     "cross_entropy": "xentropy", "optimizer_impl": "for_loop",
                     "grad_reduce_dtype": "bf16", "fsdp_flat_param": True,
-                    "train_metrics": "composer", "fsdp_prefetch": False},
+                    "train_metrics": "composer", "fsdp_prefetch": False,
+                    "fsdp_root": "outer"},
     "torchtitan": {"compile": False, "op_sac": True, "cross_entropy": "eager",
                    "optimizer_impl": "foreach", "fsdp_copy_out": True, "rope_complex": True,
                    "grad_reduce_dtype": "fp32", "sp_copies": "batch",
-                   "tp_overlap_backward": False},
+                   "tp_overlap_backward": False, "fsdp_root": "outer"},
 }
 
 
