@@ -111,3 +111,19 @@ def test_the_outer_gather_is_exposed_without_prefetch_and_with(monkeypatch):
     block = gather("all_gather", shape.layer_params * 2, 8, 1, "auto").seconds
     assert hidden["exposed"] == pytest.approx(
         m * (outer + block) + hidden["ops"]["reduce_scatter_copy_in"], rel=1e-9)
+
+
+def test_explain_names_the_root_unit_within_the_buffers():
+    """--explain and the plan's JSON say how much of the buffers is the root unit."""
+    from meshloom.plan.explain import explain
+
+    shape, lay = PRESETS["llama3-8b"], Layout(dp=8, zero=3, micro_batch=1)
+    plan = evaluate(shape, lay, make_cluster("h100", 8), SEQ, BATCH, impl=OUTER)
+    root = zero3_root_params(shape, lay, 0, OUTER) * 2
+    assert plan.memory.root_unit == root
+    assert plan.memory.to_dict()["buffers_root_unit"] == root < plan.memory.buffers
+    assert (f"ZeRO-3's root unit, gathered forward to backward (fsdp_root=outer): "
+            f"{root / 1e9:.2f} GB") in explain(plan)
+    unsharded = evaluate(shape, Layout(dp=8, zero=1, micro_batch=1), make_cluster("h100", 8),
+                         SEQ, BATCH)
+    assert unsharded.memory.root_unit == 0 and "root unit" not in explain(unsharded)

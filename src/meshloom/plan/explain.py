@@ -50,5 +50,9 @@ def explain(c: Candidate) -> str:
         lines.append(f"  {name:<28}{getattr(mem, name) / GB:10.2f} GB")
         if name == "activations" and mem.counted_as:
             lines.append(f"    counted as: {mem.counted_as}")
+        if name == "buffers" and mem.root_unit:
+            lines.append(f"    ZeRO-3's root unit, gathered forward to backward "
+                         f"(fsdp_root={d['implementation']['fsdp_root']}): "
+                         f"{mem.root_unit / GB:.2f} GB")
     lines.append(f"  {'= total':<28}{mem.total / GB:10.2f} GB of {c.gpu_memory / GB:.0f} GB")
     return "\n".join(lines)

@@ -605,6 +605,7 @@ class Memory:
     context: float  # CUDA context and library workspaces, outside the allocator's count
     rank: int  # the pipeline rank this breakdown is for (the fullest)
     counted_as: str = ""  # how the activations were counted (`activation_accounting`)
+    root_unit: float = 0.0  # of the buffers: ZeRO-3's root unit (`zero3_root_params`)
 
     @property
     def total(self) -> float:
@@ -615,7 +616,7 @@ class Memory:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
                 "activations": self.activations, "buffers": self.buffers,
                 "context": self.context, "total": self.total, "pipeline_rank": self.rank,
-                "activations_counted_as": self.counted_as}
+                "activations_counted_as": self.counted_as, "buffers_root_unit": self.root_unit}
 
 
 def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
@@ -671,7 +672,7 @@ def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
         root = zero3_root_params(shape, lay, rank, impl) * gathered_param_bytes
         mem = Memory(states["params"], states["grads"] if grads_at_peak else 0.0,
                      states["optimizer"], acts, buffers + root, CONTEXT_BYTES, rank,
-                     counted_as)
+                     counted_as, root)
         if best is None or mem.total > best.total:
             best = mem
     return best
