@@ -120,6 +120,12 @@ def outer_params(shape: ModelShape, lay: Layout, rank: int) -> float:
     return n
 
 
+def gathered_param_bytes(impl: Implementation, lay: Layout, dtype: str) -> int:
+    """Bytes a parameter takes as ZeRO gathers it: the bf16 working copy's, or 4 under
+    `fp32_params`."""
+    return 4 if fp32_working_params(impl, lay, dtype) else precision(dtype).param_bytes
+
+
 def zero3_root_params(shape: ModelShape, lay: Layout, rank: int,
                       impl: Implementation) -> float:
     """Parameters ZeRO-3 keeps gathered from the start of a micro-batch's forward to its
@@ -652,7 +658,6 @@ def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
     grads_at_peak = keeps_grads(impl, lay) or m > 1 or lay.pp > 1
     fp32_params = fp32_working_params(impl, lay, dtype)
     buffers = _buffers(shape, lay, s, b, dtype, expert_tp(lay, impl), fp32_params)
-    gathered_param_bytes = 4 if fp32_params else precision(dtype).param_bytes
     counted_as = activation_accounting(shape, lay, dtype, flash, impl)
     best = None
     for rank in ranks:
@@ -669,7 +674,7 @@ def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
                 + final_norm_bytes(shape, s, b, lay, dtype, impl)) if rank == lay.pp - 1 else 0.0
         acts += max(loss, working)
         acts += weight_copy_bytes(shape, lay, rank, dtype, impl, held[rank])
-        root = zero3_root_params(shape, lay, rank, impl) * gathered_param_bytes
+        root = zero3_root_params(shape, lay, rank, impl) * gathered_param_bytes(impl, lay, dtype)
         mem = Memory(states["params"], states["grads"] if grads_at_peak else 0.0,
                      states["optimizer"], acts, buffers + root, CONTEXT_BYTES, rank,
                      counted_as, root)

@@ -53,7 +53,13 @@ from meshloom.plan.implementation import (
     zero3_no_sync,
 )
 from meshloom.plan.layout import Layout
-from meshloom.plan.memory import act_elem_bytes, outer_params, precision, rank_param_split
+from meshloom.plan.memory import (
+    act_elem_bytes,
+    gathered_param_bytes,
+    outer_params,
+    precision,
+    rank_param_split,
+)
 from meshloom.plan.models import ModelShape
 from meshloom.plan.moe import (
     A2A_FORWARD,
@@ -424,7 +430,7 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     # Gradients travel in the reduce dtype (`grad_reduce_dtype`), parameters in bf16 (fp32
     # under `fp32_params`).
     wire = 4 if impl.grad_reduce_dtype == "fp32" else prec.grad_bytes
-    param_bytes = 4 if fp32_working_params(impl, lay, dtype) else prec.param_bytes
+    param_bytes = gathered_param_bytes(impl, lay, dtype)
     grad_bytes = _grad_bytes(impl, lay, dtype)
     grad_b, param_b = dense * wire, dense * param_bytes
     if lay.dp <= 1:  # only expert groups to reduce (ep < cp); the dense part as before: none
