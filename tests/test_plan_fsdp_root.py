@@ -1,8 +1,10 @@
-"""ZeRO-3's root unit (`fsdp_root`): what lies outside the blocks is gathered once a micro-batch,
-first and exposed, and kept gathered to its backward (plan/memory.py `zero3_root_params`,
-plan/timing.py `_dp_time`). meshloom's root holds the final norm and the head; FSDP1 and FSDP2
-wrapping the blocks keep the embedding there too (`outer`). tests/test_zero.py holds the
-planner's root against the one meshloom's ZeRO-3 builds."""
+"""ZeRO-3's root unit (`fsdp_root`): what lies outside the blocks is gathered once a micro-batch
+and kept gathered to its backward (plan/memory.py `zero3_root_params`, plan/timing.py
+`_dp_time`). FSDP1 and FSDP2 wrapping the blocks keep it all in the root (`outer`), gathered
+first and exposed; meshloom's root holds the final norm and the head, which the last block's
+forward prefetches, its embedding a unit gathered first. tests/test_zero.py holds the planner's
+root against the one meshloom's ZeRO-3 builds, tests/test_fsdp_root.py the order it gathers
+it in."""
 
 from __future__ import annotations
 
@@ -12,7 +14,12 @@ from meshloom.plan import PlanError, timing
 from meshloom.plan.hardware import make_cluster
 from meshloom.plan.implementation import MESHLOOM, Implementation
 from meshloom.plan.layout import Layout, parse_fix
-from meshloom.plan.memory import memory_per_gpu, outer_params, zero3_root_params
+from meshloom.plan.memory import (
+    memory_per_gpu,
+    outer_params,
+    zero3_first_outer_params,
+    zero3_root_params,
+)
 from meshloom.plan.models import PRESETS, from_dims
 from meshloom.plan.search import evaluate
 from meshloom.plan.trainers import trainer_impl
@@ -54,6 +61,25 @@ def test_root_parameters_by_rank_and_tying():
         assert zero3_root_params(llama, other, 0, OUTER) == 0
 
 
+def test_which_outer_parameters_are_gathered_before_anything_runs():
+    """`outer`: the whole root, as the forward begins. meshloom: the embedding unit, and the
+    root only when it holds the token table the embedding reads (tied, one pipeline rank);
+    its untied root, or a tied head's copy on the last of several pipeline ranks, is the last
+    block's prefetch (parallel/fsdp.py)."""
+    llama = PRESETS["llama3-8b"]
+    v, h = llama.vocab, llama.hidden
+    lay, pp2 = Layout(dp=8, zero=3), Layout(pp=2, dp=4, zero=3)
+    assert zero3_first_outer_params(llama, lay, 0, MESHLOOM) == v * h
+    assert zero3_first_outer_params(llama, lay, 0, OUTER) == outer_params(llama, lay, 0)
+    assert zero3_first_outer_params(llama, pp2, 0, MESHLOOM) == v * h
+    assert zero3_first_outer_params(llama, pp2, 1, MESHLOOM) == 0
+    assert zero3_first_outer_params(llama, pp2, 1, OUTER) == v * h + h
+    gpt = from_dims("gpt", 768, 12, 12, 50257, positions=1024)  # tied, learned positions
+    assert zero3_first_outer_params(gpt, lay, 0, MESHLOOM) == outer_params(gpt, lay, 0)
+    assert zero3_first_outer_params(gpt, pp2, 0, MESHLOOM) == (50257 + 1024) * 768
+    assert zero3_first_outer_params(gpt, pp2, 1, MESHLOOM) == 0
+
+
 @pytest.mark.parametrize("dtype, impl, nbytes", [
     ("bf16", OUTER, 2), ("fp32", OUTER, 4),
     ("bf16", Implementation(fsdp_root="outer", fp32_params=True), 4)])
@@ -75,15 +101,21 @@ def _dp(lay, impl=MESHLOOM, shape=None):
 
 
 def test_zero3_gathers_the_outer_parameters_once_a_micro_batch():
-    """Each micro-batch gathers every block twice and what lies outside them once, in one call
-    more than the blocks'; the gathers' seconds fall by one pass over the outer parameters
-    against gathering everything twice, whichever holds the root."""
+    """Each micro-batch gathers every block twice and what lies outside them once: in one call
+    more than the blocks' (`outer`'s root) or two (meshloom's embedding and root); the
+    gathers' seconds fall by one pass over the outer parameters against gathering everything
+    twice, whichever holds the root."""
     shape = PRESETS["llama3-8b"]
     lay = Layout(dp=8, zero=3, micro_batch=2)
     m = BATCH // (8 * lay.micro_batch)
-    dp = _dp(lay)
-    assert dp["calls"]["all_gather"]["calls"] == m * (2 * shape.layers + 1)
-    assert _dp(lay, OUTER)["ops"] == dp["ops"]  # the root's content moves memory, not bytes
+    dp, outer_root = _dp(lay), _dp(lay, OUTER)
+    assert dp["calls"]["all_gather"]["calls"] == m * (2 * shape.layers + 2)
+    assert outer_root["calls"]["all_gather"]["calls"] == m * (2 * shape.layers + 1)
+    # The root's content moves memory and the order, not bytes: the same seconds but a call's.
+    assert outer_root["ops"]["reduce_scatter"] == dp["ops"]["reduce_scatter"]
+    assert (outer_root["ops"]["all_gather"] - outer_root["calls"]["all_gather"]["fixed_s"]
+            == pytest.approx(dp["ops"]["all_gather"] - dp["calls"]["all_gather"]["fixed_s"],
+                             rel=1e-12))
     # The gathers scale with their bytes (bandwidth-bound at these sizes): blocks twice,
     # outer once, against a model with no parameters outside its blocks.
     blocks = shape.layers * shape.layer_params
@@ -94,23 +126,27 @@ def test_zero3_gathers_the_outer_parameters_once_a_micro_batch():
     assert ratio == pytest.approx((2 * blocks + outer) / (2 * blocks), rel=0.02)
 
 
-def test_the_outer_gather_is_exposed_without_prefetch_and_with(monkeypatch):
+@pytest.mark.parametrize("impl, first", [(OUTER, "outer"), (MESHLOOM, "embedding")])
+def test_the_first_gathers_are_exposed_without_prefetch_and_with(monkeypatch, impl, first):
     """Nothing runs before the first gathers of a micro-batch: without prefetch every gather
-    waits, and with it, were all the rest hidden for free, the outer parameters' gather and
-    the first block's would still be waited on in full, each micro-batch."""
+    waits, and with it, were all the rest hidden for free, the first block's gather and the
+    outer parameters' gathered before it would still be waited on in full, each micro-batch:
+    the whole root under `outer`, meshloom's embedding alone (the last block hides its
+    root's)."""
     lay = Layout(dp=8, zero=3, micro_batch=2)
-    waited = _dp(lay, Implementation(fsdp_prefetch=False))
+    waited = _dp(lay, Implementation(fsdp_prefetch=False, fsdp_root=impl.fsdp_root))
     assert waited["exposed"] == pytest.approx(
         waited["ops"]["all_gather"] + waited["ops"]["reduce_scatter"]
         + waited["ops"]["reduce_scatter_copy_in"])
     monkeypatch.setattr(timing, "_exposed", lambda comm, compute: 0.0)
-    hidden = _dp(lay)
+    hidden = _dp(lay, impl)
     shape, m = PRESETS["llama3-8b"], BATCH // (8 * lay.micro_batch)
+    lead = outer_params(shape, lay, 0) if first == "outer" else shape.embedding_params
     gather = make_cluster("h100", 8).collective
-    outer = gather("all_gather", outer_params(shape, lay, 0) * 2, 8, 1, "auto").seconds
+    lead_s = gather("all_gather", lead * 2, 8, 1, "auto").seconds
     block = gather("all_gather", shape.layer_params * 2, 8, 1, "auto").seconds
     assert hidden["exposed"] == pytest.approx(
-        m * (outer + block) + hidden["ops"]["reduce_scatter_copy_in"], rel=1e-9)
+        m * (lead_s + block) + hidden["ops"]["reduce_scatter_copy_in"], rel=1e-9)
 
 
 def test_explain_names_the_root_unit_within_the_buffers():

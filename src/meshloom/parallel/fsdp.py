@@ -11,8 +11,12 @@ flat buffer, whose storage exists only while the unit is gathered:
   the unit before it); once all of its gradients exist they are packed, freed, and
   reduce-scattered asynchronously into the unit's gradient shard, and the buffer is freed;
 - HSDP: the reduced shard is all-reduced across the replicate group at the end of the step.
-The root unit is gathered for the whole step, as the head's weights are used last in forward
-and first in backward.
+The root unit stays gathered from forward to its backward, as the head's weights are used last in
+forward and first in backward. Its gather is started as the last unit's prefetch, so the last
+block's compute hides it, and waited on by the first module that reads it (the final norm), when
+every root parameter lies in a declared piece outside the blocks; a model that reads one in its
+own forward gets the root gathered before its forward starts. A tied table is the embedding's
+too, so a tied root is gathered when the embedding runs.
 """
 
 from __future__ import annotations
@@ -79,6 +83,8 @@ class _Unit:
         return self.grad_shard
 
     def free(self) -> None:
+        if self.work is not None:  # a prefetch in flight still writes into the storage
+            self._finish_gather()
         if self.gathered:
             _free(self.full)
             self.gathered = False
@@ -97,9 +103,12 @@ class _Unit:
     def wait_gather(self, mesh: Mesh) -> None:
         self.start_gather(mesh)
         if self.work is not None:
-            self.work[0].wait()
-            self.work = None
-            self.gathered = True
+            self._finish_gather()
+
+    def _finish_gather(self) -> None:
+        self.work[0].wait()
+        self.work = None
+        self.gathered = True
 
 
 def units_of(model: nn.Module) -> list[str]:
@@ -113,6 +122,26 @@ def units_of(model: nn.Module) -> list[str]:
     inputs = [n for n in pieces.input if not tied.startswith(n + ".")]
     blocks = getattr(model, pieces.blocks)
     return inputs + [f"{pieces.blocks}.{i}" for i in range(len(blocks))] + [""]
+
+
+def _root_readers(model: nn.Module, root: _Unit) -> list[nn.Module]:
+    """The modules that hold the root's parameters, when each lies in one of the model's pieces
+    outside the blocks (the output part's norm and head; an input piece's tied table): the first
+    of them to run waits for the root's gather. Empty when one lies elsewhere (on the model
+    itself, say), where the model's forward may read it before any of its modules runs."""
+    if not hasattr(model, "pieces"):
+        return []
+    pieces = model.pieces()
+    outside = (*pieces.input, *pieces.output)
+    mine = set(root.group.params)
+    readers = []
+    for name, mod in model.named_modules():
+        if not any(p in mine for p in mod.parameters(recurse=False)):
+            continue
+        if not any(name == piece or name.startswith(piece + ".") for piece in outside):
+            return []
+        readers.append(mod)
+    return readers
 
 
 class FullyShardedDataParallel:
@@ -146,6 +175,8 @@ class FullyShardedDataParallel:
                 self.units.append(_Unit(unit_name, module, mine, n, rank, precision,
                                         axes.shard))
         self.root = next((u for u in self.units if u.name == ""), None)
+        # The modules whose forward waits for the root's gather (none: before the forward).
+        self._root_readers = _root_readers(model, self.root) if self.root else []
         self._unit_of = {p: u for u in self.units for p in u.group.params}
         # Forward order of the units: the last complete forward's (for forward prefetch) and the
         # current one's (for backward prefetch, in reverse).
@@ -163,6 +194,9 @@ class FullyShardedDataParallel:
                 lambda mod, args, u=u: self._pre_forward(u)))
             self._hooks.append(u.module.register_forward_hook(
                 lambda mod, args, out, u=u: self._post_forward(u, out)))
+        for mod in self._root_readers:
+            self._hooks.append(mod.register_forward_pre_hook(
+                lambda mod, args: self._wait_root()))
         for p in self._unit_of:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
         self._decay, self._no_decay, self._masters = split_pieces(
@@ -190,8 +224,12 @@ class FullyShardedDataParallel:
     def _root_pre_forward(self, module: nn.Module, args) -> None:
         if self._current:
             self._order, self._current = self._current, []
-        if self.root is not None:
-            self.root.wait_gather(self.mesh)
+        if self.root is not None and not self._root_readers:
+            self._wait_root()
+
+    def _wait_root(self) -> None:
+        self.root.wait_gather(self.mesh)
+        self._note_gathered()
 
     def _root_post_forward(self, module: nn.Module, args, out) -> None:
         # Re-gather the root before its backward: it is freed once its gradients are reduced,
@@ -203,6 +241,8 @@ class FullyShardedDataParallel:
         self._current.append(u)
         u.wait_gather(self.mesh)
         nxt = self._neighbour(self._order, u, +1)
+        if nxt is None and self._root_readers and self._order and u is self._order[-1]:
+            nxt = self.root  # the last unit's compute hides the root's gather
         if nxt is not None:
             nxt.start_gather(self.mesh)
         self._note_gathered()

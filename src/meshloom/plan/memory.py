@@ -128,8 +128,9 @@ def gathered_param_bytes(impl: Implementation, lay: Layout, dtype: str) -> int:
 
 def zero3_root_params(shape: ModelShape, lay: Layout, rank: int,
                       impl: Implementation) -> float:
-    """Parameters ZeRO-3 keeps gathered from the start of a micro-batch's forward to its
-    backward, beside the blocks it gathers one by one: the root unit's (`fsdp_root`).
+    """Parameters ZeRO-3 keeps gathered from a micro-batch's forward to its backward, beside
+    the blocks it gathers one by one: the root unit's (`fsdp_root`), held at the peak, where
+    the forward ends and the backward begins.
     meshloom's root holds the final norm and the head (a tied head: the token table) on the
     last pipeline rank; FSDP1 and FSDP2 wrapping the blocks leave every parameter outside
     them to the root (`outer_params`)."""
@@ -140,6 +141,18 @@ def zero3_root_params(shape: ModelShape, lay: Layout, rank: int,
     if rank != lay.pp - 1:
         return 0.0
     return shape.final_norm_params + shape.vocab * shape.hidden / lay.tp
+
+
+def zero3_first_outer_params(shape: ModelShape, lay: Layout, rank: int,
+                             impl: Implementation) -> float:
+    """The parameters outside the blocks whose ZeRO-3 gather opens a micro-batch's forward,
+    with nothing yet to run beside it: under `fsdp_root=outer` all of them (one root unit,
+    gathered as the forward begins); meshloom's the embedding's, and its root's only where the
+    root holds the token table the embedding reads (tied, pp = 1): otherwise the last block's
+    forward hides the root's gather as its prefetch (parallel/fsdp.py)."""
+    if impl.fsdp_root == "outer" or (shape.tied and lay.pp == 1):
+        return outer_params(shape, lay, rank)
+    return shape.embedding_params / lay.tp if rank == 0 else 0.0
 
 
 def rank_model_states(shape: ModelShape, lay: Layout, rank: int, prec,

@@ -59,6 +59,7 @@ from meshloom.plan.memory import (
     outer_params,
     precision,
     rank_param_split,
+    zero3_first_outer_params,
 )
 from meshloom.plan.models import ModelShape
 from meshloom.plan.moe import (
@@ -385,8 +386,9 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     backward; ZeRO-1/2 all-gather the updated parameters after the step (exposed); ZeRO-3
     gathers every block for forward and backward, what lies outside the blocks once
     (`fsdp_root`), and reduce-scatters every gradient, prefetched behind the micro-batch's
-    compute, except the first gathers (the outer parameters' and the first block's); FSDP1's
-    ZeRO-2
+    compute, except the first gathers (the first block's and the outer parameters' gathered
+    before it: the root's under `fsdp_root=outer`, meshloom's embedding and its tied root,
+    where its untied root is the last block's prefetch); FSDP1's ZeRO-2
     (`fsdp_flat_param`, SHARD_GRAD_OP) gathers each unit once a micro-batch, behind its
     forward, and reduce-scatters it behind its backward; its ZeRO-0 (NO_SHARD) all-reduces
     each unit every micro-batch. `dp_overlap` (Megatron's
@@ -510,9 +512,12 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     zro = impl.zero_redundancy_optimizer and lay.zero == 1
     red = "all_reduce" if whole or zro else "reduce_scatter"
     # ZeRO-3 gathers each block once a pass and what lies outside the blocks (embedding, final
-    # norm, head) once a micro-batch, before anything runs (`fsdp_root`).
-    outer = (outer_params(shape, lay, rank) * param_bytes if lay.zero == 3 and param_b
-             else 0.0)
+    # norm, head) once a micro-batch: the root (`fsdp_root=outer`) or the embedding before
+    # anything runs, meshloom's untied root behind the last block (`zero3_first_outer_params`).
+    sharded_outer = lay.zero == 3 and param_b
+    outer = outer_params(shape, lay, rank) * param_bytes if sharded_outer else 0.0
+    lead = (zero3_first_outer_params(shape, lay, rank, impl) * param_bytes if sharded_outer
+            else 0.0)
     ag = coll("all_gather", "all_gather", param_b - outer, n, stride,
               per(param_b - outer, dense, n), ag_times)
     rs = coll(red, red, grad_b, n, stride, per(grad_b, dense, n), rs_times)
@@ -521,10 +526,11 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
                    per(x_param, experts, xn), ag_times)
         rs += coll(red, red, x_grad, xn, lay.ep * lay.tp, per(x_grad, experts, xn), rs_times)
     ag_b = ag if lay.zero == 3 else 0.0  # one backward's gathers: the blocks, ZeRO-3 only
-    ag_outer = coll("all_gather", "all_gather", outer, n, stride, 1, m)
-    # One forward's gathers, and the part of them nothing runs beside: the outer parameters'
-    # and the first unit's.
-    ag, first = ag + ag_outer, ag / units + ag_outer
+    ag_lead = coll("all_gather", "all_gather", lead, n, stride, 1, m)
+    ag_tail = coll("all_gather", "all_gather", outer - lead, n, stride, 1, m)
+    # One forward's gathers, and the part of them nothing runs beside: the first outer
+    # parameters' and the first unit's.
+    ag, first = ag + ag_lead + ag_tail, ag / units + ag_lead
     reduced = (dense if n > 1 else 0.0) + (experts if xn > 1 else 0.0)
     flat_param = by_unit and impl.fsdp_flat_param
     # FSDP1 casts the flat gradient to the wire dtype on its post-backward stream, before the
@@ -548,7 +554,7 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
         if cast:
             ops["reduce_scatter_cast"] = rs_times * cast
         if impl.fsdp_prefetch:  # the micro-batches that reduce-scatter hide it behind backward
-            out += (m * (_exposed(ag - ag_outer, f_mb) + first)
+            out += (m * (_exposed(ag - ag_lead, f_mb) + first)
                     + rs_times * _exposed(ag_b + rs + cast, b_mb)
                     + (m - rs_times) * _exposed(ag_b, b_mb))
         else:
