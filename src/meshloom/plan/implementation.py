@@ -287,6 +287,7 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, fields
 
@@ -348,11 +349,17 @@ class Implementation:
         return self.elementwise if self.cross_entropy == "auto" else self.cross_entropy
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return dict(_as_dict(self))  # a copy: the caller may change it
 
     def short(self) -> str:
         on = [f.name for f in fields(self) if getattr(self, f.name) != getattr(MESHLOOM, f.name)]
         return ",".join(f"{k}={str(getattr(self, k)).lower()}" for k in on) or "meshloom default"
+
+
+@functools.lru_cache(maxsize=256)
+def _as_dict(impl: Implementation) -> dict:
+    """Every plan a search evaluates records its implementation, one of a few (frozen)."""
+    return asdict(impl)
 
 
 MESHLOOM = Implementation()

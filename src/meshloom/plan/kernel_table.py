@@ -147,6 +147,15 @@ class KernelTable:
                          kernel: str = "fa2") -> float:
         """TF/s of a fused attention kernel, FlashAttention's FLOP convention."""
         seq, head_dim, causal = int(seq), int(head_dim), bool(causal)
+        key = ("attention", seq, head_dim, causal, direction, kernel)
+        rate = self._memo.get(key)
+        if rate is None:
+            rate = self._memo[key] = self._attention_tflops(seq, head_dim, causal, direction,
+                                                            kernel)
+        return rate
+
+    def _attention_tflops(self, seq: int, head_dim: int, causal: bool, direction: str,
+                          kernel: str) -> float:
         if kernel == "sdpa":
             kernel = sdpa_kernel(self)
         measured = kernel == "fa2" and any(p[1] == head_dim for p in self.attention)

@@ -26,6 +26,7 @@ Inside a node no cap binds; across more than two nodes the tree and LL128 lose 2
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -174,6 +175,9 @@ def _enabled(algorithm: str, protocol: str, op: str, g: Group, protocols: str) -
     return True
 
 
+# A search asks for a few hundred distinct calls hundreds of thousands of times; the answer
+# depends on the arguments alone (the tables above are constants), so it is kept.
+@functools.lru_cache(maxsize=65536)
 def call(op: str, nbytes: float, g: Group, protocols: str = "auto") -> Call:
     """The cheapest enabled pair for one call moving `nbytes` (the whole tensor: an
     all-gather's output, a reduce-scatter's input), as ncclTopoGetAlgoTime prices it."""
