@@ -85,6 +85,8 @@ CASES += [
     (4, _pp(2, "zb_h1", 1, "parallel.dp_shard=2", "parallel.zero_stage=2")),
     (4, _pp(2, "1f1b", 1, "parallel.dp_shard=2", "parallel.zero_stage=3")),
     (4, _pp(2, "gpipe", 1, "parallel.dp_shard=2", "parallel.zero_stage=3")),
+    # Chunks run out of model order: the root's gather, the last block's prefetch, too.
+    (4, _pp(2, "interleaved_1f1b", 2, "parallel.dp_shard=2", "parallel.zero_stage=3")),
 ]
 
 

@@ -12,7 +12,7 @@ flat buffer, whose storage exists only while the unit is gathered:
   reduce-scattered asynchronously into the unit's gradient shard, and the buffer is freed;
 - HSDP: the reduced shard is all-reduced across the replicate group at the end of the step.
 The root unit stays gathered from forward to its backward, as the head's weights are used last in
-forward and first in backward. Its gather is started as the last unit's prefetch, so the last
+forward and first in backward. Its gather is started as the last block's prefetch, so that
 block's compute hides it, and waited on by the first module that reads it (the final norm), when
 every root parameter lies in a declared piece outside the blocks; a model that reads one in its
 own forward gets the root gathered before its forward starts. A tied table is the embedding's
@@ -175,8 +175,12 @@ class FullyShardedDataParallel:
                 self.units.append(_Unit(unit_name, module, mine, n, rank, precision,
                                         axes.shard))
         self.root = next((u for u in self.units if u.name == ""), None)
-        # The modules whose forward waits for the root's gather (none: before the forward).
+        # The modules whose forward waits for the root's gather (none: before the forward), and
+        # the unit that runs last before them (the last block), which starts it. Declared, not
+        # observed, order: a pipeline stage's calls run its chunks in the schedule's order.
         self._root_readers = _root_readers(model, self.root) if self.root else []
+        self._root_prefetcher = next((u for u in reversed(self.units) if u is not self.root),
+                                     None) if self._root_readers else None
         self._unit_of = {p: u for u in self.units for p in u.group.params}
         # Forward order of the units: the last complete forward's (for forward prefetch) and the
         # current one's (for backward prefetch, in reverse).
@@ -241,8 +245,8 @@ class FullyShardedDataParallel:
         self._current.append(u)
         u.wait_gather(self.mesh)
         nxt = self._neighbour(self._order, u, +1)
-        if nxt is None and self._root_readers and self._order and u is self._order[-1]:
-            nxt = self.root  # the last unit's compute hides the root's gather
+        if nxt is None and u is self._root_prefetcher:
+            nxt = self.root  # the last block's compute hides the root's gather
         if nxt is not None:
             nxt.start_gather(self.mesh)
         self._note_gathered()
