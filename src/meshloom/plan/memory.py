@@ -672,6 +672,7 @@ def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
     fp32_params = fp32_working_params(impl, lay, dtype)
     buffers = _buffers(shape, lay, s, b, dtype, expert_tp(lay, impl), fp32_params)
     counted_as = activation_accounting(shape, lay, dtype, flash, impl)
+    root_bytes = gathered_param_bytes(impl, lay, dtype)
     best = None
     for rank in ranks:
         states = rank_model_states(shape, lay, rank, prec, held[rank], expert_tp(lay, impl),
@@ -687,7 +688,7 @@ def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
                 + final_norm_bytes(shape, s, b, lay, dtype, impl)) if rank == lay.pp - 1 else 0.0
         acts += max(loss, working)
         acts += weight_copy_bytes(shape, lay, rank, dtype, impl, held[rank])
-        root = zero3_root_params(shape, lay, rank, impl) * gathered_param_bytes(impl, lay, dtype)
+        root = zero3_root_params(shape, lay, rank, impl) * root_bytes
         mem = Memory(states["params"], states["grads"] if grads_at_peak else 0.0,
                      states["optimizer"], acts, buffers + root, CONTEXT_BYTES, rank,
                      counted_as, root)
