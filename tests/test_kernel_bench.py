@@ -191,7 +191,8 @@ def test_a_published_table_is_replaced_only_with_force(tmp_path, capsys, monkeyp
 
 
 def test_the_benchmark_script_is_the_same_command(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernels.py"), "--quick",
+    script = ROOT / "benchmarks" / "kernel_rates.py"
+    proc = subprocess.run([sys.executable, str(script), "--quick",
                            "--seq", "0", "--out", str(tmp_path / "t.json")],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 2

@@ -1,7 +1,7 @@
 """Measure this machine's kernel rates into a kernel table for the planner: the same code as
 `meshloom bench kernels` (src/meshloom/plan/kernel_bench.py; docs/kernel-tables.md).
 
-    python benchmarks/kernels.py [--model PRESET ...] [--seq 2048 --micro-batch 1,2,4,8
+    python benchmarks/kernel_rates.py [--model PRESET ...] [--seq 2048 --micro-batch 1,2,4,8
         --tp 1,2,4,8] [--dtype bf16] [--out PATH] [--gpu-name NAME] [--quick]
 """
 
