@@ -38,6 +38,10 @@ _CP4 = ("tp=1,pp=8,dp=4,cp=4,ep=8,micro_batch=1,zero=1,recompute=none,"
 _CP = "--model llama3-8b --gpus 16 --gpu h100 --seq 16384 --global-batch 64 --top 1"
 _CP_FIX = "tp=1,pp=1,dp={dp},cp={cp},micro_batch=1,zero=1,recompute={rc}"
 
+# meshloom's ZeRO-3 holding the next micro-batch's opening units (`fsdp_carry`), on and off.
+_CARRY = ("--model llama3-8b --gpus 16 --gpu h100 --seq 8192 --global-batch 64 --top 1 --fix "
+          "tp=1,pp=1,dp=16,cp=1,micro_batch=1,zero=3,recompute=none")
+
 EXAMPLES: dict[str, str] = {
     "moe_mixtral_8x7b_64xh100": f"{_MOE} --model mixtral-8x7b --gpus 64 --top 5",
     "moe_mixtral_8x7b_64xh100_balanced":
@@ -67,6 +71,8 @@ EXAMPLES: dict[str, str] = {
     "cp_llama3_8b_16xh100_cp2": f"{_CP} --fix {_CP_FIX.format(dp=8, cp=2, rc='selective')}",
     "cp_llama3_8b_16xh100_cp2_te": f"{_CP} --fix {_CP_FIX.format(dp=8, cp=2, rc='selective')}"
     ",cp_ring=te,attention_kernel=cudnn",
+    "fsdp_carry_llama3_8b_16xh100": _CARRY,
+    "fsdp_carry_llama3_8b_16xh100_off": f"{_CARRY},fsdp_carry=false",
     "llama3_70b_64xh100": f"{_L70} --top 5",
     "llama3_70b_64xh100_compile": f"{_L70} --top 1 --fix {_BEST},compile=true",
     "llama3_70b_64xh100_tp_overlap": f"{_L70} --top 1 --fix {_BEST},tp_overlap=true",

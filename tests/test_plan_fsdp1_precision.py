@@ -21,9 +21,10 @@ SEQ, BATCH = 2048, 64
 SHAPE = PRESETS["llama3-1b"]
 LAY = Layout(dp=8, zero=3, micro_batch=2)
 M = BATCH // (8 * LAY.micro_batch)
-# Another trainer's loop (as planner_validation runs them), reducing in bf16.
+# Another trainer's loop (as planner_validation runs them, trainers.OTHER_LOOP), reducing in
+# bf16.
 OTHER = dict(meshloom_block=False, free_unbucketed_grads=False, clip_in_optimizer=False,
-             grad_reduce_dtype="bf16")
+             fsdp_carry=False, grad_reduce_dtype="bf16")
 FSDP1 = Implementation(**OTHER, fsdp_flat_param=True)
 LIGHTNING = Implementation(**OTHER, fsdp_flat_param=True, fp32_params=True)
 

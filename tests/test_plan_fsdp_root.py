@@ -4,7 +4,8 @@ and kept gathered to its backward (plan/memory.py `zero3_root_params`, plan/timi
 first and exposed; meshloom's root holds the final norm and the head, which the last block's
 forward prefetches, its embedding a unit gathered first. tests/test_zero.py holds the planner's
 root against the one meshloom's ZeRO-3 builds, tests/test_fsdp_root.py the order it gathers
-it in."""
+it in. Every micro-batch here gathers its own: holding the opening units from one micro-batch to
+the next (`fsdp_carry`) is tests/test_plan_fsdp_carry.py's."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from meshloom.plan.search import evaluate
 from meshloom.plan.trainers import trainer_impl
 
 SEQ, BATCH = 2048, 32
-OUTER = Implementation(fsdp_root="outer")
+HEAD = Implementation(fsdp_carry=False)
+OUTER = Implementation(fsdp_root="outer", fsdp_carry=False)
 
 
 def test_which_root_each_trainer_has():
@@ -94,7 +96,7 @@ def test_the_root_is_held_at_the_peak_in_the_gathered_dtype(dtype, impl, nbytes)
     assert outer.activations == head.activations and outer.params == head.params
 
 
-def _dp(lay, impl=MESHLOOM, shape=None):
+def _dp(lay, impl=HEAD, shape=None):
     plan = evaluate(shape or PRESETS["llama3-8b"], lay, make_cluster("h100", 8), SEQ, BATCH,
                     impl=impl)
     return plan.timing.detail["comm_s"]["dp"]
@@ -126,7 +128,7 @@ def test_zero3_gathers_the_outer_parameters_once_a_micro_batch():
     assert ratio == pytest.approx((2 * blocks + outer) / (2 * blocks), rel=0.02)
 
 
-@pytest.mark.parametrize("impl, first", [(OUTER, "outer"), (MESHLOOM, "embedding")])
+@pytest.mark.parametrize("impl, first", [(OUTER, "outer"), (HEAD, "embedding")])
 def test_the_first_gathers_are_exposed_without_prefetch_and_with(monkeypatch, impl, first):
     """Nothing runs before the first gathers of a micro-batch: without prefetch every gather
     waits, and with it, were all the rest hidden for free, the first block's gather and the
@@ -134,7 +136,8 @@ def test_the_first_gathers_are_exposed_without_prefetch_and_with(monkeypatch, im
     the whole root under `outer`, meshloom's embedding alone (the last block hides its
     root's)."""
     lay = Layout(dp=8, zero=3, micro_batch=2)
-    waited = _dp(lay, Implementation(fsdp_prefetch=False, fsdp_root=impl.fsdp_root))
+    waited = _dp(lay, Implementation(fsdp_prefetch=False, fsdp_root=impl.fsdp_root,
+                                     fsdp_carry=False))
     assert waited["exposed"] == pytest.approx(
         waited["ops"]["all_gather"] + waited["ops"]["reduce_scatter"]
         + waited["ops"]["reduce_scatter_copy_in"])

@@ -48,6 +48,7 @@ def _job(run_dir, cache, overrides, resume=False):
         mem["planned_root_psi"] = zero3_root_params(from_llama_config(model.cfg), lay, 0,
                                                     MESHLOOM)
         mem["largest_unit"] = max(u.nbytes for u in units if u.name != "")
+        mem["unit_psi"] = {u.name: u.group.padded for u in units}
     comm_bytes = dict(r.counter.bytes)  # before the gathers below
     whole = strat.full_state_dict() if hasattr(strat, "full_state_dict") else \
         {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -123,10 +124,15 @@ def test_zero_parity_memory_and_comm(tmp_path, token_cache, reference, world, ov
     assert want["optimizer"] - pad_slack <= got["mem"]["optimizer"] <= want["optimizer"]
     # Comm volume per step, exact in payload bytes (broadcast at start and scalar reductions
     # are bookkeeping, counted under their own ops).
+    # Stage 3 under accumulation holds the next forward's first block from its backward on
+    # (and the embedding, which it gathers only for forward, when nothing is resharded).
+    units = got["mem"].get("unit_psi", {})
+    carried = (units["layers.0"] + (0 if reshard else units["tok_embeddings"])) if units else 0
     per_step = dp_comm_bytes(psi_pad, stage, micro_batches=accum, n_shard=n_shard,
                              n_replicate=n_rep, reshard_after_forward=reshard,
                              root_psi=got["mem"].get("root_psi", 0),
-                             forward_only_psi=got["mem"].get("forward_only_psi", 0))
+                             forward_only_psi=got["mem"].get("forward_only_psi", 0),
+                             carried_psi=carried)
     model_ops = {k: v for k, v in got["bytes"].items()
                  if k[1] in ("reduce_scatter", "all_gather", "all_reduce")}
     assert model_ops == {k: STEPS * v for k, v in per_step.items()}

@@ -17,6 +17,11 @@ block's compute hides it, and waited on by the first module that reads it (the f
 every root parameter lies in a declared piece outside the blocks; a model that reads one in its
 own forward gets the root gathered before its forward starts. A tied table is the embedding's
 too, so a tied root is gathered when the embedding runs.
+Between two micro-batches of a step (`no_sync()`, without a pipeline: `carry`) the units the next
+forward opens with, whose gathers nothing would hide, are not gathered again: the first block
+(and a tied root) stays gathered from its backward, and the embedding, which backward does not
+gather, is gathered while the first block's backward runs. The drain after the step's last
+micro-batch frees every unit, held ones too, so no parameter outlives the step it was gathered in.
 """
 
 from __future__ import annotations
@@ -124,24 +129,29 @@ def units_of(model: nn.Module) -> list[str]:
     return inputs + [f"{pieces.blocks}.{i}" for i in range(len(blocks))] + [""]
 
 
-def _root_readers(model: nn.Module, root: _Unit) -> list[nn.Module]:
+def _within(name: str, pieces) -> bool:
+    return any(name == piece or name.startswith(piece + ".") for piece in pieces)
+
+
+def _root_readers(model: nn.Module, root: _Unit) -> tuple[list[nn.Module], bool]:
     """The modules that hold the root's parameters, when each lies in one of the model's pieces
     outside the blocks (the output part's norm and head; an input piece's tied table): the first
     of them to run waits for the root's gather. Empty when one lies elsewhere (on the model
-    itself, say), where the model's forward may read it before any of its modules runs."""
+    itself, say), where the model's forward may read it before any of its modules runs. And
+    whether the forward reads the root before its blocks (an input piece, or the model itself)."""
     if not hasattr(model, "pieces"):
-        return []
+        return [], True
     pieces = model.pieces()
-    outside = (*pieces.input, *pieces.output)
     mine = set(root.group.params)
-    readers = []
+    readers, first = [], False
     for name, mod in model.named_modules():
         if not any(p in mine for p in mod.parameters(recurse=False)):
             continue
-        if not any(name == piece or name.startswith(piece + ".") for piece in outside):
-            return []
+        if not _within(name, (*pieces.input, *pieces.output)):
+            return [], True
         readers.append(mod)
-    return readers
+        first = first or _within(name, pieces.input)
+    return readers, first
 
 
 class FullyShardedDataParallel:
@@ -150,10 +160,12 @@ class FullyShardedDataParallel:
     def __init__(self, model: nn.Module, mesh: Mesh, *, reshard_after_forward: bool = True,
                  precision: ShardPrecision = FP32,
                  named: list[tuple[str, nn.Parameter]] | None = None,
-                 units: list[str] | None = None, axes: DPAxes = DENSE):
+                 units: list[str] | None = None, axes: DPAxes = DENSE, carry: bool = True):
         """`named`/`units`: the parameters and units to shard (default: all of them, in the
         model's units) over `axes`; expert parallel shards the experts apart, each MoE's
-        `experts` a unit (parallel/expert_dp.py)."""
+        `experts` a unit (parallel/expert_dp.py). `carry`: a backward inside `no_sync()` is
+        followed by the next micro-batch's forward (plain accumulation; not so in a pipeline,
+        whose stages run other micro-batches' forwards in between)."""
         # Gradients are averaged over data- and context-parallel ranks.
         self.model, self.mesh, self.dp, self.prec = model, mesh, mesh.size("dp_cp"), precision
         self.axes = axes
@@ -178,7 +190,8 @@ class FullyShardedDataParallel:
         # The modules whose forward waits for the root's gather (none: before the forward), and
         # the unit that runs last before them (the last block), which starts it. Declared, not
         # observed, order: a pipeline stage's calls run its chunks in the schedule's order.
-        self._root_readers = _root_readers(model, self.root) if self.root else []
+        self._root_readers, self._root_first = (_root_readers(model, self.root) if self.root
+                                                else ([], False))
         self._root_prefetcher = next((u for u in reversed(self.units) if u is not self.root),
                                      None) if self._root_readers else None
         self._unit_of = {p: u for u in self.units for p in u.group.params}
@@ -189,6 +202,9 @@ class FullyShardedDataParallel:
         self.peak_gathered_bytes = 0
         self._inflight: list[_Unit] = []  # reduce-scatters not yet completed, oldest first
         self._reduced: set[_Unit] = set()  # units reduced in this micro-batch
+        self._carry = carry
+        self._carrying = False  # in no_sync(): this step's next forward follows this backward
+        self._kept: set[_Unit] = set()  # held gathered for the next forward
         self._hooks = [model.register_forward_pre_hook(self._root_pre_forward),
                        model.register_forward_hook(self._root_post_forward)]
         for u in self.units:
@@ -228,6 +244,7 @@ class FullyShardedDataParallel:
     def _root_pre_forward(self, module: nn.Module, args) -> None:
         if self._current:
             self._order, self._current = self._current, []
+        self._kept.clear()  # from here the forward frees them as usual
         if self.root is not None and not self._root_readers:
             self._wait_root()
 
@@ -268,8 +285,20 @@ class FullyShardedDataParallel:
         prev = self._neighbour(self._current, u, -1)
         if prev is not None and prev.backward_needs_params:
             prev.start_gather(self.mesh)
+        elif prev is not None and self._carrying and prev in self._opening():
+            # The next forward opens with it (an embedding): this backward hides its gather.
+            prev.start_gather(self.mesh)
+            self._kept.add(prev)
         self._note_gathered()
         return grad
+
+    def _opening(self) -> list[_Unit]:
+        """The units the next forward opens with, whose gathers nothing before them would hide:
+        its first unit, also the second after one that backward does not gather (an embedding,
+        whose lookup hides nothing), and the root where the forward reads it first."""
+        cur = self._current
+        out = cur[:2] if len(cur) > 1 and not cur[0].backward_needs_params else cur[:1]
+        return [*out, self.root] if self._root_first else out
 
     @staticmethod
     def _neighbour(order: list[_Unit], u: _Unit, step: int) -> _Unit | None:
@@ -300,7 +329,10 @@ class FullyShardedDataParallel:
         u.inflight = (work, packed, out, direct)
         u.pending = len(g.params)
         self._reduced.add(u)
-        u.free()
+        if self._carrying and u in self._opening():
+            self._kept.add(u)  # its parameters stand until the step's optimizer
+        else:
+            u.free()
         # Launching this unit's reduce-scatter completes the previous unit's: that one had this
         # unit's whole backward to finish, and its buffers (a whole unit) are released now.
         self._inflight.append(u)
@@ -330,11 +362,18 @@ class FullyShardedDataParallel:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Whole gradients are never kept, so every micro-batch is reduced."""
-        yield
-        self._drain()
+        """Whole gradients are never kept, so every micro-batch is reduced. With `carry`, the
+        next forward's opening units are held gathered for it."""
+        self._carrying = self._carry
+        try:
+            yield
+            self._drain()
+        finally:
+            self._carrying = False
 
     def finish(self) -> None:
+        # Outside no_sync() its drain frees every unit, held ones too: nothing gathered outlives
+        # the step, whose optimizer changes the shards.
         self._drain()
         for u in self.units:
             all_reduce_replicas(u.grad_shard, self.mesh, u.group.device, self.axes.replicas)

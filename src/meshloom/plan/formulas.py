@@ -39,15 +39,18 @@ def model_state_bytes(psi: int, n_shard: int, stage: int, prec: Precision = FP32
 
 def dp_comm_bytes(psi: int, stage: int, *, micro_batches: int = 1, n_shard: int = 1,
                   n_replicate: int = 1, elem_bytes: int = 4, root_psi: int = 0,
-                  forward_only_psi: int = 0, reshard_after_forward: bool = True
-                  ) -> dict[tuple[str, str], int]:
+                  forward_only_psi: int = 0, reshard_after_forward: bool = True,
+                  carried_psi: int = 0) -> dict[tuple[str, str], int]:
     """Payload bytes per optimizer step, per (axis, op), as `meshloom.comm` counts them (the
     whole tensor a collective acts on). Stages 2 and 3 keep no whole gradients, so they
     reduce-scatter after every micro-batch. Stage 3 gathers each unit for forward and again for
     backward, every micro-batch (once if it is not resharded after forward); the root unit's
     `root_psi` parameters (final norm and head) are gathered once per micro-batch and kept, and
     `forward_only_psi` ones (an embedding, whose backward reads only the token ids) are gathered
-    for forward only."""
+    for forward only. `carried_psi` parameters stay gathered from one micro-batch's backward to
+    the next one's forward (meshloom's ZeRO-3 under plain accumulation: the first block, a tied
+    root, and without resharding the embedding too): every micro-batch but the first skips
+    their gather."""
     full = psi * elem_bytes
     if stage == 0:
         axis = "dp"
@@ -59,7 +62,8 @@ def dp_comm_bytes(psi: int, stage: int, *, micro_batches: int = 1, n_shard: int 
         passes = 2 if reshard_after_forward else 1
         once = root_psi + forward_only_psi
         gathered = passes * (psi - once) + once
-        out[("dp_shard", "all_gather")] = gathered * elem_bytes * micro_batches
+        gathered = gathered * micro_batches - carried_psi * (micro_batches - 1)
+        out[("dp_shard", "all_gather")] = gathered * elem_bytes
     if n_replicate > 1:
         out[("dp_replicate", "all_reduce")] = full // n_shard
     return out

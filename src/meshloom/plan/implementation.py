@@ -86,6 +86,13 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   FSDP2's `_lazy_init`). Either way the parameters outside the blocks are gathered once a
   micro-batch, exposed (nothing runs before them), and the blocks twice (plan/timing.py).
   A no-op unless zero = 3.
+- `fsdp_carry`: between two micro-batches of a step, ZeRO-3 holds what the next forward opens
+  with (meshloom's parallel/fsdp.py under plain accumulation, pp = 1): the first block, and a
+  root holding the token table (tied, or `fsdp_root=outer`), stay gathered from the backward
+  before, and the embedding is gathered behind that backward; each later micro-batch makes one
+  gather fewer (two with such a root), and none of its first gathers is exposed. Off (FSDP1
+  and FSDP2, which reshard every unit after its backward): each micro-batch gathers them
+  again as its forward opens. A no-op unless zero = 3 with more than one micro-batch.
 - `grad_reduce_dtype`: the dtype data-parallel gradient collectives carry in bf16 training:
   `fp32` (meshloom's `parallel.reduce_dtype` default, docs/mixed-precision.md; PyTorch FSDP2 as
   torchtitan configures it, `mixed_precision_reduce = "float32"`; DDP under autocast, whose
@@ -310,6 +317,7 @@ class Implementation:
     zero_redundancy_optimizer: bool = False
     fsdp_copy_out: bool = False
     fsdp_root: str = "head"
+    fsdp_carry: bool = True
     grad_reduce_dtype: str = "fp32"
     deepspeed_bf16_optimizer: bool = False
     dp_buckets: str = "torch"

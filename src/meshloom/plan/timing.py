@@ -388,7 +388,11 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     (`fsdp_root`), and reduce-scatters every gradient, prefetched behind the micro-batch's
     compute, except the first gathers (the first block's and the outer parameters' gathered
     before it: the root's under `fsdp_root=outer`, meshloom's embedding and its tied root,
-    where its untied root is the last block's prefetch); FSDP1's ZeRO-2
+    where its untied root is the last block's prefetch). Under `fsdp_carry` (meshloom's plain
+    accumulation, pp = 1) every micro-batch after the first opens with those already gathered:
+    the first block, and a root holding the outer parameters, stay gathered from the backward
+    before (their gathers are not made again), and the embedding is gathered behind that
+    backward; FSDP1's ZeRO-2
     (`fsdp_flat_param`, SHARD_GRAD_OP) gathers each unit once a micro-batch, behind its
     forward, and reduce-scatters it behind its backward; its ZeRO-0 (NO_SHARD) all-reduces
     each unit every micro-batch. `dp_overlap` (Megatron's
@@ -530,7 +534,20 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     ag_tail = coll("all_gather", "all_gather", outer - lead, n, stride, 1, m)
     # One forward's gathers, and the part of them nothing runs beside: the first outer
     # parameters' and the first unit's.
-    ag, first = ag + ag_lead + ag_tail, ag / units + ag_lead
+    block = ag / units
+    ag, first = ag + ag_lead + ag_tail, block + ag_lead
+    # `fsdp_carry`: the micro-batches after the first open with the first block (and a root
+    # that holds the first outer parameters) kept from the backward before, and gather the
+    # embedding behind that backward instead (parallel/fsdp.py).
+    carried = m - 1 if impl.fsdp_carry and lay.zero == 3 and lay.pp == 1 and param_b else 0
+    lead_is_root = impl.fsdp_root == "outer" or shape.tied
+    behind = 0.0 if lead_is_root else ag_lead  # gathered in the backward before
+    if carried:  # the gathers not made again, out of the step's tally
+        coll("all_gather", "all_gather", (param_b - outer) / units, n, stride, 1, -carried)
+        if experts:
+            coll("all_gather", "all_gather", x_param / units, xn, lay.ep * lay.tp, 1, -carried)
+        if lead_is_root:
+            coll("all_gather", "all_gather", lead, n, stride, 1, -carried)
     reduced = (dense if n > 1 else 0.0) + (experts if xn > 1 else 0.0)
     flat_param = by_unit and impl.fsdp_flat_param
     # FSDP1 casts the flat gradient to the wire dtype on its post-backward stream, before the
@@ -550,15 +567,24 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
         else:
             out += m * _exposed(rs, b_mb) + ag
     else:
-        ops = {"all_gather": m * (ag + ag_b), "reduce_scatter": rs_times * rs}
+        kept = carried * (block + (ag_lead if lead_is_root else 0.0))
+        ops = {"all_gather": m * (ag + ag_b) - kept, "reduce_scatter": rs_times * rs}
         if cast:
             ops["reduce_scatter_cast"] = rs_times * cast
         if impl.fsdp_prefetch:  # the micro-batches that reduce-scatter hide it behind backward
-            out += (m * (_exposed(ag - ag_lead, f_mb) + first)
-                    + rs_times * _exposed(ag_b + rs + cast, b_mb)
-                    + (m - rs_times) * _exposed(ag_b, b_mb))
+            # Forwards: the first (and each one not carried) opens exposed; the carried ones
+            # hide all of theirs. Backwards: the carried ones (all but the last) also gather
+            # the next forward's embedding; the last, or every one, reduce-scatters.
+            out += ((m - carried) * (_exposed(ag - ag_lead, f_mb) + first)
+                    + carried * _exposed(ag - ag_lead - block, f_mb))
+            if rs_times == m:
+                out += (carried * _exposed(ag_b + rs + cast + behind, b_mb)
+                        + (m - carried) * _exposed(ag_b + rs + cast, b_mb))
+            else:
+                out += (_exposed(ag_b + rs + cast, b_mb) + carried * _exposed(ag_b + behind, b_mb)
+                        + (m - 1 - carried) * _exposed(ag_b, b_mb))
         else:
-            out += m * (ag + ag_b) + rs_times * (rs + cast)
+            out += m * (ag + ag_b) + rs_times * (rs + cast) - kept
         gathered = (param_b if n > 1 else 0.0) + (x_param if xn > 1 else 0.0)
         if impl.fsdp_copy_out and gathered:  # one copy kernel per unit and gather
             again = gathered - outer if lay.zero == 3 else 0.0

@@ -89,7 +89,8 @@ from meshloom.plan import PlanError
 # the model) leave the embedding, final norm and head to the root unit, which FSDP1
 # (`_post_forward_reshard`: "Do not free the root's parameters in the post-forward") and FSDP2
 # (`_lazy_init`: "For the root, do not reshard after forward") keep gathered from the start of
-# forward to its backward (`fsdp_root=outer`).
+# forward to its backward (`fsdp_root=outer`). Both reshard every unit after its backward, so
+# each micro-batch's forward gathers its first units again (`fsdp_carry` off, in OTHER_LOOP).
 # Composer evaluates the model's training metrics on every micro-batch
 # after its backward (`_eval_train_metrics`), and llm-foundry's MPT declares two,
 # LanguageCrossEntropy and LanguagePerplexity, each an eager cross entropy over the logits
@@ -143,7 +144,7 @@ from meshloom.plan import PlanError
 # ran it before PyTorch 2.9 put cuDNN first, and which kernel TransformerEngine picked for NeMo
 # is not cited.
 OTHER_LOOP = {"meshloom_block": False, "free_unbucketed_grads": False, "clip_in_optimizer": False,
-              "attention_kernel": "fa2", "sp_copies": "none"}
+              "attention_kernel": "fa2", "sp_copies": "none", "fsdp_carry": False}
 TRAINERS: dict[str, dict] = {
     "megatron-lm": {"compile": True, "tp_overlap": True, "tp_overlap_chunks": True,
                     "grad_reduce_dtype": "bf16", "fused_qkv": True,
