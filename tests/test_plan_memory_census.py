@@ -793,7 +793,8 @@ def test_explain_says_how_activations_were_counted():
 
 def test_a_run_spread_over_rank_devices_gets_no_per_device_prediction():
     """`parallel.rank_devices` puts one rank's blocks on several devices; the planner's figure
-    is for one device per rank, so the run's summary gets the reason instead of a wrong total."""
+    is for one device per rank, so the run's summary gets the reason instead of a wrong total.
+    The same for ZeRO-3 with `parallel.reshard_after_forward=false`."""
     from dataclasses import replace
 
     from meshloom.config import Config
@@ -807,3 +808,10 @@ def test_a_run_spread_over_rank_devices_gets_no_per_device_prediction():
     spread = replace(run, parallel=replace(run.parallel, rank_devices=2))
     with pytest.raises(PlanError, match="parallel.rank_devices"):
         predict_run_memory(cfg, spread, ParallelDims(), 1)
+    # Nor a ZeRO-3 run that keeps every unit gathered through its forward, which the planner
+    # does not count (its figure would be too small).
+    zero3 = replace(run.parallel, zero_stage=3)
+    assert predict_run_memory(cfg, replace(run, parallel=zero3), ParallelDims(), 1).total > 0
+    kept = replace(run, parallel=replace(zero3, reshard_after_forward=False))
+    with pytest.raises(PlanError, match="parallel.reshard_after_forward=false"):
+        predict_run_memory(cfg, kept, ParallelDims(), 1)

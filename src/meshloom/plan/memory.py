@@ -733,6 +733,11 @@ def predict_run_memory(llama_cfg, cfg, dims, micro_batch: int) -> Memory:
     if p.rank_devices != 1:  # the summary says so instead of a per-rank figure per device
         raise PlanError("parallel.rank_devices spreads a rank over several devices; the "
                         "planner predicts memory for one device per rank")
+    if p.zero_stage == 3 and not p.reshard_after_forward:
+        # Every unit stays gathered from its forward to its backward, where the planner counts
+        # ZeRO-3's running unit, its prefetch and the root only.
+        raise PlanError("parallel.reshard_after_forward=false keeps every ZeRO-3 unit gathered "
+                        "through the forward; the planner counts ZeRO-3 resharding after it")
     lay = Layout(tp=dims.tp, pp=dims.pp, dp=dims.dp_replicate * dims.dp_shard, cp=dims.cp,
                  dp_replicate=dims.dp_replicate, micro_batch=micro_batch, zero=p.zero_stage,
                  recompute=cfg.train.activation_checkpointing,
