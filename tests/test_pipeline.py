@@ -20,6 +20,8 @@ from conftest import (
 from dist_harness import run_ranks
 
 from meshloom import checkpoint
+from meshloom.parallel.pipeline_schedule import pipeline_microbatches
+from meshloom.plan.formulas import dp_comm_bytes
 from meshloom.train import train
 
 STEPS = 4
@@ -32,10 +34,20 @@ def _job(run_dir, cache, overrides, resume=False):
     with gradient_probe() as probe:
         r = train(cfg, resume=resume, keep_model=True)
     strat = r.strategy
+    comm_bytes = dict(r.counter.bytes)  # before the gathers of full_state_dict()
     whole = strat.full_state_dict() if hasattr(strat, "full_state_dict") else \
         {k: v.detach().clone() for k, v in r.model.state_dict().items()}
-    return {"losses": r.losses, "eval": r.eval_losses, "state": whole,
-            "start": r.summary["start_step"], "bytes": dict(r.counter.bytes), **probe}
+    # The sharded strategy's flat sizes (elements, padded): what its collectives carry.
+    units = getattr(strat, "units", [])
+    holders = units or getattr(strat, "buckets", [])  # (DDP's buckets have no flat group)
+    flat = {"psi": sum(h.group.padded for h in holders if hasattr(h, "group")),
+            "root_psi": sum(u.group.padded for u in units if u.name == ""),
+            "forward_only_psi": sum(u.group.padded for u in units
+                                    if not u.backward_needs_params),
+            "gathered": [u.name for u in units if u.gathered]}
+    return {"losses": r.losses, "eval": r.eval_losses, "state": whole, "flat": flat,
+            "microbatches": pipeline_microbatches(cfg, strat.mesh.dims),
+            "start": r.summary["start_step"], "bytes": comm_bytes, **probe}
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +95,7 @@ CASES += [
     (4, _pp(2, "1f1b", 1, "parallel.dp_replicate=2", "parallel.dp_shard=1")),
     (4, _pp(2, "interleaved_1f1b", 2, "parallel.dp_shard=2", "parallel.zero_stage=1")),
     (4, _pp(2, "zb_h1", 1, "parallel.dp_shard=2", "parallel.zero_stage=2")),
+    (4, _pp(2, "interleaved_1f1b", 2, "parallel.dp_shard=2", "parallel.zero_stage=2")),
     (4, _pp(2, "1f1b", 1, "parallel.dp_shard=2", "parallel.zero_stage=3")),
     (4, _pp(2, "gpipe", 1, "parallel.dp_shard=2", "parallel.zero_stage=3")),
     # Chunks run out of model order: the root's gather, the last block's prefetch, too.
@@ -92,7 +105,36 @@ CASES += [
 
 @pytest.mark.parametrize("world,overrides", CASES, ids=[" ".join(o) for _, o in CASES])
 def test_pp_parity(tmp_path, token_cache, reference, world, overrides):
-    _assert_parity(reference, run_ranks(_job, world, tmp_path, token_cache, overrides))
+    results = run_ranks(_job, world, tmp_path, token_cache, overrides)
+    _assert_parity(reference, results)
+    stage = next((int(o.split("=")[1]) for o in overrides if "zero_stage" in o), 0)
+    if stage >= 2:  # (ZeRO-3's evaluation forwards gather too: its gathers are checked below)
+        _assert_sharded_comm(results, stage, 2, ops=("reduce_scatter", "all_reduce") + (
+            ("all_gather",) if stage == 2 else ()))
+
+
+def _assert_sharded_comm(results, stage: int, n_shard: int, ops: tuple[str, ...]) -> None:
+    """Every rank's data-parallel payload per step is the formula's for its stages' flat size:
+    ZeRO-2/3 reduce-scatter each gradient once a micro-batch, whatever the schedule (a chunk's
+    backward reduces its own chunk's buckets or units: interleaved 1F1B and the zero-bubble
+    input pass used to reduce zeros for the others too). ZeRO-3 gathers each block for every
+    micro-batch's forward and backward, the embedding for its forward only."""
+    for r in results:
+        f, m = r["flat"], r["microbatches"]
+        per_step = dp_comm_bytes(f["psi"], stage, micro_batches=m, n_shard=n_shard,
+                                 root_psi=f["root_psi"], forward_only_psi=f["forward_only_psi"])
+        got = {k: v for k, v in r["bytes"].items() if k[1] in ops}
+        assert got == {k: STEPS * v for k, v in per_step.items() if k[1] in ops}, (m, f)
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2)])
+def test_pp_zero3_comm_volume(tmp_path, token_cache, schedule, v):
+    ov = _pp(2, schedule, v, "parallel.dp_shard=2", "parallel.zero_stage=3",
+             "train.eval_sequences=0")
+    results = run_ranks(_job, 4, tmp_path, token_cache, ov)
+    _assert_sharded_comm(results, 3, 2, ops=("reduce_scatter", "all_reduce", "all_gather"))
+    # No unit outlives its step gathered: the optimizer changes the shards under it.
+    assert all(not r["flat"]["gathered"] for r in results)
 
 
 TP_CASES = [

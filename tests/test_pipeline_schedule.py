@@ -154,3 +154,25 @@ def test_split_layers_matches_trying_every_cut():
         head = rng.choice([0.0, 0.1, 1.0, 2.5, 5 * rng.random()])
         assert split_layers(n, stages, costs, head) == _split_by_trying_every_cut(
             n, stages, costs, head), (n, stages, costs, head)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_chunks_split_a_ranks_parameters_exactly(tied):
+    """A pipeline rank's chunks (`chunk_parameters`, what each backward may reduce) cover every
+    parameter it holds exactly once, with the embedding in the first stage's chunk and the head
+    in the last one's."""
+    from meshloom.models.llama import build_model, config_from_preset
+    from meshloom.parallel.pipeline_stage import PipelineStageModel
+
+    pp, v = 2, 2
+    bounds = split_layers(4, pp * v)
+    for rank in range(pp):
+        full = build_model(config_from_preset("tiny", n_layers=4, tie_embeddings=tied), 0)
+        stage = PipelineStageModel(full, [c * pp + rank for c in range(v)], bounds)
+        chunks = [{id(p) for p in stage.chunk_parameters(c)} for c in range(v)]
+        assert not chunks[0] & chunks[1]
+        assert chunks[0] | chunks[1] == {id(p) for p in stage.parameters()}
+        if rank == 0:
+            assert id(stage.tok_embeddings.weight) in chunks[0]
+        else:
+            assert id(stage.output.weight) in chunks[1]

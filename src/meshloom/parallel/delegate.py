@@ -36,3 +36,10 @@ class DelegatingGrads:
 
     def model_state(self) -> dict:
         return self.inner.model_state()
+
+
+def backward_scope(grads, params: list) -> contextlib.AbstractContextManager:
+    """`grads.backward_of(params)` where the strategy narrows what a `no_sync()` reduces to the
+    parameters one backward reaches (ZeRO-2, ZeRO-3; through any wrapper); nothing elsewhere."""
+    scope = getattr(grads, "backward_of", None)
+    return scope(params) if scope is not None else contextlib.nullcontext()

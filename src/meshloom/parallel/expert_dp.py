@@ -22,6 +22,7 @@ from meshloom.mesh import Mesh
 from meshloom.models.moe import moe_blocks
 from meshloom.optim import named_trainable
 from meshloom.parallel.ddp import DataParallel
+from meshloom.parallel.delegate import backward_scope
 from meshloom.parallel.dp_axes import EXPERTS, DPAxes
 from meshloom.parallel.expert import AXIS, is_expert
 from meshloom.parallel.fsdp import FullyShardedDataParallel, units_of
@@ -41,6 +42,11 @@ class ExpertGrads:
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         with self.dense.no_sync(), self.experts.no_sync():
+            yield
+
+    @contextlib.contextmanager
+    def backward_of(self, params: list[nn.Parameter]) -> Iterator[None]:
+        with backward_scope(self.dense, params), backward_scope(self.experts, params):
             yield
 
     def finish(self) -> None:

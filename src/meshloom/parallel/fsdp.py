@@ -202,9 +202,11 @@ class FullyShardedDataParallel:
         self.peak_gathered_bytes = 0
         self._inflight: list[_Unit] = []  # reduce-scatters not yet completed, oldest first
         self._reduced: set[_Unit] = set()  # units reduced in this micro-batch
+        self._scope: set[_Unit] | None = None  # the units this backward reaches (None: all)
         self._carry = carry
         self._carrying = False  # in no_sync(): this step's next forward follows this backward
         self._kept: set[_Unit] = set()  # held gathered for the next forward
+        self._root_read = False  # whether this forward has read the root's parameters
         self._hooks = [model.register_forward_pre_hook(self._root_pre_forward),
                        model.register_forward_hook(self._root_post_forward)]
         for u in self.units:
@@ -245,17 +247,21 @@ class FullyShardedDataParallel:
         if self._current:
             self._order, self._current = self._current, []
         self._kept.clear()  # from here the forward frees them as usual
+        self._root_read = False
         if self.root is not None and not self._root_readers:
             self._wait_root()
 
     def _wait_root(self) -> None:
         self.root.wait_gather(self.mesh)
+        self._root_read = True
         self._note_gathered()
 
     def _root_post_forward(self, module: nn.Module, args, out) -> None:
         # Re-gather the root before its backward: it is freed once its gradients are reduced,
         # and a pipeline stage runs several micro-batches' forwards before their backwards.
-        if self.root is not None and torch.is_tensor(out) and out.requires_grad:
+        # Only after a forward that read it: a pipeline rank's other chunk never does.
+        if (self.root is not None and self._root_read and torch.is_tensor(out)
+                and out.requires_grad):
             out.register_hook(lambda grad: self._pre_backward(self.root, grad))
 
     def _pre_forward(self, u: _Unit) -> None:
@@ -347,13 +353,17 @@ class FullyShardedDataParallel:
             u.live_grads().add_(out.to(u.grad_shard.device, u.grad_shard.dtype))
         u.inflight = None
 
-    def _drain(self) -> None:
+    def _drain(self, scope: set[_Unit] | None = None) -> None:
         for u in self.units:
-            if u not in self._reduced:  # no gradient this micro-batch (unused): reduce zeros
+            # No gradient this micro-batch (unused): reduce zeros, as the other ranks reduce it.
+            if u not in self._reduced and (scope is None or u in scope):
                 self._reduce(u)
         while self._inflight:
             self._complete(self._inflight.pop(0))
-        self._reduced.clear()
+        if scope is None:
+            self._reduced.clear()
+        else:
+            self._reduced -= scope
 
     # -- the GradSync protocol
 
@@ -367,14 +377,29 @@ class FullyShardedDataParallel:
         self._carrying = self._carry
         try:
             yield
-            self._drain()
+            self._drain(self._scope)
         finally:
             self._carrying = False
 
+    @contextlib.contextmanager
+    def backward_of(self, params: list[nn.Parameter]) -> Iterator[None]:
+        """The backward run inside reaches only `params` (a pipeline chunk's; none for a
+        zero-bubble input-gradient pass): a `no_sync()` ending in it reduces no other unit, so
+        a pipeline rank's other chunks, whose backwards come later, send no zeros."""
+        self._scope = {self._unit_of[p] for p in params if p in self._unit_of}
+        try:
+            yield
+        finally:
+            self._scope = None
+
     def finish(self) -> None:
-        # Outside no_sync() its drain frees every unit, held ones too: nothing gathered outlives
-        # the step, whose optimizer changes the shards.
+        # Nothing gathered outlives the step, whose optimizer changes the shards: the drain
+        # frees every unit it reduces, and any other still gathered (a prefetch no backward
+        # used) is freed here.
         self._drain()
+        for u in self.units:
+            u.free()
+        self._kept.clear()
         for u in self.units:
             all_reduce_replicas(u.grad_shard, self.mesh, u.group.device, self.axes.replicas)
             u.grad_shard.div_(self.dp)

@@ -34,7 +34,7 @@ from torch import nn
 
 from meshloom import comm
 from meshloom.mesh import Mesh
-from meshloom.parallel.delegate import DelegatingGrads
+from meshloom.parallel.delegate import DelegatingGrads, backward_scope
 from meshloom.parallel.pipeline_schedule import Action, build_schedule
 from meshloom.parallel.pipeline_stage import PipelineStageModel
 from meshloom.parallel.step import Batch, Step, local_batch, micro_share
@@ -129,6 +129,7 @@ class PipelineRunner:
         self.schedule_name = schedule
         self.actions = build_schedule(schedule, self.pp, self.m, self.v)[mesh.coord(AXIS)]
         self.chunk_of = {s: c for c, s in enumerate(model.stages)}
+        self._chunk_params = [model.chunk_parameters(c) for c in range(len(model.stages))]
         self.peers = mesh.group_ranks(AXIS)
         self.timeout_s = timeout_s
         self.sequence_split = sequence_split  # how many parts the boundary sequence is split in
@@ -226,7 +227,11 @@ class PipelineRunner:
                     self.peak_alive = max(self.peak_alive, alive)
                 else:
                     last_mb = k == self.m - 1
-                    with contextlib.nullcontext() if last_mb else grads.no_sync():
+                    # The chunk's parameters (none in a zero-bubble I pass, which defers the
+                    # weights' gradients to its W): what the micro-batch's reduce may cover.
+                    reach = [] if a.kind == "I" else self._chunk_params[self.chunk_of[s]]
+                    with backward_scope(grads, reach), \
+                            contextlib.nullcontext() if last_mb else grads.no_sync():
                         if a.kind == "W":
                             self.store.run((s, k))
                         else:

@@ -146,6 +146,20 @@ class PipelineStageModel(nn.Module):
             h = blocks[str(i)](h, *context)
         return self.head(h) if self.chunk_last[chunk] else h
 
+    def chunk_parameters(self, chunk: int) -> list[nn.Parameter]:
+        """The parameters chunk `chunk`'s backward gives gradients to: its blocks, and the input
+        (output) part where it is the first (last) stage. Every parameter of the rank is in
+        exactly one chunk."""
+        lo, hi = self.bounds[chunk]
+        blocks = getattr(self, self.pieces().blocks)
+        modules = [blocks[str(i)] for i in range(lo, hi)]
+        if self.chunk_first[chunk]:
+            modules += [getattr(self, n) for n in self.pieces().input]
+        if self.chunk_last[chunk]:
+            modules += [getattr(self, n) for n in self.pieces().output]
+        seen = {id(p): p for m in modules if m is not None for p in m.parameters()}
+        return list(seen.values())  # a table shared by both ends once
+
     def tied_parameter(self) -> nn.Parameter | None:
         """This rank's copy of a table shared by the first and the last stage, if any."""
         if not self.tied or self.first == self.last:

@@ -120,14 +120,20 @@ class ZeroDataParallel:
             for _, p in named:  # replicas start identical
                 comm.broadcast(p.data, mesh, axes.whole, src_coord=0)
         n, rank = mesh.size(axes.shard), mesh.coord(axes.shard)
-        groups = group_parameters(list(reversed(named)), int(bucket_mb * 2**20),
-                                  FIRST_BUCKET_BYTES)
-        self.buckets = [_Bucket(FlatGroup([a for a, _ in g], [b for _, b in g], n, rank), stage,
-                                precision) for g in groups]
+        # One lane of buckets per pipeline chunk, each launched in its own order: a chunk's
+        # backward then reduces its buckets without waiting on another chunk's.
+        self._lanes = [[_Bucket(FlatGroup([a for a, _ in g], [b for _, b in g], n, rank), stage,
+                                precision)
+                        for g in group_parameters(list(reversed(lane)), int(bucket_mb * 2**20),
+                                                  FIRST_BUCKET_BYTES)]
+                       for lane in chunk_lanes(model, named)]
+        self.buckets = [b for lane in self._lanes for b in lane]
+        self._lane_of = {b: i for i, lane in enumerate(self._lanes) for b in lane}
         self._bucket_of = {p: b for b in self.buckets for p in b.group.params}
         self._decay, self._no_decay, self._masters = split_pieces(
             [(b.group, b.master, b.grad_shard) for b in self.buckets])
-        self._next = 0
+        self._next = [0] * len(self._lanes)  # per lane: the next bucket to launch
+        self._scope: set[int] | None = None  # the lanes this backward reaches (None: all)
         self._hooks = []
         if stage == 2:
             self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -144,11 +150,12 @@ class ZeroDataParallel:
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         b = self._bucket_of[p]
         b.pending -= 1
-        self._launch_ready()
+        self._launch_ready(self._lane_of[b])
 
-    def _launch_ready(self, force: bool = False) -> None:
-        while self._next < len(self.buckets):
-            b = self.buckets[self._next]
+    def _launch_ready(self, lane: int, force: bool = False) -> None:
+        buckets = self._lanes[lane]
+        while self._next[lane] < len(buckets):
+            b = buckets[self._next[lane]]
             if not force and b.pending > 0:
                 return
             g = b.group
@@ -160,11 +167,11 @@ class ZeroDataParallel:
             work = comm.reduce_scatter_into(out, packed, self.mesh, self.axes.shard,
                                             async_op=True)
             b.inflight = (work, packed, out)
-            self._next += 1
+            self._next[lane] += 1
             # Launching a bucket completes the one before it: that one had this bucket's
             # backward to finish, and its packed copy (a whole bucket) is released now.
-            if self._next >= 2:
-                self._complete(self.buckets[self._next - 2])
+            if self._next[lane] >= 2:
+                self._complete(buckets[self._next[lane] - 2])
 
     def _complete(self, b: _Bucket) -> None:
         if b.inflight is None:
@@ -175,13 +182,18 @@ class ZeroDataParallel:
         b.grad_shard.add_(out.to(b.grad_shard.device, b.grad_shard.dtype))
         b.inflight = None
 
-    def _drain(self) -> None:
-        """Stage 2: finish this micro-batch's reduce-scatters and add them to the shards."""
-        self._launch_ready(force=True)
-        for b in self.buckets:
-            self._complete(b)
-            b.pending = len(b.group.params)
-        self._next = 0
+    def _drain(self, lanes: set[int] | None = None) -> None:
+        """Stage 2: finish this micro-batch's reduce-scatters (of `lanes`, default all) and add
+        them to the shards; a bucket without gradients (unused) reduces zeros, as the other
+        ranks reduce it."""
+        for lane, buckets in enumerate(self._lanes):
+            if lanes is not None and lane not in lanes:
+                continue
+            self._launch_ready(lane, force=True)
+            for b in buckets:
+                self._complete(b)
+                b.pending = len(b.group.params)
+            self._next[lane] = 0
 
     # -- the GradSync protocol
 
@@ -191,7 +203,18 @@ class ZeroDataParallel:
         the step anyway; stage 2 keeps no whole gradients, so it reduces every micro-batch."""
         yield
         if self.stage == 2:
-            self._drain()
+            self._drain(self._scope)
+
+    @contextlib.contextmanager
+    def backward_of(self, params: list[nn.Parameter]) -> Iterator[None]:
+        """The backward run inside reaches only `params` (a pipeline chunk's; none for a
+        zero-bubble input-gradient pass): a `no_sync()` ending in it reduces only their lanes,
+        so a pipeline rank's other chunks, whose backwards come later, send no zeros."""
+        self._scope = {self._lane_of[self._bucket_of[p]] for p in params if p in self._bucket_of}
+        try:
+            yield
+        finally:
+            self._scope = None
 
     def finish(self) -> None:
         if self.stage == 2:
@@ -233,6 +256,22 @@ class ZeroDataParallel:
 
 
 Masters = dict[tuple[int, int], tuple[nn.Parameter, int]]
+
+
+def chunk_lanes(model: nn.Module, named: list[tuple[str, nn.Parameter]]
+                ) -> list[list[tuple[str, nn.Parameter]]]:
+    """`named` split by the pipeline chunk whose backward gives them gradients (a pipeline
+    stage model's `chunk_parameters`), the last chunk first, as backward reaches them; one
+    lane of all of them for any other model."""
+    chunks = getattr(model, "chunk_parameters", None)
+    n = len(getattr(model, "stages", ()))
+    if chunks is None or n <= 1:
+        return [named]
+    chunk_of = {id(p): c for c in range(n) for p in chunks(c)}
+    lanes: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(n)]
+    for name, p in named:
+        lanes[chunk_of[id(p)]].append((name, p))
+    return [lane for lane in reversed(lanes) if lane]
 
 
 def all_reduce_replicas(shard: torch.Tensor, mesh: Mesh, device: torch.device,
