@@ -73,6 +73,11 @@ EXAMPLES: dict[str, str] = {
     ",cp_ring=te,attention_kernel=cudnn",
     "fsdp_carry_llama3_8b_16xh100": _CARRY,
     "fsdp_carry_llama3_8b_16xh100_off": f"{_CARRY},fsdp_carry=false",
+    # ZeRO-3 without resharding after forward: every unit gathered at the peak, once a step.
+    "zero3_kept_llama3_8b_16xh100": f"{_CARRY},reshard_after_forward=false",
+    "zero3_kept_llama3_8b_16xh100_full": (f"{_CARRY.replace('recompute=none', 'recompute=full')}"
+                                          ",reshard_after_forward=false"),
+    "zero3_resharded_llama3_8b_16xh100_full": _CARRY.replace("recompute=none", "recompute=full"),
     "llama3_70b_64xh100": f"{_L70} --top 5",
     "llama3_70b_64xh100_compile": f"{_L70} --top 1 --fix {_BEST},compile=true",
     "llama3_70b_64xh100_tp_overlap": f"{_L70} --top 1 --fix {_BEST},tp_overlap=true",

@@ -77,6 +77,11 @@ CASES = [
     (4, ["parallel.ep=4", "parallel.zero_stage=3"]),
     # Two micro-batches: both ZeRO-3s (dense and experts) hold the next one's opening units
     (4, ["parallel.ep=2", "parallel.zero_stage=3", "train.micro_batch=2"]),
+    # ...or, not resharding after forward, every unit (pipelined too: experts, pp and ZeRO-3)
+    (4, ["parallel.ep=2", "parallel.zero_stage=3", "train.micro_batch=2",
+         "parallel.reshard_after_forward=false"]),
+    (4, ["parallel.ep=2", "parallel.pp=2", "parallel.pp_microbatches=2",
+         "parallel.zero_stage=3", "parallel.reshard_after_forward=false"]),
     (4, ["parallel.ep=2", "parallel.zero_stage=2", "parallel.dp_replicate=2"]),  # HSDP
     (4, ["parallel.ep=2", "parallel.tp=2"]),
     (4, ["parallel.ep=2", "parallel.pp=2", "parallel.pp_microbatches=2"]),

@@ -100,6 +100,9 @@ CASES += [
     (4, _pp(2, "gpipe", 1, "parallel.dp_shard=2", "parallel.zero_stage=3")),
     # Chunks run out of model order: the root's gather, the last block's prefetch, too.
     (4, _pp(2, "interleaved_1f1b", 2, "parallel.dp_shard=2", "parallel.zero_stage=3")),
+    # Every unit held gathered from the step's first forward to its last backward.
+    (4, _pp(2, "interleaved_1f1b", 2, "parallel.dp_shard=2", "parallel.zero_stage=3",
+            "parallel.reshard_after_forward=false")),
 ]
 
 
@@ -110,29 +113,36 @@ def test_pp_parity(tmp_path, token_cache, reference, world, overrides):
     stage = next((int(o.split("=")[1]) for o in overrides if "zero_stage" in o), 0)
     if stage >= 2:  # (ZeRO-3's evaluation forwards gather too: its gathers are checked below)
         _assert_sharded_comm(results, stage, 2, ops=("reduce_scatter", "all_reduce") + (
-            ("all_gather",) if stage == 2 else ()))
+            ("all_gather",) if stage == 2 else ()),
+            reshard="parallel.reshard_after_forward=false" not in overrides)
 
 
-def _assert_sharded_comm(results, stage: int, n_shard: int, ops: tuple[str, ...]) -> None:
+def _assert_sharded_comm(results, stage: int, n_shard: int, ops: tuple[str, ...],
+                         reshard: bool = True) -> None:
     """Every rank's data-parallel payload per step is the formula's for its stages' flat size:
     ZeRO-2/3 reduce-scatter each gradient once a micro-batch, whatever the schedule (a chunk's
     backward reduces its own chunk's buckets or units: interleaved 1F1B and the zero-bubble
     input pass used to reduce zeros for the others too). ZeRO-3 gathers each block for every
-    micro-batch's forward and backward, the embedding for its forward only."""
+    micro-batch's forward and backward, the embedding for its forward only; without resharding
+    after forward, every unit once a step."""
     for r in results:
         f, m = r["flat"], r["microbatches"]
         per_step = dp_comm_bytes(f["psi"], stage, micro_batches=m, n_shard=n_shard,
-                                 root_psi=f["root_psi"], forward_only_psi=f["forward_only_psi"])
+                                 root_psi=f["root_psi"], forward_only_psi=f["forward_only_psi"],
+                                 reshard_after_forward=reshard)
         got = {k: v for k, v in r["bytes"].items() if k[1] in ops}
         assert got == {k: STEPS * v for k, v in per_step.items() if k[1] in ops}, (m, f)
 
 
-@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2)])
-def test_pp_zero3_comm_volume(tmp_path, token_cache, schedule, v):
+@pytest.mark.parametrize("schedule,v,reshard", [("1f1b", 1, True), ("gpipe", 1, True),
+                                                ("interleaved_1f1b", 2, True),
+                                                ("1f1b", 1, False)])
+def test_pp_zero3_comm_volume(tmp_path, token_cache, schedule, v, reshard):
     ov = _pp(2, schedule, v, "parallel.dp_shard=2", "parallel.zero_stage=3",
-             "train.eval_sequences=0")
+             "train.eval_sequences=0", f"parallel.reshard_after_forward={str(reshard).lower()}")
     results = run_ranks(_job, 4, tmp_path, token_cache, ov)
-    _assert_sharded_comm(results, 3, 2, ops=("reduce_scatter", "all_reduce", "all_gather"))
+    _assert_sharded_comm(results, 3, 2, ops=("reduce_scatter", "all_reduce", "all_gather"),
+                         reshard=reshard)
     # No unit outlives its step gathered: the optimizer changes the shards under it.
     assert all(not r["flat"]["gathered"] for r in results)
 

@@ -794,7 +794,8 @@ def test_explain_says_how_activations_were_counted():
 def test_a_run_spread_over_rank_devices_gets_no_per_device_prediction():
     """`parallel.rank_devices` puts one rank's blocks on several devices; the planner's figure
     is for one device per rank, so the run's summary gets the reason instead of a wrong total.
-    The same for ZeRO-3 with `parallel.reshard_after_forward=false`."""
+    ZeRO-3 with `parallel.reshard_after_forward=false` gets its own figure: every unit
+    gathered at the peak."""
     from dataclasses import replace
 
     from meshloom.config import Config
@@ -808,10 +809,11 @@ def test_a_run_spread_over_rank_devices_gets_no_per_device_prediction():
     spread = replace(run, parallel=replace(run.parallel, rank_devices=2))
     with pytest.raises(PlanError, match="parallel.rank_devices"):
         predict_run_memory(cfg, spread, ParallelDims(), 1)
-    # Nor a ZeRO-3 run that keeps every unit gathered through its forward, which the planner
-    # does not count (its figure would be too small).
-    zero3 = replace(run.parallel, zero_stage=3)
-    assert predict_run_memory(cfg, replace(run, parallel=zero3), ParallelDims(), 1).total > 0
-    kept = replace(run, parallel=replace(zero3, reshard_after_forward=False))
-    with pytest.raises(PlanError, match="parallel.reshard_after_forward=false"):
-        predict_run_memory(cfg, kept, ParallelDims(), 1)
+    zero3, dims = replace(run.parallel, zero_stage=3), ParallelDims(dp_shard=2)
+    deep = replace(cfg, n_layers=4)  # more blocks than ZeRO-3 gathers at once when resharding
+    resharded = predict_run_memory(deep, replace(run, parallel=zero3), dims, 1)
+    kept = predict_run_memory(
+        deep, replace(run, parallel=replace(zero3, reshard_after_forward=False)), dims, 1)
+    assert resharded.held_units == 0 < resharded.root_unit
+    assert kept.root_unit == 0 < kept.held_units
+    assert kept.total > resharded.total

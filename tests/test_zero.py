@@ -3,6 +3,8 @@ exact resume, and a checkpoint layout that does not depend on the strategy."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import (
@@ -18,7 +20,7 @@ from meshloom import checkpoint
 from meshloom.plan.formulas import dp_comm_bytes, model_state_bytes
 from meshloom.plan.implementation import MESHLOOM
 from meshloom.plan.layout import Layout
-from meshloom.plan.memory import zero3_root_params
+from meshloom.plan.memory import zero3_gathered_params, zero3_root_params
 from meshloom.plan.models import from_llama_config
 from meshloom.train import train
 
@@ -47,7 +49,11 @@ def _job(run_dir, cache, overrides, resume=False):
         lay = Layout(dp=strat.mesh.size(strat.axes.shard), zero=3)
         mem["planned_root_psi"] = zero3_root_params(from_llama_config(model.cfg), lay, 0,
                                                     MESHLOOM)
+        mem["planned_gathered_psi"] = zero3_gathered_params(
+            from_llama_config(model.cfg), lay, 0,
+            replace(MESHLOOM, reshard_after_forward=strat.reshard_after_forward))
         mem["largest_unit"] = max(u.nbytes for u in units if u.name != "")
+        mem["all_units"] = sum(u.nbytes for u in units)
         mem["unit_psi"] = {u.name: u.group.padded for u in units}
     comm_bytes = dict(r.counter.bytes)  # before the gathers below
     whole = strat.full_state_dict() if hasattr(strat, "full_state_dict") else \
@@ -118,6 +124,13 @@ def test_zero_parity_memory_and_comm(tmp_path, token_cache, reference, world, ov
         assert 0 < m["peak_gathered"] <= m["root_bytes"] + 2 * m["largest_unit"]
         # The planner's root is the one meshloom gathers, but for the flat buffer's padding.
         assert m["planned_root_psi"] <= m["root_psi"] < m["planned_root_psi"] + n_shard
+    elif stage == 3:  # every unit gathered at once, from the forward's end into the backward
+        m = got["mem"]
+        assert m["peak_gathered"] == m["all_units"]
+        # The planner's figure for it (plan/memory.py), but for each flat buffer's padding.
+        psi = sum(m["unit_psi"].values())
+        assert m["planned_gathered_psi"] <= psi < m["planned_gathered_psi"] + n_shard * len(
+            m["unit_psi"])
     assert got["mem"]["params"] == want["params"]
     assert got["mem"]["grads"] == want["grads"]
     pad_slack = 8 * (psi_pad - reference["n_params"])
@@ -125,9 +138,9 @@ def test_zero_parity_memory_and_comm(tmp_path, token_cache, reference, world, ov
     # Comm volume per step, exact in payload bytes (broadcast at start and scalar reductions
     # are bookkeeping, counted under their own ops).
     # Stage 3 under accumulation holds the next forward's first block from its backward on
-    # (and the embedding, which it gathers only for forward, when nothing is resharded).
+    # (without resharding, every unit: gathered once a step).
     units = got["mem"].get("unit_psi", {})
-    carried = (units["layers.0"] + (0 if reshard else units["tok_embeddings"])) if units else 0
+    carried = units["layers.0"] if units else 0
     per_step = dp_comm_bytes(psi_pad, stage, micro_batches=accum, n_shard=n_shard,
                              n_replicate=n_rep, reshard_after_forward=reshard,
                              root_psi=got["mem"].get("root_psi", 0),

@@ -151,7 +151,8 @@ class ParallelConfig:
     # dp_shard x cp; tokens travel to their experts' ranks and back by all-to-all.
     ep: int = 1
     ddp_bucket_mb: float = 25.0
-    reshard_after_forward: bool = True  # ZeRO-3: free gathered parameters after each forward
+    # ZeRO-3: free gathered parameters after each forward (false: each unit held for the step)
+    reshard_after_forward: bool = True
     reduce_dtype: str = "fp32"  # dtype gradients are reduced in (DDP and the sharded stages)
     cpu_offload: bool = False  # ZeRO: fp32 master shard and AdamW state (stage 3: params) on CPU
     # "" / "auto": the mesh axes above; "dp": one process drives several devices with replicas

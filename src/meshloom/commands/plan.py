@@ -198,10 +198,13 @@ def run(args) -> int:
 
 
 def _write_config(path: str, shape: ModelShape, best: Candidate, setup: dict) -> None:
+    from meshloom.plan.implementation import split_fix
     from meshloom.plan.layout import config_toml
     if not best.fits:
         raise PlanError("no layout fits in memory; not writing a config")
-    text = config_toml(best.layout, shape, setup["seq"], setup["global_batch"], setup["dtype"])
+    impl = split_fix(setup["fix"])[1]
+    text = config_toml(best.layout, shape, setup["seq"], setup["global_batch"], setup["dtype"],
+                       impl.compile, impl.reshard_after_forward)
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise PlanError(f"--write-config: folder {folder} does not exist")

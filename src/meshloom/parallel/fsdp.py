@@ -6,7 +6,9 @@ which is also what the optimizer updates. The model's parameters are views into 
 flat buffer, whose storage exists only while the unit is gathered:
 - forward: just before a unit runs, its buffer is all-gathered (the next unit's gather is started
   at the same time, so it overlaps this unit's compute); after the unit, the storage is freed
-  (`reshard_after_forward`; otherwise kept until backward, ZeRO-2-like);
+  (`reshard_after_forward`; otherwise kept, ZeRO-2-like: every unit is then gathered when the
+  forward ends, so the step's later micro-batches find them all still gathered, each unit
+  gathered once a step and freed by the last micro-batch's backward);
 - backward: a hook on the unit's output re-gathers it just before its backward (and prefetches
   the unit before it); once all of its gradients exist they are packed, freed, and
   reduce-scattered asynchronously into the unit's gradient shard, and the buffer is freed;
@@ -205,6 +207,7 @@ class FullyShardedDataParallel:
         self._scope: set[_Unit] | None = None  # the units this backward reaches (None: all)
         self._carry = carry
         self._carrying = False  # in no_sync(): this step's next forward follows this backward
+        self._accumulating = False  # in no_sync(): more of this step's micro-batches follow
         self._kept: set[_Unit] = set()  # held gathered for the next forward
         self._root_read = False  # whether this forward has read the root's parameters
         self._hooks = [model.register_forward_pre_hook(self._root_pre_forward),
@@ -335,8 +338,12 @@ class FullyShardedDataParallel:
         u.inflight = (work, packed, out, direct)
         u.pending = len(g.params)
         self._reduced.add(u)
-        if self._carrying and u in self._opening():
-            self._kept.add(u)  # its parameters stand until the step's optimizer
+        # Held until the step's optimizer: without resharding after forward, every unit (the
+        # forwards to come would gather it again, and it is gathered at the peak anyway); else,
+        # carrying, the units the next forward opens with.
+        if (self._accumulating and not self.reshard_after_forward
+                or self._carrying and u in self._opening()):
+            self._kept.add(u)
         else:
             u.free()
         # Launching this unit's reduce-scatter completes the previous unit's: that one had this
@@ -374,12 +381,12 @@ class FullyShardedDataParallel:
     def no_sync(self) -> Iterator[None]:
         """Whole gradients are never kept, so every micro-batch is reduced. With `carry`, the
         next forward's opening units are held gathered for it."""
-        self._carrying = self._carry
+        self._carrying, self._accumulating = self._carry, True
         try:
             yield
             self._drain(self._scope)
         finally:
-            self._carrying = False
+            self._carrying = self._accumulating = False
 
     @contextlib.contextmanager
     def backward_of(self, params: list[nn.Parameter]) -> Iterator[None]:

@@ -54,5 +54,8 @@ def explain(c: Candidate) -> str:
             lines.append(f"    ZeRO-3's root unit, gathered forward to backward "
                          f"(fsdp_root={d['implementation']['fsdp_root']}): "
                          f"{mem.root_unit / GB:.2f} GB")
+        if name == "buffers" and mem.held_units:
+            lines.append(f"    ZeRO-3's units, every one gathered at the peak "
+                         f"(reshard_after_forward=false): {mem.held_units / GB:.2f} GB")
     lines.append(f"  {'= total':<28}{mem.total / GB:10.2f} GB of {c.gpu_memory / GB:.0f} GB")
     return "\n".join(lines)

@@ -44,13 +44,13 @@ def dp_comm_bytes(psi: int, stage: int, *, micro_batches: int = 1, n_shard: int 
     """Payload bytes per optimizer step, per (axis, op), as `meshloom.comm` counts them (the
     whole tensor a collective acts on). Stages 2 and 3 keep no whole gradients, so they
     reduce-scatter after every micro-batch. Stage 3 gathers each unit for forward and again for
-    backward, every micro-batch (once if it is not resharded after forward); the root unit's
+    backward, every micro-batch (once a step if it is not resharded after forward: then every
+    unit stays gathered to the step's last backward); the root unit's
     `root_psi` parameters (final norm and head) are gathered once per micro-batch and kept, and
     `forward_only_psi` ones (an embedding, whose backward reads only the token ids) are gathered
     for forward only. `carried_psi` parameters stay gathered from one micro-batch's backward to
-    the next one's forward (meshloom's ZeRO-3 under plain accumulation: the first block, a tied
-    root, and without resharding the embedding too): every micro-batch but the first skips
-    their gather."""
+    the next one's forward (meshloom's ZeRO-3 under plain accumulation: the first block and a
+    tied root): every micro-batch but the first skips their gather."""
     full = psi * elem_bytes
     if stage == 0:
         axis = "dp"
@@ -58,10 +58,11 @@ def dp_comm_bytes(psi: int, stage: int, *, micro_batches: int = 1, n_shard: int 
     out = {("dp_shard", "reduce_scatter"): full * (1 if stage == 1 else micro_batches)}
     if stage in (1, 2):
         out[("dp_shard", "all_gather")] = full
+    elif not reshard_after_forward:
+        out[("dp_shard", "all_gather")] = full
     else:
-        passes = 2 if reshard_after_forward else 1
         once = root_psi + forward_only_psi
-        gathered = passes * (psi - once) + once
+        gathered = 2 * (psi - once) + once
         gathered = gathered * micro_batches - carried_psi * (micro_batches - 1)
         out[("dp_shard", "all_gather")] = gathered * elem_bytes
     if n_replicate > 1:

@@ -93,6 +93,12 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   gather fewer (two with such a root), and none of its first gathers is exposed. Off (FSDP1
   and FSDP2, which reshard every unit after its backward): each micro-batch gathers them
   again as its forward opens. A no-op unless zero = 3 with more than one micro-batch.
+- `reshard_after_forward`: ZeRO-3 frees each unit after its forward and gathers it again for
+  its backward (meshloom's `parallel.reshard_after_forward` default; FSDP's FULL_SHARD). Off:
+  every unit stays gathered from its forward to its backward, so the peak holds all of the
+  rank's parameters gathered (`zero3_gathered_params`) and no backward gathers; meshloom then
+  also keeps them gathered between the step's micro-batches (with `fsdp_carry`, in a pipeline
+  too): one gather a unit a step, behind the first forward. A no-op unless zero = 3.
 - `grad_reduce_dtype`: the dtype data-parallel gradient collectives carry in bf16 training:
   `fp32` (meshloom's `parallel.reduce_dtype` default, docs/mixed-precision.md; PyTorch FSDP2 as
   torchtitan configures it, `mixed_precision_reduce = "float32"`; DDP under autocast, whose
@@ -318,6 +324,7 @@ class Implementation:
     fsdp_copy_out: bool = False
     fsdp_root: str = "head"
     fsdp_carry: bool = True
+    reshard_after_forward: bool = True
     grad_reduce_dtype: str = "fp32"
     deepspeed_bf16_optimizer: bool = False
     dp_buckets: str = "torch"
@@ -378,6 +385,19 @@ def keeps_grads(impl: Implementation, lay) -> bool:
     micro-batch's backward adds into them) under layout `lay`."""
     bucketed = lay.zero > 0 or lay.dp * lay.cp > 1
     return impl.grad_clip and (bucketed or not impl.free_unbucketed_grads)
+
+
+def zero3_resharded(impl: Implementation, lay) -> bool:
+    """Whether ZeRO-3 frees each unit after its forward (`reshard_after_forward`); True for
+    every other stage."""
+    return lay.zero != 3 or impl.reshard_after_forward
+
+
+def zero3_held_step(impl: Implementation, lay) -> bool:
+    """Whether ZeRO-3 without resharding keeps every unit gathered across the step's
+    micro-batches, gathering each once a step (meshloom, `fsdp_carry`), where others gather
+    each micro-batch's forward again."""
+    return not zero3_resharded(impl, lay) and impl.fsdp_carry
 
 
 def zero3_no_sync(impl: Implementation, lay, m: int) -> bool:

@@ -126,10 +126,13 @@ def layout_fields() -> list[str]:
     return [f.name for f in fields(Layout)]
 
 
-def config_toml(layout: Layout, shape, seq: int, global_batch: int, dtype: str) -> str:
-    """A meshloom training config for this layout. A preset of meshloom's own is named (a GPT
-    shape with its vocabulary, which the tokenizer would otherwise set); any other shape is
-    written out: a Llama shape as such, a GPT shape on the gpt2 preset."""
+def config_toml(layout: Layout, shape, seq: int, global_batch: int, dtype: str,
+                compile_blocks: bool = False, reshard_after_forward: bool = True) -> str:
+    """A meshloom training config for this layout, with the run options the plan was priced
+    with (`compile`, ZeRO-3's `reshard_after_forward`) where they are not the defaults. A
+    preset of meshloom's own is named (a GPT shape with its vocabulary, which the tokenizer
+    would otherwise set); any other shape is written out: a Llama shape as such, a GPT shape on
+    the gpt2 preset."""
     if shape.arch == "gpt":
         model = _gpt_model(shape, seq)
     else:
@@ -153,9 +156,13 @@ def config_toml(layout: Layout, shape, seq: int, global_batch: int, dtype: str) 
         "[data]", f"seq_len = {seq}", "",
         "[train]", f"global_batch = {global_batch}", f"micro_batch = {layout.micro_batch}",
         f"eval_sequences = {global_batch}", f'dtype = "{dtype}"',
-        f'activation_checkpointing = "{layout.recompute}"', "",
+        f'activation_checkpointing = "{layout.recompute}"',
+        *(["compile = true"] if compile_blocks else []), "",
         "[parallel]", f"dp_replicate = {layout.dp_replicate}", f"dp_shard = {layout.dp_shard}",
-        f"zero_stage = {layout.zero}", f"tp = {layout.tp}",
+        f"zero_stage = {layout.zero}",
+        *(["reshard_after_forward = false"] if layout.zero == 3 and not reshard_after_forward
+          else []),
+        f"tp = {layout.tp}",
         f"sequence_parallel = {'true' if layout.sp else 'false'}",
         f"pp = {layout.pp}", f"cp = {layout.cp}",
     ] + ([f"ep = {layout.ep}"] if layout.ep > 1 else [])

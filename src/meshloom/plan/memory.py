@@ -39,6 +39,7 @@ from meshloom.plan.implementation import (
     residual_stream,
     whole_fp32_states,
     zero3_no_sync,
+    zero3_resharded,
 )
 from meshloom.plan.layout import Layout
 from meshloom.plan.models import ModelShape
@@ -141,6 +142,19 @@ def zero3_root_params(shape: ModelShape, lay: Layout, rank: int,
     if rank != lay.pp - 1:
         return 0.0
     return shape.final_norm_params + shape.vocab * shape.hidden / lay.tp
+
+
+def zero3_gathered_params(shape: ModelShape, lay: Layout, rank: int, impl: Implementation,
+                          layers: int | None = None, etp: int = 1) -> float:
+    """Parameters ZeRO-3 holds gathered at the peak, where the forward ends and the backward
+    begins, beside the running unit's gradient: the root's (`zero3_root_params`), or without
+    resharding after forward (`reshard_after_forward` off) every sharded parameter of the rank,
+    the dense ones (sharded over dp_shard) and the experts (over their shard degree)."""
+    if zero3_resharded(impl, lay):
+        return zero3_root_params(shape, lay, rank, impl)
+    dense, experts = rank_param_split(shape, lay, rank, layers, etp)
+    return ((dense if lay.dp_shard > 1 else 0.0)
+            + (experts if experts and expert_shard(lay) > 1 else 0.0))
 
 
 def zero3_first_outer_params(shape: ModelShape, lay: Layout, rank: int,
@@ -625,6 +639,7 @@ class Memory:
     rank: int  # the pipeline rank this breakdown is for (the fullest)
     counted_as: str = ""  # how the activations were counted (`activation_accounting`)
     root_unit: float = 0.0  # of the buffers: ZeRO-3's root unit (`zero3_root_params`)
+    held_units: float = 0.0  # of the buffers: ZeRO-3 without resharding, every unit gathered
 
     @property
     def total(self) -> float:
@@ -635,7 +650,8 @@ class Memory:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
                 "activations": self.activations, "buffers": self.buffers,
                 "context": self.context, "total": self.total, "pipeline_rank": self.rank,
-                "activations_counted_as": self.counted_as, "buffers_root_unit": self.root_unit}
+                "activations_counted_as": self.counted_as, "buffers_root_unit": self.root_unit,
+                **({"buffers_held_units": self.held_units} if self.held_units else {})}
 
 
 def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
@@ -670,7 +686,8 @@ def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
                if lay.recompute == "full" else 0.0)  # one layer recomputed during backward
     grads_at_peak = keeps_grads(impl, lay) or m > 1 or lay.pp > 1
     fp32_params = fp32_working_params(impl, lay, dtype)
-    buffers = _buffers(shape, lay, s, b, dtype, expert_tp(lay, impl), fp32_params)
+    buffers = _buffers(shape, lay, s, b, dtype, expert_tp(lay, impl), fp32_params,
+                       zero3_resharded(impl, lay))
     counted_as = activation_accounting(shape, lay, dtype, flash, impl)
     root_bytes = gathered_param_bytes(impl, lay, dtype)
     best = None
@@ -688,20 +705,24 @@ def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
                 + final_norm_bytes(shape, s, b, lay, dtype, impl)) if rank == lay.pp - 1 else 0.0
         acts += max(loss, working)
         acts += weight_copy_bytes(shape, lay, rank, dtype, impl, held[rank])
-        root = zero3_root_params(shape, lay, rank, impl) * root_bytes
+        gathered = zero3_gathered_params(shape, lay, rank, impl, held[rank],
+                                         expert_tp(lay, impl)) * root_bytes
+        resharded = zero3_resharded(impl, lay)
         mem = Memory(states["params"], states["grads"] if grads_at_peak else 0.0,
-                     states["optimizer"], acts, buffers + root, CONTEXT_BYTES, rank,
-                     counted_as, root)
+                     states["optimizer"], acts, buffers + gathered, CONTEXT_BYTES, rank,
+                     counted_as, gathered if resharded else 0.0,
+                     0.0 if resharded else gathered)
         if best is None or mem.total > best.total:
             best = mem
     return best
 
 
 def _buffers(shape: ModelShape, lay: Layout, s: int, b: int, dtype: str, etp: int = 1,
-             fp32_params: bool = False) -> float:
+             fp32_params: bool = False, resharded: bool = True) -> float:
     """Communication buffers: DDP/ZeRO-1/2 buckets, ZeRO-3's gathered unit plus the prefetched
-    next one and the unit's full gradient before its reduce-scatter (fp32 under
-    `fp32_params`), pipeline send/receive
+    next one (not `resharded`: both among every unit gathered, `zero3_gathered_params`) and
+    the unit's full gradient before its reduce-scatter (fp32 under `fp32_params`), pipeline
+    send/receive
     buffers, ring-attention K/V blocks (two in flight, and their gradients in backward), and
     with expert parallel one all-to-all's send and receive buffers."""
     prec = precision(dtype)
@@ -715,7 +736,8 @@ def _buffers(shape: ModelShape, lay: Layout, s: int, b: int, dtype: str, etp: in
             split, experts = shape.tp_split_params, shape.expert_layer_params
             unit = (shape.layer_params - split - experts + split / lay.tp
                     + experts / (lay.ep * etp))
-        out += unit * (3 * 4 if fp32_params else 2 * prec.param_bytes + prec.grad_bytes)
+        gathered = (2 * 4 if fp32_params else 2 * prec.param_bytes) if resharded else 0
+        out += unit * (gathered + (4 if fp32_params else prec.grad_bytes))
     if lay.pp > 1:
         out += 2 * s * b * shape.hidden * e / (lay.tp if lay.sp else 1)
     if lay.cp > 1:
@@ -733,11 +755,6 @@ def predict_run_memory(llama_cfg, cfg, dims, micro_batch: int) -> Memory:
     if p.rank_devices != 1:  # the summary says so instead of a per-rank figure per device
         raise PlanError("parallel.rank_devices spreads a rank over several devices; the "
                         "planner predicts memory for one device per rank")
-    if p.zero_stage == 3 and not p.reshard_after_forward:
-        # Every unit stays gathered from its forward to its backward, where the planner counts
-        # ZeRO-3's running unit, its prefetch and the root only.
-        raise PlanError("parallel.reshard_after_forward=false keeps every ZeRO-3 unit gathered "
-                        "through the forward; the planner counts ZeRO-3 resharding after it")
     lay = Layout(tp=dims.tp, pp=dims.pp, dp=dims.dp_replicate * dims.dp_shard, cp=dims.cp,
                  dp_replicate=dims.dp_replicate, micro_batch=micro_batch, zero=p.zero_stage,
                  recompute=cfg.train.activation_checkpointing,
@@ -751,6 +768,7 @@ def predict_run_memory(llama_cfg, cfg, dims, micro_batch: int) -> Memory:
                           dropout=getattr(m, "dropout", 0.0) > 0)
     else:
         shape = from_llama_config(llama_cfg, "run")
-    impl = Implementation(compile=bool(getattr(cfg.train, "compile", False)))
+    impl = Implementation(compile=bool(getattr(cfg.train, "compile", False)),
+                          reshard_after_forward=p.reshard_after_forward)
     return memory_per_gpu(shape, lay, cfg.data.seq_len, cfg.train.global_batch, dtype,
                           impl=impl, stages=tuple(p.pp_layers) or None)

@@ -50,7 +50,9 @@ from meshloom.plan.implementation import (
     fp32_working_params,
     keeps_grads,
     whole_fp32_states,
+    zero3_held_step,
     zero3_no_sync,
+    zero3_resharded,
 )
 from meshloom.plan.layout import Layout
 from meshloom.plan.memory import (
@@ -392,7 +394,9 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     accumulation, pp = 1) every micro-batch after the first opens with those already gathered:
     the first block, and a root holding the outer parameters, stay gathered from the backward
     before (their gathers are not made again), and the embedding is gathered behind that
-    backward; FSDP1's ZeRO-2
+    backward. ZeRO-3 without `reshard_after_forward` gathers for forward only, and meshloom's
+    (`zero3_held_step`) in the step's first forward alone, behind it as usual but for the first
+    gathers; FSDP1's ZeRO-2
     (`fsdp_flat_param`, SHARD_GRAD_OP) gathers each unit once a micro-batch, behind its
     forward, and reduce-scatters it behind its backward; its ZeRO-0 (NO_SHARD) all-reduces
     each unit every micro-batch. `dp_overlap` (Megatron's
@@ -507,8 +511,13 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
 
     # How often a step repeats each: ZeRO-3 gathers twice a micro-batch and reduces once (once
     # a step under `fsdp_no_sync`), FSDP1's ZeRO-2 gathers and reduces once a micro-batch,
-    # meshloom's ZeRO-2 reduces every micro-batch and gathers once a step, ZeRO-1 once.
-    ag_times = 2 * m if lay.zero == 3 else m if fsdp1_zero2 else 1
+    # meshloom's ZeRO-2 reduces every micro-batch and gathers once a step, ZeRO-1 once. ZeRO-3
+    # without `reshard_after_forward` gathers for forwards only: each micro-batch's, or under
+    # `zero3_held_step` (meshloom) the first's alone, every unit then held to the step's end.
+    resharded = zero3_resharded(impl, lay)
+    forwards = 1 if zero3_held_step(impl, lay) else m  # the forwards that gather
+    ag_times = ((2 * m if resharded else forwards) if lay.zero == 3
+                else m if fsdp1_zero2 else 1)
     rs_times = m if lay.zero >= 2 and not zero3_no_sync(impl, lay, m) else 1
     # DeepSpeed's BF16_Optimizer and PyTorch's ZeroRedundancyOptimizer (over DDP) all-reduce
     # the whole gradient where ZeRO reduce-scatters it.
@@ -529,9 +538,10 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
         ag += coll("all_gather", "all_gather", x_param, xn, lay.ep * lay.tp,
                    per(x_param, experts, xn), ag_times)
         rs += coll(red, red, x_grad, xn, lay.ep * lay.tp, per(x_grad, experts, xn), rs_times)
-    ag_b = ag if lay.zero == 3 else 0.0  # one backward's gathers: the blocks, ZeRO-3 only
-    ag_lead = coll("all_gather", "all_gather", lead, n, stride, 1, m)
-    ag_tail = coll("all_gather", "all_gather", outer - lead, n, stride, 1, m)
+    # One backward's gathers: the blocks, ZeRO-3 resharding after forward only.
+    ag_b = ag if lay.zero == 3 and resharded else 0.0
+    ag_lead = coll("all_gather", "all_gather", lead, n, stride, 1, forwards)
+    ag_tail = coll("all_gather", "all_gather", outer - lead, n, stride, 1, forwards)
     # One forward's gathers, and the part of them nothing runs beside: the first outer
     # parameters' and the first unit's.
     block = ag / units
@@ -539,7 +549,8 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     # `fsdp_carry`: the micro-batches after the first open with the first block (and a root
     # that holds the first outer parameters) kept from the backward before, and gather the
     # embedding behind that backward instead (parallel/fsdp.py).
-    carried = m - 1 if impl.fsdp_carry and lay.zero == 3 and lay.pp == 1 and param_b else 0
+    carried = (m - 1 if impl.fsdp_carry and lay.zero == 3 and resharded and lay.pp == 1
+               and param_b else 0)
     lead_is_root = impl.fsdp_root == "outer" or shape.tied
     behind = 0.0 if lead_is_root else ag_lead  # gathered in the backward before
     if carried:  # the gathers not made again, out of the step's tally
@@ -568,14 +579,14 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
             out += m * _exposed(rs, b_mb) + ag
     else:
         kept = carried * (block + (ag_lead if lead_is_root else 0.0))
-        ops = {"all_gather": m * (ag + ag_b) - kept, "reduce_scatter": rs_times * rs}
+        ops = {"all_gather": forwards * ag + m * ag_b - kept, "reduce_scatter": rs_times * rs}
         if cast:
             ops["reduce_scatter_cast"] = rs_times * cast
         if impl.fsdp_prefetch:  # the micro-batches that reduce-scatter hide it behind backward
             # Forwards: the first (and each one not carried) opens exposed; the carried ones
             # hide all of theirs. Backwards: the carried ones (all but the last) also gather
             # the next forward's embedding; the last, or every one, reduce-scatters.
-            out += ((m - carried) * (_exposed(ag - ag_lead, f_mb) + first)
+            out += ((forwards - carried) * (_exposed(ag - ag_lead, f_mb) + first)
                     + carried * _exposed(ag - ag_lead - block, f_mb))
             if rs_times == m:
                 out += (carried * _exposed(ag_b + rs + cast + behind, b_mb)
@@ -584,12 +595,12 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
                 out += (_exposed(ag_b + rs + cast, b_mb) + carried * _exposed(ag_b + behind, b_mb)
                         + (m - 1 - carried) * _exposed(ag_b, b_mb))
         else:
-            out += m * (ag + ag_b) + rs_times * (rs + cast) - kept
+            out += forwards * ag + m * ag_b + rs_times * (rs + cast) - kept
         gathered = (param_b if n > 1 else 0.0) + (x_param if xn > 1 else 0.0)
         if impl.fsdp_copy_out and gathered:  # one copy kernel per unit and gather
-            again = gathered - outer if lay.zero == 3 else 0.0
-            kernels = units * (2 if lay.zero == 3 else 1) + (1 if outer else 0)
-            copy_out = m * rates.stream(2 * (gathered + again), kernels)
+            again = gathered - outer if lay.zero == 3 and resharded else 0.0  # for backward
+            kernels = units * (2 if again else 1) + (1 if outer else 0)
+            copy_out = forwards * rates.stream(2 * (gathered + again), kernels)
             ops["all_gather_copy_out"] = copy_out
             out += copy_out
     # The gradients' copy into the flat send buffers in the wire dtype, on the compute stream
