@@ -380,7 +380,8 @@ class FullyShardedDataParallel:
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Whole gradients are never kept, so every micro-batch is reduced. With `carry`, the
-        next forward's opening units are held gathered for it."""
+        next forward's opening units are held gathered for it; without resharding after
+        forward, every unit is."""
         self._carrying, self._accumulating = self._carry, True
         try:
             yield
