@@ -44,7 +44,11 @@ def _job(run_dir, cache, overrides, resume=False):
             "root_psi": sum(u.group.padded for u in units if u.name == ""),
             "forward_only_psi": sum(u.group.padded for u in units
                                     if not u.backward_needs_params),
-            "gathered": [u.name for u in units if u.gathered]}
+            "gathered": [u.name for u in units if u.gathered],
+            "peak_gathered": getattr(strat, "peak_gathered_bytes", 0),
+            "root_bytes": sum(u.nbytes for u in units if u.name == ""),
+            "largest_unit": max((u.nbytes for u in units if u.name), default=0),
+            "all_units": sum(u.nbytes for u in units)}
     return {"losses": r.losses, "eval": r.eval_losses, "state": whole, "flat": flat,
             "microbatches": pipeline_microbatches(cfg, strat.mesh.dims),
             "start": r.summary["start_step"], "bytes": comm_bytes, **probe}
@@ -98,6 +102,8 @@ CASES += [
     (4, _pp(2, "interleaved_1f1b", 2, "parallel.dp_shard=2", "parallel.zero_stage=2")),
     (4, _pp(2, "1f1b", 1, "parallel.dp_shard=2", "parallel.zero_stage=3")),
     (4, _pp(2, "gpipe", 1, "parallel.dp_shard=2", "parallel.zero_stage=3")),
+    # The weight pass runs after the input pass has freed the unit's gradient scope.
+    (4, _pp(2, "zb_h1", 1, "parallel.dp_shard=2", "parallel.zero_stage=3")),
     # Chunks run out of model order: the root's gather, the last block's prefetch, too.
     (4, _pp(2, "interleaved_1f1b", 2, "parallel.dp_shard=2", "parallel.zero_stage=3")),
     # Every unit held gathered from the step's first forward to its last backward.
@@ -136,7 +142,7 @@ def _assert_sharded_comm(results, stage: int, n_shard: int, ops: tuple[str, ...]
 
 @pytest.mark.parametrize("schedule,v,reshard", [("1f1b", 1, True), ("gpipe", 1, True),
                                                 ("interleaved_1f1b", 2, True),
-                                                ("1f1b", 1, False)])
+                                                ("zb_h1", 1, True), ("1f1b", 1, False)])
 def test_pp_zero3_comm_volume(tmp_path, token_cache, schedule, v, reshard):
     ov = _pp(2, schedule, v, "parallel.dp_shard=2", "parallel.zero_stage=3",
              "train.eval_sequences=0", f"parallel.reshard_after_forward={str(reshard).lower()}")
@@ -145,6 +151,14 @@ def test_pp_zero3_comm_volume(tmp_path, token_cache, schedule, v, reshard):
                          reshard=reshard)
     # No unit outlives its step gathered: the optimizer changes the shards under it.
     assert all(not r["flat"]["gathered"] for r in results)
+    # At most the root and a unit with its prefetch gathered at once, whatever the schedule
+    # (the zero-bubble input pass used to hold its whole chunk until the weight pass); every
+    # unit when held for the step.
+    for f in (r["flat"] for r in results):
+        if reshard:
+            assert 0 < f["peak_gathered"] <= f["root_bytes"] + 2 * f["largest_unit"], f
+        else:
+            assert f["peak_gathered"] == f["all_units"], f
 
 
 TP_CASES = [

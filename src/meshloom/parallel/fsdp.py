@@ -209,6 +209,7 @@ class FullyShardedDataParallel:
         self._carrying = False  # in no_sync(): this step's next forward follows this backward
         self._accumulating = False  # in no_sync(): more of this step's micro-batches follow
         self._kept: set[_Unit] = set()  # held gathered for the next forward
+        self._input_pass_open = False  # in a zero-bubble input pass not yet ended
         self._root_read = False  # whether this forward has read the root's parameters
         self._hooks = [model.register_forward_pre_hook(self._root_pre_forward),
                        model.register_forward_hook(self._root_post_forward)]
@@ -291,6 +292,13 @@ class FullyShardedDataParallel:
 
     def _pre_backward(self, u: _Unit, grad: torch.Tensor) -> torch.Tensor:
         u.wait_gather(self.mesh)
+        if self._scope is not None and not self._scope:
+            # A zero-bubble input pass: the unit after u has given its input gradients, and
+            # the weight pass reads no parameter (only the kept inputs and output gradients),
+            # so it is freed now rather than when its weight gradients are reduced.
+            done = self._neighbour(self._current, u, +1)
+            if done is not None:
+                self._release(done)
         prev = self._neighbour(self._current, u, -1)
         if prev is not None and prev.backward_needs_params:
             prev.start_gather(self.mesh)
@@ -300,6 +308,21 @@ class FullyShardedDataParallel:
             self._kept.add(prev)
         self._note_gathered()
         return grad
+
+    def _release(self, u: _Unit) -> None:
+        """Free u unless this step holds it: without resharding while micro-batches follow,
+        or kept (carry) for the next forward."""
+        if not (self._accumulating and not self.reshard_after_forward) and u not in self._kept:
+            u.free()
+
+    def _end_input_pass(self) -> None:
+        """After a zero-bubble input pass, what it gathered and nothing holds (the root, the
+        chunk's first unit) is freed: its weight pass reads only kept activations."""
+        if self._input_pass_open:
+            self._input_pass_open = False
+            for u in self.units:
+                if u.gathered or u.work is not None:
+                    self._release(u)
 
     def _opening(self) -> list[_Unit]:
         """The units the next forward opens with, whose gathers nothing before them would hide:
@@ -385,6 +408,7 @@ class FullyShardedDataParallel:
         self._carrying, self._accumulating = self._carry, True
         try:
             yield
+            self._end_input_pass()  # (while the hold above still applies)
             self._drain(self._scope)
         finally:
             self._carrying = self._accumulating = False
@@ -395,10 +419,13 @@ class FullyShardedDataParallel:
         zero-bubble input-gradient pass): a `no_sync()` ending in it reduces no other unit, so
         a pipeline rank's other chunks, whose backwards come later, send no zeros."""
         self._scope = {self._unit_of[p] for p in params if p in self._unit_of}
+        self._input_pass_open = not self._scope
         try:
             yield
+            self._end_input_pass()  # the last micro-batch's (no no_sync() ended it)
         finally:
             self._scope = None
+            self._input_pass_open = False
 
     def finish(self) -> None:
         # Nothing gathered outlives the step, whose optimizer changes the shards: the drain
