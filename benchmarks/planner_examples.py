@@ -42,6 +42,10 @@ _CP_FIX = "tp=1,pp=1,dp={dp},cp={cp},micro_batch=1,zero=1,recompute={rc}"
 _CARRY = ("--model llama3-8b --gpus 16 --gpu h100 --seq 8192 --global-batch 64 --top 1 --fix "
           "tp=1,pp=1,dp=16,cp=1,micro_batch=1,zero=3,recompute=none")
 
+_TT_PP = ("--model llama3-70b --gpus 64 --gpu h100 --seq 8192 --global-batch 128 --top 1 "
+          "--trainer torchtitan --fix tp=8,pp=4,dp=2,cp=1,micro_batch=1,zero=3,recompute=full,"
+          "schedule=1f1b,sp=true")
+
 EXAMPLES: dict[str, str] = {
     "moe_mixtral_8x7b_64xh100": f"{_MOE} --model mixtral-8x7b --gpus 64 --top 5",
     "moe_mixtral_8x7b_64xh100_balanced":
@@ -78,6 +82,11 @@ EXAMPLES: dict[str, str] = {
     "zero3_kept_llama3_8b_16xh100_full": (f"{_CARRY.replace('recompute=none', 'recompute=full')}"
                                           ",reshard_after_forward=false"),
     "zero3_resharded_llama3_8b_16xh100_full": _CARRY.replace("recompute=none", "recompute=full"),
+    # torchtitan's FSDP2 under a pipeline as PyTorch's pipelining drives it (`pp_fsdp`), as
+    # meshloom's ZeRO-3 runs a pipeline, and as the planner priced it before (ZeRO-2).
+    "torchtitan_llama3_70b_64xh100_pp4": _TT_PP,
+    "torchtitan_llama3_70b_64xh100_pp4_meshloom": f"{_TT_PP},pp_fsdp=meshloom",
+    "torchtitan_llama3_70b_64xh100_pp4_zero2": _TT_PP.replace("zero=3", "zero=2"),
     "llama3_70b_64xh100": f"{_L70} --top 5",
     "llama3_70b_64xh100_compile": f"{_L70} --top 1 --fix {_BEST},compile=true",
     "llama3_70b_64xh100_tp_overlap": f"{_L70} --top 1 --fix {_BEST},tp_overlap=true",

@@ -105,8 +105,8 @@ def test_every_published_layout_is_one_its_trainer_runs():
     ("flash-attention", dict(dp=8, recompute="full"), "recompute", "mlp_checkpoint_lvl"),
     ("torchtitan", dict(dp=8, zero=1), "zero", "never ZeRO-1"),
     ("torchtitan", dict(tp=2, dp=4, zero=0), "zero", "DDP only as 1-D"),
-    ("torchtitan", dict(pp=2, dp=4, zero=3), "zero", "under a pipeline (ZeRO-2)"),
-    ("torchtitan", dict(dp=8, zero=2), "zero", "without a pipeline (ZeRO-3)"),
+    ("torchtitan", dict(pp=2, dp=4, zero=2), "zero", "held gathered for the step"),
+    ("torchtitan", dict(dp=8, zero=2), "zero", "shards with FSDP2: ZeRO-3"),
 ])
 def test_layout_rules_refuse_what_the_trainer_cannot_run(trainer, layout, key, why):
     from meshloom.plan.trainers import layout_problem
@@ -120,7 +120,7 @@ def test_rules_accept_what_the_trainer_runs_and_a_pinned_key_hides_no_other_prob
     from meshloom.plan.trainers import layout_problem
     ok = [("nemo", dict(tp=4, pp=2, dp=1, zero=1, schedule="interleaved_1f1b", v=2)),
           ("megatron-deepspeed", dict(dp=8, zero=3)),  # no pipeline: any ZeRO stage
-          ("torchtitan", dict(pp=2, dp=4, zero=2)), ("torchtitan", dict(dp=8, zero=0)),
+          ("torchtitan", dict(pp=2, dp=4, zero=3)), ("torchtitan", dict(dp=8, zero=0)),
           ("torchtitan", dict(tp=8, zero=1)),  # one data-parallel rank: no sharding at all
           ("llm-foundry", dict(dp=8, zero=3, recompute="full")),
           ("meshloom", dict(tp=2, pp=2, dp=2, zero=1))]

@@ -46,6 +46,8 @@ def explain(c: Candidate) -> str:
                  f"{100 * t.optimizer / step:5.1f}%")
     lines.append(f"  {'= step':<28}{_ms(step)}")
     lines += ["", f"memory per GPU (pipeline rank {mem.rank}):"]
+    piped = (d["implementation"]["pp_fsdp"] == "pytorch" and c.layout.pp > 1
+             and c.layout.zero == 3)
     for name in ("params", "grads", "optimizer", "activations", "buffers", "context"):
         lines.append(f"  {name:<28}{getattr(mem, name) / GB:10.2f} GB")
         if name == "activations" and mem.counted_as:
@@ -54,8 +56,12 @@ def explain(c: Candidate) -> str:
             lines.append(f"    ZeRO-3's root unit, gathered forward to backward "
                          f"(fsdp_root={d['implementation']['fsdp_root']}): "
                          f"{mem.root_unit / GB:.2f} GB")
+        if name == "grads" and piped:
+            lines.append("    the shards, and the stage's whole gradients in the reduce dtype, "
+                         "reduce-scattered once after its last backward (pp_fsdp=pytorch)")
         if name == "buffers" and mem.held_units:
+            why = "pp_fsdp=pytorch, held for the step" if piped else "reshard_after_forward=false"
             lines.append(f"    ZeRO-3's units, every one gathered at the peak "
-                         f"(reshard_after_forward=false): {mem.held_units / GB:.2f} GB")
+                         f"({why}): {mem.held_units / GB:.2f} GB")
     lines.append(f"  {'= total':<28}{mem.total / GB:10.2f} GB of {c.gpu_memory / GB:.0f} GB")
     return "\n".join(lines)

@@ -99,6 +99,19 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   rank's parameters gathered (`zero3_gathered_params`) and no backward gathers; meshloom then
   also keeps them gathered between the step's micro-batches (with `fsdp_carry`, in a pipeline
   too): one gather a unit a step, behind the first forward. A no-op unless zero = 3.
+- `pp_fsdp`: how ZeRO-3 runs under a pipeline (pp > 1). `meshloom`: as without one (each
+  unit resharded as `reshard_after_forward` says, every micro-batch's gradients
+  reduce-scattered behind its backward, chunk by chunk: parallel/pipeline.py). `pytorch`: as
+  PyTorch's pipelining drives FSDP2 (torch.distributed.pipelining, stage.py: every backward
+  runs after `set_reshard_after_backward(False)` and `set_requires_gradient_sync(False)`,
+  and `perform_reduce_grad` runs the post-backward once the stage's last backward is done;
+  torchtitan also builds its blocks with `reshard_after_forward` off under a pipeline): each
+  unit is gathered in the stage's first forward and stays gathered to the step's end (one
+  gather a step, `zero3_held_step`), each backward's gradients accumulate whole in the reduce
+  dtype (FSDP2's `to_accumulated_grad_if_needed` upcasts the first micro-batch's, later ones
+  are added in), and the whole gradients are reduce-scattered once, after the stage's last
+  backward, with nothing beside them (FSDP2's final callback makes the compute stream wait).
+  A no-op unless zero = 3 and pp > 1.
 - `grad_reduce_dtype`: the dtype data-parallel gradient collectives carry in bf16 training:
   `fp32` (meshloom's `parallel.reduce_dtype` default, docs/mixed-precision.md; PyTorch FSDP2 as
   torchtitan configures it, `mixed_precision_reduce = "float32"`; DDP under autocast, whose
@@ -325,6 +338,7 @@ class Implementation:
     fsdp_root: str = "head"
     fsdp_carry: bool = True
     reshard_after_forward: bool = True
+    pp_fsdp: str = "meshloom"
     grad_reduce_dtype: str = "fp32"
     deepspeed_bf16_optimizer: bool = False
     dp_buckets: str = "torch"
@@ -387,24 +401,46 @@ def keeps_grads(impl: Implementation, lay) -> bool:
     return impl.grad_clip and (bucketed or not impl.free_unbucketed_grads)
 
 
+def pytorch_pipelined(impl: Implementation, lay) -> bool:
+    """Whether ZeRO-3 runs under a pipeline as PyTorch's pipelining drives FSDP2 (`pp_fsdp`):
+    held gathered for the step, whole gradients reduce-scattered once after the stage's last
+    backward."""
+    return impl.pp_fsdp == "pytorch" and lay.zero == 3 and lay.pp > 1
+
+
 def zero3_resharded(impl: Implementation, lay) -> bool:
     """Whether ZeRO-3 frees each unit after its forward (`reshard_after_forward`); True for
     every other stage."""
-    return lay.zero != 3 or impl.reshard_after_forward
+    return lay.zero != 3 or impl.reshard_after_forward and not pytorch_pipelined(impl, lay)
 
 
 def zero3_held_step(impl: Implementation, lay) -> bool:
     """Whether ZeRO-3 without resharding keeps every unit gathered across the step's
-    micro-batches, gathering each once a step (meshloom, `fsdp_carry`), where others gather
-    each micro-batch's forward again."""
-    return not zero3_resharded(impl, lay) and impl.fsdp_carry
+    micro-batches, gathering each once a step (meshloom, `fsdp_carry`; PyTorch's pipelining),
+    where others gather each micro-batch's forward again."""
+    return not zero3_resharded(impl, lay) and (impl.fsdp_carry
+                                               or pytorch_pipelined(impl, lay))
 
 
 def zero3_no_sync(impl: Implementation, lay, m: int) -> bool:
     """Whether ZeRO-3 (or FSDP1's ZeRO-2, `fsdp_flat_param`) keeps whole gradients over the
-    step's `m` micro-batches and reduce-scatters once (`fsdp_no_sync`)."""
+    step's `m` micro-batches and reduce-scatters once (`fsdp_no_sync`; PyTorch's pipelining
+    always, even for one micro-batch)."""
     fsdp = lay.zero == 3 or lay.zero == 2 and impl.fsdp_flat_param
-    return impl.fsdp_no_sync and fsdp and m > 1
+    return fsdp and (impl.fsdp_no_sync and m > 1 or pytorch_pipelined(impl, lay))
+
+
+def reduce_bytes(impl: Implementation, dtype: str) -> int:
+    """Bytes of one gradient element on the data-parallel wire (`grad_reduce_dtype`; both
+    dtypes are 4 bytes in fp32 training)."""
+    return 4 if impl.grad_reduce_dtype == "fp32" or dtype == "fp32" else 2
+
+
+def whole_grad_bytes(impl: Implementation, lay, dtype: str) -> int | None:
+    """Bytes of each whole gradient ZeRO-3 accumulates over a step (`zero3_no_sync`): under
+    PyTorch's pipelining FSDP2 keeps them in the reduce dtype (`pp_fsdp`); None for the
+    backward's own gradient dtype (FSDP1's flat gradient under `no_sync()`)."""
+    return reduce_bytes(impl, dtype) if pytorch_pipelined(impl, lay) else None
 
 
 def fp32_gradient_shards(impl: Implementation, lay) -> bool:
@@ -457,7 +493,7 @@ def parse_bool(key: str, value: str) -> bool:
 
 STR_IMPL_KEYS = ("attention_kernel", "pp_split", "optimizer_state", "optimizer_impl",
                  "grad_reduce_dtype", "dp_buckets", "cross_entropy", "train_metrics", "cp_ring",
-                 "nccl_protocols", "sp_copies", "residual_stream", "fsdp_root")
+                 "nccl_protocols", "sp_copies", "residual_stream", "fsdp_root", "pp_fsdp")
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 OPTIMIZER_IMPLS = ("fused", "foreach", "for_loop")
 # Bytes per parameter beside the bf16 parameter and gradient: (master copy, Adam moments).
@@ -467,6 +503,7 @@ NCCL_PROTOCOLS = ("auto", "simple")
 SP_COPIES = ("always", "batch", "none")
 RESIDUAL_STREAMS = ("16bit", "fp32", "fp32_cast")
 FSDP_ROOTS = ("head", "outer")
+PP_FSDP = ("meshloom", "pytorch")
 CROSS_ENTROPY = ("auto", "fused", "eager", "xentropy", "megatron", "megatron_fused")
 # Eager cross-entropy forwards over the logits a loop's training metrics run per micro-batch.
 TRAIN_METRIC_PASSES = {"none": 0, "composer": 2}

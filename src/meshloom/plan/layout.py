@@ -17,6 +17,7 @@ from meshloom.plan.implementation import (
     NCCL_PROTOCOLS,
     OPTIMIZER_IMPLS,
     OPTIMIZER_STATES,
+    PP_FSDP,
     RESIDUAL_STREAMS,
     SP_COPIES,
     STR_IMPL_KEYS,
@@ -113,7 +114,8 @@ def parse_fix(text: str) -> dict:
                        "nccl_protocols": NCCL_PROTOCOLS,
                        "sp_copies": SP_COPIES,
                        "residual_stream": RESIDUAL_STREAMS,
-                       "fsdp_root": FSDP_ROOTS}.get(key, SCHEDULES)
+                       "fsdp_root": FSDP_ROOTS,
+                       "pp_fsdp": PP_FSDP}.get(key, SCHEDULES)
             if value not in options:
                 raise PlanError(f"--fix: {key}={value} must be one of {', '.join(options)}")
             out[key] = value

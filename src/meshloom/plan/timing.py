@@ -49,6 +49,8 @@ from meshloom.plan.implementation import (
     dp_calls,
     fp32_working_params,
     keeps_grads,
+    pytorch_pipelined,
+    reduce_bytes,
     whole_fp32_states,
     zero3_held_step,
     zero3_no_sync,
@@ -360,6 +362,12 @@ def _after_backward(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str
                                   optimizer_impl=impl.optimizer_impl)
     if whole_fp32_states(impl, lay, dtype):  # every micro-batch adds an fp32 copy of its grads
         accumulate = rates.stream(clip_params * ACCUMULATE_BF16_TO_FP32 * m)
+    elif pytorch_pipelined(impl, lay):
+        # FSDP2 upcasts the first micro-batch's gradients to the reduce dtype (a read and a
+        # write, none when they match) and adds each later one in (read both, write).
+        g, w = _grad_bytes(impl, lay, dtype), reduce_bytes(impl, dtype)
+        accumulate = rates.stream((dense + experts) * ((g + w if g != w else 0)
+                                                       + (m - 1) * (g + 2 * w)))
     elif zero3_no_sync(impl, lay, m):  # later micro-batches add into the whole gradients
         accumulate = accumulate_seconds(dense + experts, m - 1, rates,
                                         _grad_bytes(impl, lay, dtype))
@@ -406,7 +414,10 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     the updated parameters after the step (a gather's bytes, exposed). `fsdp_prefetch` off:
     every ZeRO-3 (and FSDP1 ZeRO-2) gather and reduce-scatter waits. `fsdp_no_sync`: ZeRO-3
     (and FSDP1 ZeRO-2) reduce-scatters (and copies in, but for FSDP1's concatenation, below)
-    on the last micro-batch only, the others gather as usual. HSDP all-reduces the shard across
+    on the last micro-batch only, the others gather as usual. `pp_fsdp=pytorch` (ZeRO-3 under
+    PyTorch's pipelining): every unit gathered in the first forward and held, the whole
+    gradients (in the wire dtype) reduce-scattered once after the stage's last backward,
+    exposed. HSDP all-reduces the shard across
     replicas after the step, and with cp > 1 the shard is averaged over the cp ranks too (both
     exposed). `fsdp_copy_out` (FSDP2): every
     ZeRO-3 gather is copied out of its flat buffer into each parameter on the
@@ -434,12 +445,11 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
         dense, experts = dense + experts, 0.0
     if lay.dp <= 1 and not experts:
         return none
-    prec = precision(dtype)
     stride = lay.cp * lay.tp
     n = lay.dp_shard
     # Gradients travel in the reduce dtype (`grad_reduce_dtype`), parameters in bf16 (fp32
     # under `fp32_params`).
-    wire = 4 if impl.grad_reduce_dtype == "fp32" else prec.grad_bytes
+    wire = reduce_bytes(impl, dtype)
     param_bytes = gathered_param_bytes(impl, lay, dtype)
     grad_bytes = _grad_bytes(impl, lay, dtype)
     grad_b, param_b = dense * wire, dense * param_bytes
@@ -515,6 +525,7 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     # without `reshard_after_forward` gathers for forwards only: each micro-batch's, or under
     # `zero3_held_step` (meshloom) the first's alone, every unit then held to the step's end.
     resharded = zero3_resharded(impl, lay)
+    pipelined = pytorch_pipelined(impl, lay)
     forwards = 1 if zero3_held_step(impl, lay) else m  # the forwards that gather
     ag_times = ((2 * m if resharded else forwards) if lay.zero == 3
                 else m if fsdp1_zero2 else 1)
@@ -591,6 +602,8 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
             if rs_times == m:
                 out += (carried * _exposed(ag_b + rs + cast + behind, b_mb)
                         + (m - carried) * _exposed(ag_b + rs + cast, b_mb))
+            elif pipelined:  # after the stage's last backward, waited on (`pp_fsdp`)
+                out += rs + cast
             else:
                 out += (_exposed(ag_b + rs + cast, b_mb) + carried * _exposed(ag_b + behind, b_mb)
                         + (m - 1 - carried) * _exposed(ag_b, b_mb))
@@ -617,7 +630,8 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
         out += copy_in
     elif reduced and copies and not whole:
         kernels = units if lay.zero == 3 else per(grad_b, dense, n)
-        copy_in = copies * rates.stream(reduced * (grad_bytes + wire), kernels)
+        held = wire if pipelined else grad_bytes  # (accumulated in the wire dtype)
+        copy_in = copies * rates.stream(reduced * (held + wire), kernels)
         ops["reduce_scatter_copy_in"] = copy_in
         out += copy_in
     if lay.dp_replicate > 1:

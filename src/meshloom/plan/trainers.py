@@ -179,7 +179,7 @@ TRAINERS: dict[str, dict] = {
     "torchtitan": {"compile": False, "op_sac": True, "cross_entropy": "eager",
                    "optimizer_impl": "foreach", "fsdp_copy_out": True, "rope_complex": True,
                    "grad_reduce_dtype": "fp32", "sp_copies": "batch",
-                   "tp_overlap_backward": False, "fsdp_root": "outer"},
+                   "tp_overlap_backward": False, "fsdp_root": "outer", "pp_fsdp": "pytorch"},
 }
 
 
@@ -221,9 +221,11 @@ def trainer_impl(trainer: str) -> dict:
 #   Composer's `activation_checkpointing` of the FSDP-wrapped MPT blocks); flash-attention's
 #   checkpointing recomputes parts of the feed-forward (`mlp_checkpoint_lvl` in its
 #   experiment configs), which the planner has no mode for.
-# - torchtitan (its 2024 parallelize_llama.py) shards with FSDP2, resharding each block after
-#   forward (ZeRO-3) except under pipeline parallel, where it keeps them gathered (ZeRO-2), and
-#   runs DDP only as 1-D parallelism ("DDP has not supported > 1D parallelism").
+# - torchtitan (its 2024 parallelize_llama.py) shards with FSDP2 (ZeRO-3), resharding each
+#   block after forward except under pipeline parallel, where PyTorch's pipelining holds every
+#   unit gathered for the step and reduces whole gradients once (`pp_fsdp=pytorch`: ZeRO-3, not
+#   meshloom's ZeRO-2, which keeps no whole gradients), and runs DDP only as 1-D parallelism
+#   ("DDP has not supported > 1D parallelism").
 _ONLY_DP = "is data-parallel only"
 _WHOLE_BLOCKS = "recomputes whole blocks only"
 
@@ -263,10 +265,9 @@ def _torchtitan(lay) -> Iterator[tuple[str, str]]:
         yield "zero", "shards with FSDP2 (ZeRO-2/3) or runs DDP, never ZeRO-1"
     if lay.zero == 0 and (lay.tp > 1 or lay.pp > 1 or lay.cp > 1):
         yield "zero", "runs DDP only as 1-D parallelism"
-    if lay.pp > 1 and lay.zero == 3:
-        yield "zero", "keeps blocks gathered after forward under a pipeline (ZeRO-2)"
-    if lay.pp == 1 and lay.zero == 2:
-        yield "zero", "reshards blocks after forward without a pipeline (ZeRO-3)"
+    if lay.zero == 2:
+        yield "zero", ("shards with FSDP2: ZeRO-3, resharding blocks after forward, or under a "
+                       "pipeline held gathered for the step (pp_fsdp=pytorch)")
 
 
 LAYOUT_RULES = {
