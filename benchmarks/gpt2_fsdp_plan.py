@@ -23,9 +23,12 @@ GB = 1e9
 
 
 def plan_args(model: str, zero: int, micro: int, gpu: str, seq: int) -> list[str]:
+    # FSDP as the experiment ran it, resharding after forward (the search would otherwise
+    # hold the units where that fits: docs/plan.md, Search).
+    held = ",reshard_after_forward=true" if zero == 3 else ""
     return ["plan", "--model", model, "--gpus", "2", "--gpu", gpu, "--seq", str(seq),
             "--global-batch", str(2 * micro), "--dtype", "bf16", "--top", "1", "--json",
-            "--fix", f"tp=1,pp=1,dp=2,zero={zero},micro_batch={micro},recompute=none"]
+            "--fix", f"tp=1,pp=1,dp=2,zero={zero},micro_batch={micro},recompute=none{held}"]
 
 
 def run_plan(argv: list[str]) -> dict:

@@ -46,6 +46,8 @@ _TT_PP = ("--model llama3-70b --gpus 64 --gpu h100 --seq 8192 --global-batch 128
           "--trainer torchtitan --fix tp=8,pp=4,dp=2,cp=1,micro_batch=1,zero=3,recompute=full,"
           "schedule=1f1b,sp=true")
 
+_CARRY_FULL = _CARRY.replace("recompute=none", "recompute=full")
+
 EXAMPLES: dict[str, str] = {
     "moe_mixtral_8x7b_64xh100": f"{_MOE} --model mixtral-8x7b --gpus 64 --top 5",
     "moe_mixtral_8x7b_64xh100_balanced":
@@ -79,9 +81,9 @@ EXAMPLES: dict[str, str] = {
     "fsdp_carry_llama3_8b_16xh100_off": f"{_CARRY},fsdp_carry=false",
     # ZeRO-3 without resharding after forward: every unit gathered at the peak, once a step.
     "zero3_kept_llama3_8b_16xh100": f"{_CARRY},reshard_after_forward=false",
-    "zero3_kept_llama3_8b_16xh100_full": (f"{_CARRY.replace('recompute=none', 'recompute=full')}"
-                                          ",reshard_after_forward=false"),
-    "zero3_resharded_llama3_8b_16xh100_full": _CARRY.replace("recompute=none", "recompute=full"),
+    "zero3_kept_llama3_8b_16xh100_full": f"{_CARRY_FULL},reshard_after_forward=false",
+    # (pinned: the search would otherwise pick the held units, which fit and are faster)
+    "zero3_resharded_llama3_8b_16xh100_full": f"{_CARRY_FULL},reshard_after_forward=true",
     # torchtitan's FSDP2 under a pipeline as PyTorch's pipelining drives it (`pp_fsdp`), as
     # meshloom's ZeRO-3 runs a pipeline, and as the planner priced it before (ZeRO-2).
     "torchtitan_llama3_70b_64xh100_pp4": _TT_PP,

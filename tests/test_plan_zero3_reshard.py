@@ -134,3 +134,63 @@ def test_peak_memory_rises_by_the_units_not_held_before():
     root = zero3_root_params(LLAMA, lay, 0, MESHLOOM) * 2
     assert off.total - on.total == pytest.approx(
         whole - root - 2 * LLAMA.layer_params * 2, rel=1e-12)
+
+
+# -- the search tries it (meshloom only, unless pinned)
+
+_CLI = ["plan", "--model", "llama3-8b", "--gpus", "16", "--gpu", "h100", "--seq", "8192",
+        "--global-batch", "64", "--top", "1", "--json", "--fix"]
+_PIN = "tp=1,pp=1,dp=16,cp=1,micro_batch=1,zero=3,recompute="
+
+
+def _best(capsys, fix: str, *more: str) -> dict:
+    import json
+
+    from meshloom.commands import main
+    assert main([*_CLI, fix, *more]) == 0
+    return json.loads(capsys.readouterr().out)["candidates"][0]
+
+
+def test_the_search_holds_units_where_that_fits_and_is_faster(capsys):
+    held = _best(capsys, _PIN + "full")
+    assert held["summary"].endswith("zero3 full no-reshard")
+    assert held["time_detail_s"]["implementation"]["reshard_after_forward"] is False
+    resharded = _best(capsys, _PIN + "full,reshard_after_forward=true")
+    assert resharded["summary"].endswith("zero3 full")
+    assert held["step_time_s"] < resharded["step_time_s"]
+    assert held["memory_per_gpu_bytes"]["total"] > resharded["memory_per_gpu_bytes"]["total"]
+    # Pinned false: the same plan as the search's pick.
+    assert _best(capsys, _PIN + "full,reshard_after_forward=false")["step_time_s"] == (
+        held["step_time_s"])
+
+
+def test_the_search_keeps_resharding_where_holding_does_not_fit(capsys):
+    got = _best(capsys, _PIN + "none")
+    assert got["summary"].endswith("zero3 none") and got["fits"]
+    kept = _best(capsys, _PIN + "none,reshard_after_forward=false")
+    assert not kept["fits"]
+
+
+def test_other_trainers_are_not_offered_it(capsys):
+    got = _best(capsys, _PIN + "full", "--trainer", "llm-foundry")
+    assert "no-reshard" not in got["summary"]
+    assert got["time_detail_s"]["implementation"]["reshard_after_forward"] is True
+
+
+def test_the_library_search_does_not_try_it_unless_asked():
+    from meshloom.plan.search import search
+    lay = dict(tp=1, pp=1, dp=8, cp=1, micro_batch=1, zero=3, recompute="full")
+    cl = make_cluster("h100", 8)
+    plain = search(LLAMA, cl, SEQ, BATCH, lay, top=1)[0]
+    tried = search(LLAMA, cl, SEQ, BATCH, lay, top=1, try_held=True)[0]
+    assert not plain.held and tried.held
+    assert tried.timing.step_time_s < plain.timing.step_time_s
+
+
+def test_written_config_follows_the_pick(tmp_path, capsys):
+    from meshloom.commands import main
+    out = tmp_path / "best.toml"
+    assert main([*_CLI[:-2], "--fix", _PIN + "full", "--write-config", str(out)]) == 0
+    text = out.read_text()
+    assert "reshard_after_forward = false" in text
+    assert "no-reshard" in capsys.readouterr().out

@@ -153,8 +153,11 @@ def plan(args) -> tuple[ModelShape, list[Candidate], dict]:
     refuses = None
     if args.trainer != "meshloom":  # only the layouts its code runs, bar what --fix pins
         refuses = functools.partial(layout_problem, args.trainer, pinned=frozenset(pinned))
+    # meshloom's ZeRO-3 runs either way (parallel.reshard_after_forward): try both unless
+    # pinned; other trainers' versions reshard as their entries say.
+    try_held = args.trainer == "meshloom" and "reshard_after_forward" not in pinned
     found = search(shape, cluster, args.seq, batch, fixed, args.dtype,
-                   args.attention == "flash", args.top, refuses)
+                   args.attention == "flash", args.top, refuses, try_held)
     setup = {"model": shape.to_dict(), "cluster": {"gpu": cluster.gpu.__dict__,
                                                     "gpus": cluster.n_gpus,
                                                     "gpus_per_node": cluster.gpus_per_node},
@@ -198,13 +201,11 @@ def run(args) -> int:
 
 
 def _write_config(path: str, shape: ModelShape, best: Candidate, setup: dict) -> None:
-    from meshloom.plan.implementation import split_fix
     from meshloom.plan.layout import config_toml
     if not best.fits:
         raise PlanError("no layout fits in memory; not writing a config")
-    impl = split_fix(setup["fix"])[1]
     text = config_toml(best.layout, shape, setup["seq"], setup["global_batch"], setup["dtype"],
-                       impl.compile, impl.reshard_after_forward)
+                       best.impl.compile, best.impl.reshard_after_forward)
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise PlanError(f"--write-config: folder {folder} does not exist")
@@ -226,14 +227,14 @@ def format_table(shape: ModelShape, found: list[Candidate], setup: dict) -> str:
              f"{setup['global_batch']}, {setup['dtype']}, {setup['attention']} attention"]
     if found and not found[0].fits:
         lines.append("NOTHING FITS: the layouts below need the least memory.")
-    head = (f"{'#':>2}  {'layout':<62} {'fits':>4} {'mem GB':>7} {'step s':>8} "
+    head = (f"{'#':>2}  {'layout':<72} {'fits':>4} {'mem GB':>7} {'step s':>8} "
             f"{'TFLOP/s':>7} {'MFU':>5} {'tok/s/GPU':>9}  time: compute/tp/cp/pp/dp/bubble %")
     lines += [head, "-" * len(head)]
     for i, c in enumerate(found, 1):
         t = c.timing
         parts = [t.compute, t.tp, t.cp, t.pp, t.dp, t.bubble]
         pct = "/".join(f"{100 * x / t.step_time_s:.0f}" for x in parts)
-        lines.append(f"{i:>2}  {c.layout.short():<62} {'yes' if c.fits else 'NO':>4} "
+        lines.append(f"{i:>2}  {c.short():<72} {'yes' if c.fits else 'NO':>4} "
                      f"{c.memory.total / gb:>7.1f} {t.step_time_s:>8.3g} "
                      f"{c.tflops_per_gpu:>7.0f} {c.mfu:>5.0%} {c.tokens_per_s_per_gpu:>9.0f}  "
                      f"{pct}")

@@ -15,7 +15,7 @@ def _ms(x: float) -> str:
 def explain(c: Candidate) -> str:
     t, d, mem = c.timing, c.timing.detail, c.memory
     step = t.step_time_s
-    lines = [f"layout {c.layout.short()}  ({'fits' if c.fits else 'DOES NOT FIT'})",
+    lines = [f"layout {c.short()}  ({'fits' if c.fits else 'DOES NOT FIT'})",
              f"rates: {d['rates']}",
              "implementation: " + ", ".join(f"{k}={str(v).lower()}"
                                             for k, v in d["implementation"].items()),

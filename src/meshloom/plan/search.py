@@ -57,6 +57,17 @@ class Candidate:
     peak_flops: float
     tokens: int  # per step
     moe: dict | None = None  # a mixture-of-experts model's figures (plan/moe.py summary)
+    impl: Implementation = MESHLOOM  # how the code runs it (the search may pick per layout)
+
+    @property
+    def held(self) -> bool:
+        """Whether ZeRO-3 runs without resharding after forward (`reshard_after_forward`
+        off), which the search tries for meshloom beside the resharding default."""
+        return self.layout.zero == 3 and not self.impl.reshard_after_forward
+
+    def short(self) -> str:
+        """The layout's one-line summary, with `no-reshard` where ZeRO-3 holds its units."""
+        return self.layout.short() + (" no-reshard" if self.held else "")
 
     @property
     def fits(self) -> bool:
@@ -81,7 +92,7 @@ class Candidate:
     def to_dict(self) -> dict:
         t = self.timing
         return {
-            "layout": self.layout.to_dict(), "summary": self.layout.short(), "fits": self.fits,
+            "layout": self.layout.to_dict(), "summary": self.short(), "fits": self.fits,
             "memory_per_gpu_bytes": self.memory.to_dict(), "gpu_memory_bytes": self.gpu_memory,
             "step_time_s": t.step_time_s, "tflops_per_gpu": self.tflops_per_gpu,
             "hw_tflops_per_gpu": self.hw_tflops_per_gpu, "mfu": self.mfu,
@@ -209,7 +220,7 @@ def evaluate(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global_
                           tim.detail["comm_s"]["ep"].get("ops", {}).get("all_to_all", 0.0),
                           impl)
     return Candidate(lay, mem, tim, cluster.gpu.memory_gb * 1e9, cluster.n_gpus,
-                     cluster.gpu.peak_tflops * 1e12, global_batch * seq, moe)
+                     cluster.gpu.peak_tflops * 1e12, global_batch * seq, moe, impl)
 
 
 def _divisors(n: int) -> list[int]:
@@ -280,17 +291,22 @@ def _rest(shape, cluster, seq, global_batch, fixed, opts, base: Layout) -> Itera
 
 def search(shape: ModelShape, cluster: Cluster, seq: int, global_batch: int, fixed: dict,
            dtype: str = "bf16", flash: bool = True, top: int = 10,
-           refuses: Callable[[Layout], str | None] | None = None) -> list[Candidate]:
+           refuses: Callable[[Layout], str | None] | None = None,
+           try_held: bool = False) -> list[Candidate]:
     """The `top` fastest layouts that fit (the least memory-hungry ones if none fits). The
     implementation keys of `fixed` (plan/implementation.py) say how the code runs them;
     `refuses`, if given, names why a layout is out (the layouts a trainer cannot run,
-    plan/trainers.py) and the search skips those."""
+    plan/trainers.py) and the search skips those. `try_held`: each ZeRO-3 layout is also
+    tried without resharding after forward (every unit held for the step: more memory, fewer
+    gathers), and whichever of the two fits and is faster stands for the layout; `meshloom
+    plan` asks for it unless the user pins `reshard_after_forward`."""
     if global_batch < 1 or seq < 1:
         raise PlanError("--seq and --global-batch must be positive")
     fixed, impl = split_fix(fixed)
+    held = replace(impl, reshard_after_forward=False) if try_held else None
     with _collector_paused():
         return _search(shape, cluster, seq, global_batch, fixed, impl, dtype, flash, top,
-                       refuses)
+                       refuses, held)
 
 
 @contextmanager
@@ -309,8 +325,10 @@ def _collector_paused() -> Iterator[None]:
 
 def _search(shape: ModelShape, cluster: Cluster, seq: int, global_batch: int, fixed: dict,
             impl: Implementation, dtype: str, flash: bool, top: int,
-            refuses: Callable[[Layout], str | None] | None = None) -> list[Candidate]:
+            refuses: Callable[[Layout], str | None] | None = None,
+            held: Implementation | None = None) -> list[Candidate]:
     fitting: list[Candidate] = []
+    budget = cluster.gpu.memory_gb * 1e9
     smallest: list[tuple[float, Layout]] = []
     count = 0
     skipped = None
@@ -325,11 +343,19 @@ def _search(shape: ModelShape, cluster: Cluster, seq: int, global_batch: int, fi
             continue
         count += 1
         mem = memory_per_gpu(shape, lay, seq, global_batch, dtype, flash, impl)
-        if mem.total > cluster.gpu.memory_gb * 1e9:
+        if mem.total > budget:
             smallest.append((mem.total, lay))
             continue
-        fitting.append(evaluate(shape, lay, cluster, seq, global_batch, dtype, flash,
-                                exact=False, memory=mem, impl=impl))
+        best = evaluate(shape, lay, cluster, seq, global_batch, dtype, flash, exact=False,
+                        memory=mem, impl=impl)
+        if held is not None and lay.zero == 3:  # held needs more memory: only if this fits
+            mem = memory_per_gpu(shape, lay, seq, global_batch, dtype, flash, held)
+            if mem.total <= budget:
+                alt = evaluate(shape, lay, cluster, seq, global_batch, dtype, flash,
+                               exact=False, memory=mem, impl=held)
+                if alt.timing.step_time_s < best.timing.step_time_s:
+                    best = alt
+        fitting.append(best)
     if not count:
         if refused:
             raise PlanError(f"no layout{' with --fix ' + _fmt(fixed) if fixed else ''} that "
@@ -343,7 +369,7 @@ def _search(shape: ModelShape, cluster: Cluster, seq: int, global_batch: int, fi
                 for _, lay in smallest[:top]]
     fitting.sort(key=lambda c: c.timing.step_time_s)
     head = [evaluate(shape, c.layout, cluster, seq, global_batch, dtype, flash,
-                     memory=c.memory, impl=impl) for c in fitting[:max(top, EXACT_PASS)]]
+                     memory=c.memory, impl=c.impl) for c in fitting[:max(top, EXACT_PASS)]]
     head.sort(key=lambda c: c.timing.step_time_s)
     return head[:top]
 
