@@ -333,6 +333,42 @@ def test_cli_table_json_and_config(tmp_path):
     assert cfg.parallel.tp == 2 and cfg.model.preset == "small" and cfg.data.seq_len == 1024
 
 
+def _write(tmp_path, capsys, fix: str) -> tuple[int, str, str]:
+    from meshloom.commands import main
+    out = tmp_path / "best.toml"
+    code = main(["plan", "--model", "small", "--gpus", "4", "--seq", "1024", "--global-batch",
+                 "16", "--top", "1", "--write-config", str(out), "--fix", fix])
+    return code, out.read_text() if out.exists() else "", capsys.readouterr().err.strip()
+
+
+def test_written_config_carries_the_reduce_dtype(tmp_path, capsys):
+    code, text, _ = _write(tmp_path, capsys, "tp=2,grad_reduce_dtype=bf16")
+    assert code == 0 and 'reduce_dtype = "bf16"' in text
+    cfg = load_config(tmp_path / "best.toml", [])
+    validate(cfg, world_size=4)
+    assert cfg.parallel.reduce_dtype == "bf16"
+    code, text, _ = _write(tmp_path, capsys, "tp=2")
+    assert code == 0 and "reduce_dtype" not in text
+
+
+@pytest.mark.parametrize("fix,said", [("fsdp_prefetch=false", "fsdp_prefetch=false"),
+                                      ("zero=3,pp_fsdp=pytorch", "pp_fsdp=pytorch"),
+                                      ("attention_kernel=triton", "attention_kernel=triton")])
+def test_no_config_for_a_run_meshloom_would_not_be(tmp_path, capsys, fix, said):
+    """A key pinned with --fix that a meshloom config cannot say: the written config would run
+    otherwise than planned, so none is written (one line, exit 2)."""
+    code, text, err = _write(tmp_path, capsys, fix)
+    assert code == 2 and text == ""
+    assert err == ("meshloom plan: error: --write-config writes a meshloom config, which "
+                   f"cannot say {said} (from --fix); drop one of them")
+
+
+def test_the_environment_is_not_refused(tmp_path, capsys):
+    """What SDPA picks and NCCL's protocols are the run's environment, not its config."""
+    code, _, err = _write(tmp_path, capsys, "tp=2,attention_kernel=cudnn,nccl_protocols=simple")
+    assert code == 0, err
+
+
 def test_cli_hf_config_and_explicit_dims(tmp_path):
     hf = tmp_path / "config.json"
     hf.write_text(json.dumps({"model_type": "llama", "hidden_size": 512,

@@ -200,12 +200,32 @@ def run(args) -> int:
     return 0
 
 
+# The implementation keys a meshloom config can say (train.compile,
+# parallel.reshard_after_forward, parallel.reduce_dtype), and what the run's environment
+# decides: the kernel SDPA picks (FlashAttention-2 or cuDNN), NCCL's protocols (NCCL_PROTO).
+# Any other key differing from meshloom's own describes a run the written config would not be.
+_WRITABLE = ("compile", "reshard_after_forward", "grad_reduce_dtype", "nccl_protocols")
+_SDPA_PICKS = ("sdpa", "fa2", "cudnn")
+
+
+def _unwritable(impl) -> list[str]:
+    from meshloom.plan.implementation import MESHLOOM
+    return [f"{k}={str(v).lower()}" for k, v in impl.to_dict().items()
+            if k not in _WRITABLE and v != getattr(MESHLOOM, k)
+            and not (k == "attention_kernel" and v in _SDPA_PICKS)]
+
+
 def _write_config(path: str, shape: ModelShape, best: Candidate, setup: dict) -> None:
     from meshloom.plan.layout import config_toml
     if not best.fits:
         raise PlanError("no layout fits in memory; not writing a config")
+    other = _unwritable(best.impl)
+    if other:
+        raise PlanError("--write-config writes a meshloom config, which cannot say "
+                        f"{', '.join(other)} (from --fix); drop one of them")
     text = config_toml(best.layout, shape, setup["seq"], setup["global_batch"], setup["dtype"],
-                       best.impl.compile, best.impl.reshard_after_forward)
+                       best.impl.compile, best.impl.reshard_after_forward,
+                       best.impl.grad_reduce_dtype)
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise PlanError(f"--write-config: folder {folder} does not exist")

@@ -129,9 +129,11 @@ def layout_fields() -> list[str]:
 
 
 def config_toml(layout: Layout, shape, seq: int, global_batch: int, dtype: str,
-                compile_blocks: bool = False, reshard_after_forward: bool = True) -> str:
+                compile_blocks: bool = False, reshard_after_forward: bool = True,
+                reduce_dtype: str = "fp32") -> str:
     """A meshloom training config for this layout, with the run options the plan was priced
-    with (`compile`, ZeRO-3's `reshard_after_forward`) where they are not the defaults. A
+    with (`compile`, ZeRO-3's `reshard_after_forward`, the gradients' `reduce_dtype`) where
+    they are not the defaults. A
     preset of meshloom's own is named (a GPT shape with its vocabulary, which the tokenizer
     would otherwise set); any other shape is written out: a Llama shape as such, a GPT shape on
     the gpt2 preset."""
@@ -167,7 +169,8 @@ def config_toml(layout: Layout, shape, seq: int, global_batch: int, dtype: str,
         f"tp = {layout.tp}",
         f"sequence_parallel = {'true' if layout.sp else 'false'}",
         f"pp = {layout.pp}", f"cp = {layout.cp}",
-    ] + ([f"ep = {layout.ep}"] if layout.ep > 1 else [])
+    ] + ([f"ep = {layout.ep}"] if layout.ep > 1 else []) + (
+        [f'reduce_dtype = "{reduce_dtype}"'] if reduce_dtype != "fp32" else [])
     if layout.pp > 1:
         lines += [f'pp_schedule = "{layout.schedule}"', f"pp_virtual_stages = {layout.v}"]
     return "\n".join(lines) + "\n"
