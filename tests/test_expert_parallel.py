@@ -85,6 +85,13 @@ CASES = [
     (4, ["parallel.ep=2", "parallel.zero_stage=2", "parallel.dp_replicate=2"]),  # HSDP
     (4, ["parallel.ep=2", "parallel.tp=2"]),
     (4, ["parallel.ep=2", "parallel.pp=2", "parallel.pp_microbatches=2"]),
+    # The zero-bubble schedule defers the expert matmuls' weight gradients too; ZeRO-3 frees
+    # the units its input pass leaves.
+    (4, ["parallel.ep=2", "parallel.pp=2", "parallel.pp_microbatches=2",
+         "parallel.pp_schedule=zb_h1", "parallel.zero_stage=3"]),
+    (4, ["parallel.ep=2", "parallel.pp=2", "parallel.pp_microbatches=2",
+         "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2",
+         "parallel.zero_stage=2"]),
     # Context parallel: sequences in chunks over cp, routed (aux loss) as whole sequences
     (2, ["parallel.cp=2"]),
     (4, ["parallel.ep=2", "parallel.cp=2"]),  # ep across the cp ranks of a sequence

@@ -142,7 +142,8 @@ def _assert_sharded_comm(results, stage: int, n_shard: int, ops: tuple[str, ...]
 
 @pytest.mark.parametrize("schedule,v,reshard", [("1f1b", 1, True), ("gpipe", 1, True),
                                                 ("interleaved_1f1b", 2, True),
-                                                ("zb_h1", 1, True), ("1f1b", 1, False)])
+                                                ("zb_h1", 1, True), ("1f1b", 1, False),
+                                                ("zb_h1", 1, False)])
 def test_pp_zero3_comm_volume(tmp_path, token_cache, schedule, v, reshard):
     ov = _pp(2, schedule, v, "parallel.dp_shard=2", "parallel.zero_stage=3",
              "train.eval_sequences=0", f"parallel.reshard_after_forward={str(reshard).lower()}")
