@@ -1,6 +1,6 @@
 """Where llm-foundry's H100 rows part from the planner: the same MPT models across sequence
 length, on the H100 and on the A100 (one benchmark table, one software stack), predicted as
-the validation predicts them (docs/plan.md, "Known gaps"). No hardware needed:
+the validation predicts them (docs/plan-validation.md, "Known gaps"). No hardware needed:
 
     python benchmarks/llmfoundry_seq_sweep.py
 

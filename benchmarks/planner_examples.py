@@ -24,6 +24,7 @@ from meshloom.commands import main
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "results" / "planner"
 DOC = HERE.parent / "docs" / "plan.md"
+MOE_DOC = HERE.parent / "docs" / "plan-moe.md"  # lists the MoE examples' commands
 BEGIN, END = "<!-- worked-example:begin -->", "<!-- worked-example:end -->"
 
 _MOE = "--gpu h100 --seq 4096 --global-batch 512"

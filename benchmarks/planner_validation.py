@@ -1,5 +1,5 @@
 """The planner against measured and published training runs, written as data and as the
-validation tables of docs/plan.md (one command regenerates both; no hardware needed):
+validation tables of docs/plan-validation.md (one command regenerates both; no hardware needed):
 
     python benchmarks/planner_validation.py
 
@@ -57,7 +57,7 @@ MEASURED_H100 = H100_LOOP / "h100-kernels.json"
 # (`error_power_duty`, benchmarks/power_model.py).
 GEMM_SUSTAINED = H100_LOOP / "gemm_sustained.json"
 H200_LOOP = HERE / "measured" / "h200-2026-11-28"
-DOC = HERE.parent / "docs" / "plan.md"
+DOC = HERE.parent / "docs" / "plan-validation.md"  # where the tables are written
 BEGIN, END = "<!-- validation:begin -->", "<!-- validation:end -->"
 README = HERE.parent / "README.md"
 README_BEGIN, README_END = "<!-- planner-accuracy:begin -->", "<!-- planner-accuracy:end -->"
@@ -398,7 +398,7 @@ def zero_checks() -> dict:
 
 
 def render(result: dict) -> str:
-    """The validation section of docs/plan.md, from the result file alone."""
+    """The validation tables of docs/plan-validation.md, from the result file alone."""
     lines = [BEGIN, "", "Written by `python benchmarks/planner_validation.py` from "
              "[validation.json](../benchmarks/results/planner/validation.json) "
              f"(commit {result['config']['git'].get('commit')}).", ""]
@@ -492,9 +492,15 @@ def render_readme(result: dict) -> str:
         f"FlashAttention 1 at its A100 ratio) mean {_mean_abs(foundry):.1%}, worst "
         f"{_max_abs(foundry):.1%}, "
         f"torchtitan's runs on 500 W H100s {bias(titan)} on average (see "
-        "[docs/plan.md](docs/plan.md), \"Known gaps\").")
+        "[docs/plan-validation.md](docs/plan-validation.md), \"Known gaps\").")
     text = textwrap.fill(text, width=100, break_long_words=False, break_on_hyphens=False)
     return f"{README_BEGIN}\n{text}\n{README_END}"
+
+
+def docs_text() -> str:
+    """The planner's pages (docs/plan.md and docs/plan-*.md), whose prose the tests hold to the
+    committed results."""
+    return "\n".join(p.read_text() for p in sorted((HERE.parent / "docs").glob("plan*.md")))
 
 
 def _replace(path: Path, begin: str, end: str, block: str) -> None:

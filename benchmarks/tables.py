@@ -261,8 +261,8 @@ def planner_validation(results: Path) -> list[str]:
     return [*_table(head, rows), "",
             "Predicted vs measured or published throughput (tokens/s per GPU), each run on its "
             "own layout and implementation; kernel rates from `src/meshloom/plan/kernels/`, "
-            "nothing fitted to these runs. Per-run rows: [docs/plan.md](../docs/plan.md#validation-"
-            "teststest_plan_validationpy). Source: "
+            "nothing fitted to these runs. Per-run rows: "
+            "[docs/plan-validation.md](../docs/plan-validation.md). Source: "
             "[`planner/validation.json`](results/planner/validation.json) (commit "
             f"{r['config']['git'].get('commit')})."]
 

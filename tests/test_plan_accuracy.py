@@ -80,7 +80,7 @@ def test_describe_states_mean_range_and_lean(monkeypatch):
         "Measured with the preset's figures and committed kernel table, which you changed.")
     assert accuracy.describe("titan-rtx-24g") == [
         "accuracy on titan-rtx-24g: no measured run on this GPU has been compared with a plan "
-        "(docs/plan.md, Validation)"]
+        "(docs/plan-validation.md)"]
 
 
 def test_describe_puts_the_chosen_trainers_runs_first(monkeypatch):

@@ -89,11 +89,11 @@ def test_worked_example_prose_quotes_the_files():
 
 
 def test_docs_moe_commands_are_the_examples():
-    """The commands docs/plan.md lists for its MoE files are those the script runs (parsed
+    """The commands docs/plan-moe.md lists for its MoE files are those the script runs (parsed
     by meshloom's own parser, so spelling and order do not matter)."""
     from meshloom.commands import build_parser
     pe = _examples()
-    page = pe.DOC.read_text()
+    page = pe.MOE_DOC.read_text()
     start = page.index("```bash", page.index("`python benchmarks/planner_examples.py`, which runs"))
     script = page[start + len("```bash"):page.index("```", start + 3)].replace("\\\n", " ")
     env, listed = {}, {}
@@ -136,7 +136,7 @@ def test_gpt2_fsdp_plan_file_is_what_the_code_plans():
 def test_moe_prose_quotes_its_pinned_layouts():
     """The two layouts the MoE section compares with the searches' picks: their step, speed
     and memory as the prose gives them, from their files."""
-    page = _examples().DOC.read_text()
+    page = _examples().MOE_DOC.read_text()
     pp4 = _committed("moe_mixtral_8x7b_64xh100_pp4")["candidates"][0]
     mem = pp4["memory_per_gpu_bytes"]
     assert not pp4["fits"]

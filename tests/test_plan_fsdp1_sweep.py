@@ -88,7 +88,7 @@ def test_waited_pricing_reproduces_the_ratios_and_overlapped_does_not(committed)
 
 def test_docs_quote_the_committed_sweep(committed, sweep_mod):
     pv = load_benchmark("planner_validation")
-    doc = " ".join(pv.DOC.read_text().split())
+    doc = " ".join(pv.docs_text().split())
     rows = committed["rows"]
     seven = sorted((r for r in rows if r["model"] == "mpt-7b"), key=lambda r: r["micro_batch"])
     tps = [f"{r['tokens_per_s_per_gpu']:.0f}" for r in seven]

@@ -69,7 +69,7 @@ def test_the_validation_pricing_holds_and_the_30b_row_reproduces(committed):
 
 def test_docs_quote_the_committed_result(committed):
     pv = load_benchmark("planner_validation")
-    doc = " ".join(pv.DOC.read_text().split())
+    doc = " ".join(pv.docs_text().split())
     s = committed["summary"]
     rest, long = s["all_but_30b_8192"], s["from_16384_tokens"]
     assert (f"{rest['rows']} of its {len(committed['rows'])} rows read "

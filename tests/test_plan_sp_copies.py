@@ -34,7 +34,7 @@ from meshloom.plan.trainers import trainer_impl
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "benchmarks" / "published" / "runs.json"
 VALIDATION = ROOT / "benchmarks" / "results" / "planner" / "validation.json"
-DOC = ROOT / "docs" / "plan.md"
+PAGES = sorted((ROOT / "docs").glob("plan*.md"))  # the planner's pages
 
 LLAMA8B = from_dims("llama", 4096, 32, 32, 128256, kv_heads=8, ffn_hidden=14336)
 TITAN = Implementation(**trainer_impl("torchtitan"))
@@ -161,7 +161,7 @@ def test_the_async_tp_rows_are_quoted_and_planned_as_they_ran():
 
 def test_async_tp_gain_in_the_docs_is_the_files():
     runs, rows = _runs(), _rows()
-    doc = " ".join(DOC.read_text().split())
+    doc = " ".join(" ".join(p.read_text() for p in PAGES).split())
     for model, layers in (("70b", 80), ("8b", 32)):
         van, asy = (next(r for i, r in runs.items() if model + "-" in i and kind in i)
                     for kind in ("-tp8-", "-asynctp8-"))
@@ -184,7 +184,8 @@ def test_no_gemm_runs_faster_than_moving_its_operands_once():
     moved = GEMM_BYTES * (98304 * 4096 + 4096 * 128 + 98304 * 128) / (rates.hbm_gbps * 1e9)
     assert moved > 1.5 * interpolated  # the table's neighbours would price it twice as fast
     assert rates.gemm(thin) == pytest.approx(moved, rel=1e-12)
-    doc = " ".join(DOC.read_text().split())  # the figures "Step time", GEMMs, quotes
+    # the figures "Step time", GEMMs, quotes
+    doc = " ".join(" ".join(p.read_text() for p in PAGES).split())
     assert (f"{rates.hbm_gbps:.0f} GB/s on the Grand Teton part, "
             f"{thin.flops / moved / 1e12:.0f} TFLOP/s, where the interpolation gave "
             f"{thin.flops / interpolated / 1e12:.0f}") in doc

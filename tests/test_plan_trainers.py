@@ -212,9 +212,9 @@ def test_a_published_run_is_planned_from_the_command_line_as_the_validation_plan
         assert got["candidates"][0]["tokens_per_s_per_gpu"] == pytest.approx(
             rows[run["id"]]["predicted_tokens_per_s_per_gpu"], rel=1e-3), run["id"]
         if run["id"] == "nemo-h100-gpt3-175b-2048-128gpu-2411":  # docs/plan.md shows it
-            assert f"meshloom {' '.join(argv)}\n" in pv.DOC.read_text()
+            assert f"meshloom {' '.join(argv)}\n" in pv.docs_text()
             assert f"(planned {round(got['candidates'][0]['tokens_per_s_per_gpu'])} tokens/s " \
                    f"per GPU,\n  published {round(run['published']['tokens_per_s_per_gpu'])}" \
-                in pv.DOC.read_text()
+                in pv.docs_text()
         done.add(key)
     assert done == set(TRAINERS) - {"megatron-lm", "megatron-deepspeed"}

@@ -131,7 +131,7 @@ def test_power_priced_by_duty_is_a_fixed_point(validation_rows):
 def test_docs_validation_tables_are_rendered_from_the_data():
     pv = _validation()
     committed = json.loads(pv.DEFAULT_OUT.read_text())
-    text = pv.DOC.read_text()
+    text = pv.docs_text()
     section = text[text.index(pv.BEGIN):text.index(pv.END) + len(pv.END)]
     assert section == pv.render(committed)
 
@@ -155,7 +155,7 @@ def test_readme_accuracy_figures_are_rendered_from_the_data():
 
 
 # Runs that trained but that the planner predicts not to fit: open gaps, each with its reason
-# (docs/plan.md "Known gaps"). A run that starts to fit must leave this list, and any other
+# (plan-validation.md "Known gaps"). A run that starts to fit must leave this list, and any other
 # run that stops fitting fails the test.
 DOES_NOT_FIT_YET: dict[str, str] = {}  # every published layout that trained is predicted to fit
 
@@ -240,7 +240,7 @@ def test_search_beats_or_matches_the_published_layouts():
 @pytest.mark.xfail(strict=True, reason="the published ZeRO-3 runs (DeepSpeed, 2021) moved about "
                    "16 GB/s per GPU, below one network port; the planner prices NCCL collectives "
                    "at the multi-port bus bandwidth nccl-tests measures, so it does not see them "
-                   "communication-bound (docs/plan.md, Known gaps)")
+                   "communication-bound (docs/plan-validation.md, Known gaps)")
 def test_zero3_175b_trend():
     """Narayanan et al. 2021: ZeRO-3 on a 175B model at batch 1536 gave 144 / 88 / 44 TFLOP/s
     per GPU on 384 / 768 / 1536 GPUs: communication-bound, halving with each doubling. The
@@ -343,7 +343,7 @@ def test_published_runs_are_cited_and_consistent():
 
 def test_rows_priced_with_an_older_attention_kernel_keep_the_flashattention2_error():
     """llm-foundry's Triton and flash-attention's FlashAttention 1 rows carry what
-    FlashAttention-2's rates would give (`error_fa2_attention`), and docs/plan.md's Known gaps
+    FlashAttention-2's rates would give (`error_fa2_attention`), and plan-validation.md's Known gaps
     quote those means from the committed file; a slower kernel lowers every such prediction,
     and cuDNN's (NeMo's Llama rows on the H100) raises it. On the H100 the Triton kernel is
     priced at its A100 ratio (h100.json `attention_ratio_from`), and each such row says so."""
@@ -374,13 +374,13 @@ def test_rows_priced_with_an_older_attention_kernel_keep_the_flashattention2_err
     assert not any("attention_priced_as" in r for r in rows if r not in triton)
     long = next(r for r in rows if r["id"] == "llmfoundry-h100-mpt-7b-32768-8gpu")
     assert f"(now {100 * long['error']:+.1f}%)".replace("-", "−") in " ".join(
-        pv.DOC.read_text().split())
+        pv.docs_text().split())
     assert all("attention_ratio_from" not in r for r in rows if r["gpu"].startswith("a100"))
 
     def mean(sel):
         return f"{100 * statistics.mean(sel):.1f}%"
 
-    doc = pv.DOC.read_text()
+    doc = pv.docs_text()
     foundry = [[r for r in older if r["trainer"].startswith("llm-foundry") and r["gpu"] == g]
                for g in ("a100-80g", "a100-40g")]
     assert (f"they were {mean([abs(r['error_fa2_attention']) for r in foundry[0]])} and "
@@ -392,7 +392,7 @@ def test_rows_priced_with_an_older_attention_kernel_keep_the_flashattention2_err
 def test_llmfoundry_sequence_sweep_is_what_the_code_predicts_and_the_docs_quote():
     """benchmarks/results/planner/llmfoundry_seq_sweep.json is the planner's reading of the
     llm-foundry rows across sequence length (each row's parameter count checked against the
-    table's), and docs/plan.md's Known gaps quote its ranges: at 512-1024 tokens the H100 rows
+    table's), and plan-validation.md's Known gaps quote its ranges: at 512-1024 tokens the H100 rows
     read a few percent fast as planned now; with the FSDP collectives overlapped they read
     7-10% fast, and attention alone would have had to run slower than the same kernel on an
     A100 to close them (the gap lay outside attention)."""
@@ -416,7 +416,7 @@ def test_llmfoundry_sequence_sweep_is_what_the_code_predicts_and_the_docs_quote(
     short = [r for r in committed["rows"] if r["seq"] <= 1024]
     h100 = [r for r in short if r["gpu"] == "h100"]
     a100 = [r for r in short if r["gpu"] == "a100-80g"]
-    doc = " ".join((ROOT / "docs" / "plan.md").read_text().split())
+    doc = " ".join(_validation().docs_text().split())
     assert f"read {span(h100, 'error')} on the H100 at 512 and 1024 tokens" in doc
     shares = [r["attention_share"] for r in h100]
     assert f"{100 * min(shares):.0f}–{100 * max(shares):.0f}% of the planned step" in doc
@@ -457,7 +457,7 @@ def test_the_30b_row_at_8192_tokens_is_not_an_attention_price():
     pv = _validation()
     rows = {r["id"]: r for r in json.loads(pv.DEFAULT_OUT.read_text())["rows"]}
     runs = {r["id"]: r for r in json.loads(pv.RUNS.read_text())["runs"]}
-    doc = " ".join(pv.DOC.read_text().split())
+    doc = " ".join(pv.docs_text().split())
     big = "llmfoundry-h100-mpt-{}-{}-8gpu"
     row = rows[big.format("30b", 8192)]
     assert f"*Left over 20%: 30B at 8192 tokens ({100 * row['error']:+.1f}%).*" in doc
@@ -485,7 +485,7 @@ def test_the_30b_row_at_8192_tokens_is_not_an_attention_price():
 
 def test_published_peak_reservations_are_reported_and_quoted():
     """torchtitan's H100 rows publish their peak memory (the allocator's reservation):
-    validation.json carries it beside the planner's allocated bytes, and docs/plan.md's Known
+    validation.json carries it beside the planner's allocated bytes, and plan-validation.md's Known
     gaps quote the range of the difference and the part that scales with the GPU count."""
     pv = _validation()
     rows = {r["id"]: r for r in json.loads(pv.DEFAULT_OUT.read_text())["rows"]}
@@ -494,7 +494,7 @@ def test_published_peak_reservations_are_reported_and_quoted():
     for r in reserved:
         assert r["memory_error_reserved"] == pytest.approx(
             r["allocated_gb"] / r["published_reserved_gb"] - 1, abs=1e-4)
-    doc = pv.DOC.read_text()
+    doc = pv.docs_text()
     gaps = [r["published_reserved_gb"] - r["allocated_gb"] for r in reserved]
     errors = [r["memory_error_reserved"] for r in reserved]
     assert f"sit {min(gaps):.0f}–{max(gaps):.0f} GB above the planner's count" in doc
@@ -541,7 +541,7 @@ def test_zero3_rows_carry_the_error_priced_the_other_way(validation_rows):
     """Every ZeRO-3 published row is planned again with its FSDP collectives priced the other
     way: overlapped (`error_fsdp_overlap`) on the rows whose trainer is planned with them waited
     on (llm-foundry, plan/trainers.py), waited on (`error_fsdp_no_overlap`) on the rest. Only
-    those rows carry one, waiting is never faster than overlapping, and docs/plan.md's Known
+    those rows carry one, waiting is never faster than overlapping, and plan-validation.md's Known
     gaps quote the per-trainer means from the committed summary."""
     pv = _validation()
     zero3 = [r for r in validation_rows if "zero=3" in r["fix"] and r["set"].startswith("pub")]
@@ -560,7 +560,7 @@ def test_zero3_rows_carry_the_error_priced_the_other_way(validation_rows):
     def pct(name: str, key: str, sign: str = "") -> str:
         return f"{sign}{100 * summary[name][key]:.1f}%"
 
-    doc = " ".join(pv.DOC.read_text().split())
+    doc = " ".join(pv.docs_text().split())
     h100 = "published-h100 / llm-foundry"
     assert (f"the H100 set reads {pct(h100, 'fsdp_rows_mean_abs_error')} where it read "
             f"{pct(h100, 'fsdp_overlap_mean_abs_error')}") in doc

@@ -112,7 +112,7 @@ def describe(gpu: str, adjusted: bool = False, trainer: str = "meshloom",
     acc = for_gpu(gpu)
     if not acc:
         return [f"accuracy on {gpu}: no measured run on this GPU has been compared with a plan "
-                "(docs/plan.md, Validation)"]
+                "(docs/plan-validation.md)"]
     parts = []
     own = acc.get("meshloom")
     if trainer != "meshloom":
@@ -133,5 +133,6 @@ def describe(gpu: str, adjusted: bool = False, trainer: str = "meshloom",
                      + _published(pub, ", ".join(pub["trainers"])))
     note = (" Measured with the preset's figures and committed kernel table, which you "
             "changed." if adjusted else "")
-    return [f"accuracy on {gpu} (planned against measured throughput, docs/plan.md, "
-            "Validation):"] + [f"  {p}" for p in parts] + ([note.strip()] if note else [])
+    return ([f"accuracy on {gpu} (planned against measured throughput, "
+             "docs/plan-validation.md):"] + [f"  {p}" for p in parts]
+            + ([note.strip()] if note else []))

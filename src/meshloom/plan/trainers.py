@@ -106,7 +106,7 @@ from meshloom.plan import PlanError
 # whole fp32 master copy and gradients on every rank, only the moments sharded.
 # torchtitan's sequence parallel is DTensor's Shard(1) on batch-first tensors, rearranged around
 # each collective (`sp_copies=batch`), and its async TP is published as a forward-pass gain
-# (`tp_overlap_backward` off; both in implementation.py and docs/plan.md, "Step time").
+# (`tp_overlap_backward` off; both in implementation.py and docs/plan-step-time.md).
 # llm-foundry's FSDP1 steps are planned with their collectives waited on (`fsdp_prefetch` off),
 # because its own controlled sweep says so: the same MPT model, GPUs and software, only the
 # micro-batch changed (scripts/train/benchmarking/larger_mb_1.md at mosaicml/llm-foundry
