@@ -106,6 +106,14 @@ CASES += [
     (4, _pp(2, "zb_h1", 1, "parallel.dp_shard=2", "parallel.zero_stage=3")),
     # Chunks run out of model order: the root's gather, the last block's prefetch, too.
     (4, _pp(2, "interleaved_1f1b", 2, "parallel.dp_shard=2", "parallel.zero_stage=3")),
+    # 3-D: each with the replicas, tensor or context parallel beside the shards
+    (8, _pp(2, "zb_h1", 1, "parallel.dp_shard=2", "parallel.dp_replicate=2",
+            "parallel.zero_stage=3")),
+    (8, _pp(2, "interleaved_1f1b", 2, "parallel.dp_shard=2", "parallel.tp=2",
+            "parallel.zero_stage=3")),
+    (8, _pp(2, "zb_h1", 1, "parallel.dp_shard=2", "parallel.cp=2", "parallel.zero_stage=3")),
+    (8, _pp(2, "interleaved_1f1b", 2, "parallel.dp_shard=2", "parallel.cp=2",
+            "parallel.zero_stage=2")),
     # Every unit held gathered from the step's first forward to its last backward.
     (4, _pp(2, "interleaved_1f1b", 2, "parallel.dp_shard=2", "parallel.zero_stage=3",
             "parallel.reshard_after_forward=false")),
@@ -120,11 +128,12 @@ def test_pp_parity(tmp_path, token_cache, reference, world, overrides):
     if stage >= 2:  # (ZeRO-3's evaluation forwards gather too: its gathers are checked below)
         _assert_sharded_comm(results, stage, 2, ops=("reduce_scatter", "all_reduce") + (
             ("all_gather",) if stage == 2 else ()),
-            reshard="parallel.reshard_after_forward=false" not in overrides)
+            reshard="parallel.reshard_after_forward=false" not in overrides,
+            n_replicate=2 if "parallel.dp_replicate=2" in overrides else 1)
 
 
 def _assert_sharded_comm(results, stage: int, n_shard: int, ops: tuple[str, ...],
-                         reshard: bool = True) -> None:
+                         reshard: bool = True, n_replicate: int = 1) -> None:
     """Every rank's data-parallel payload per step is the formula's for its stages' flat size:
     ZeRO-2/3 reduce-scatter each gradient once a micro-batch, whatever the schedule (a chunk's
     backward reduces its own chunk's buckets or units: interleaved 1F1B and the zero-bubble
@@ -134,9 +143,12 @@ def _assert_sharded_comm(results, stage: int, n_shard: int, ops: tuple[str, ...]
     for r in results:
         f, m = r["flat"], r["microbatches"]
         per_step = dp_comm_bytes(f["psi"], stage, micro_batches=m, n_shard=n_shard,
-                                 root_psi=f["root_psi"], forward_only_psi=f["forward_only_psi"],
+                                 n_replicate=n_replicate, root_psi=f["root_psi"],
+                                 forward_only_psi=f["forward_only_psi"],
                                  reshard_after_forward=reshard)
-        got = {k: v for k, v in r["bytes"].items() if k[1] in ops}
+        # (over the data-parallel axes: tp's and cp's collectives are not the formula's)
+        got = {k: v for k, v in r["bytes"].items()
+               if k[1] in ops and k[0] in ("dp_shard", "dp_replicate")}
         assert got == {k: STEPS * v for k, v in per_step.items() if k[1] in ops}, (m, f)
 
 
