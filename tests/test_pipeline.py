@@ -104,6 +104,9 @@ CASES += [
     (4, _pp(2, "gpipe", 1, "parallel.dp_shard=2", "parallel.zero_stage=3")),
     # The weight pass runs after the input pass has freed the unit's gradient scope.
     (4, _pp(2, "zb_h1", 1, "parallel.dp_shard=2", "parallel.zero_stage=3")),
+    # ...and with the blocks recomputed inside the input pass (their forward hooks fire again)
+    (4, _pp(2, "zb_h1", 1, "parallel.dp_shard=2", "parallel.zero_stage=3",
+            "train.activation_checkpointing=full")),
     # Chunks run out of model order: the root's gather, the last block's prefetch, too.
     (4, _pp(2, "interleaved_1f1b", 2, "parallel.dp_shard=2", "parallel.zero_stage=3")),
     # 3-D: each with the replicas, tensor or context parallel beside the shards
