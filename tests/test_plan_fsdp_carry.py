@@ -107,3 +107,28 @@ def test_carrying_is_faster_and_holds_no_more_memory():
         assert on.timing.step_time_s < off.timing.step_time_s
         assert memory_per_gpu(shape, lay, SEQ, BATCH).total == memory_per_gpu(
             shape, lay, SEQ, BATCH, impl=OFF).total
+
+
+@pytest.mark.parametrize("shape,root", [(LLAMA, "head"), (TIED, "head"), (LLAMA, "outer")])
+def test_a_carried_unit_is_not_copied_out_again(shape, root):
+    """With FSDP2's copy-out (`fsdp_copy_out`) priced beside carrying, every micro-batch after
+    the first copies out one unit (and a root holding the first outer parameters) fewer: its
+    gather is not made again. Counted in bytes through the stream rate, one kernel per copy."""
+    lay = Layout(dp=8, zero=3, micro_batch=1)
+    m = lay.microbatches(BATCH)
+    on = Implementation(fsdp_copy_out=True, fsdp_root=root)
+    off = Implementation(fsdp_copy_out=True, fsdp_root=root, fsdp_carry=False)
+    rates = timing.rates_for(make_cluster("h100", 8))
+    outer = outer_params(shape, lay, 0) * 2
+    units = shape.layers
+    gathered = sum(timing.rank_param_split(shape, lay, 0, units)) * 2
+    whole = 2 * (gathered + gathered - outer)
+    kernels = 2 * units + 1
+    lead = timing.zero3_first_outer_params(shape, lay, 0, on) * 2
+    root_held = root == "outer" or shape.tied
+    held = (gathered - outer) / units + (lead if root_held else 0.0)
+    want = (rates.stream(whole, kernels)
+            + (m - 1) * rates.stream(whole - 2 * held, kernels - (2 if root_held else 1)))
+    assert _dp(lay, on, shape)["ops"]["all_gather_copy_out"] == pytest.approx(want, rel=1e-12)
+    assert _dp(lay, off, shape)["ops"]["all_gather_copy_out"] == pytest.approx(
+        m * rates.stream(whole, kernels), rel=1e-12)
