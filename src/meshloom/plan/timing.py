@@ -613,13 +613,13 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
         if impl.fsdp_copy_out and gathered:  # one copy kernel per unit and gather
             again = gathered - outer if lay.zero == 3 and resharded else 0.0  # for backward
             kernels = units * (2 if again else 1) + (1 if outer else 0)
-            whole = 2 * (gathered + again)
+            copied = 2 * (gathered + again)  # read and written, every forward
             # `fsdp_carry`: a carried micro-batch gathers, so copies out, its first block (and
             # a root holding the first outer parameters) no more.
             held_b = (gathered - outer) / units + (lead if lead_is_root else 0.0)
             held_k = 1 + (1 if lead_is_root and lead else 0)
-            copy_out = ((forwards - carried) * rates.stream(whole, kernels)
-                        + carried * rates.stream(whole - 2 * held_b, kernels - held_k))
+            copy_out = ((forwards - carried) * rates.stream(copied, kernels)
+                        + carried * rates.stream(copied - 2 * held_b, kernels - held_k))
             ops["all_gather_copy_out"] = copy_out
             out += copy_out
     # The gradients' copy into the flat send buffers in the wire dtype, on the compute stream
