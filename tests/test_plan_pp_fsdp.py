@@ -115,3 +115,14 @@ def test_torchtitan_plans_pipelines_as_zero3():
     from meshloom.plan.trainers import layout_problem
     assert layout_problem("torchtitan", LAY) is None
     assert "held gathered for the step" in layout_problem("torchtitan", replace(LAY, zero=2))
+
+
+def test_one_micro_batch_still_reduces_after_the_backward(monkeypatch):
+    """With a single micro-batch the reduce-scatter still waits for the stage's last backward
+    (perform_reduce_grad), where meshloom's hides it behind that backward."""
+    monkeypatch.setattr(timing, "_exposed", lambda comm, compute: 0.0)
+    lay = Layout(pp=2, dp=4, zero=3, micro_batch=4)
+    assert lay.microbatches(16) == 1
+    got = evaluate(LLAMA, lay, make_cluster("h100", 8), SEQ, 16, impl=PIPED)
+    dp = got.timing.detail["comm_s"]["dp"]
+    assert dp["exposed"] >= dp["ops"]["reduce_scatter"] > 0

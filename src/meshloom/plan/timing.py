@@ -599,11 +599,11 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
             # the next forward's embedding; the last, or every one, reduce-scatters.
             out += ((forwards - carried) * (_exposed(ag - ag_lead, f_mb) + first)
                     + carried * _exposed(ag - ag_lead - block, f_mb))
-            if rs_times == m:
+            if pipelined:  # after the stage's last backward, waited on (`pp_fsdp`)
+                out += rs + cast
+            elif rs_times == m:
                 out += (carried * _exposed(ag_b + rs + cast + behind, b_mb)
                         + (m - carried) * _exposed(ag_b + rs + cast, b_mb))
-            elif pipelined:  # after the stage's last backward, waited on (`pp_fsdp`)
-                out += rs + cast
             else:
                 out += (_exposed(ag_b + rs + cast, b_mb) + carried * _exposed(ag_b + behind, b_mb)
                         + (m - 1 - carried) * _exposed(ag_b, b_mb))
