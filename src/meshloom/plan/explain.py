@@ -3,6 +3,7 @@ it wins (or does not fit)."""
 
 from __future__ import annotations
 
+from meshloom.plan.implementation import pytorch_pipelined
 from meshloom.plan.search import Candidate
 
 GB = 1e9
@@ -46,8 +47,7 @@ def explain(c: Candidate) -> str:
                  f"{100 * t.optimizer / step:5.1f}%")
     lines.append(f"  {'= step':<28}{_ms(step)}")
     lines += ["", f"memory per GPU (pipeline rank {mem.rank}):"]
-    piped = (d["implementation"]["pp_fsdp"] == "pytorch" and c.layout.pp > 1
-             and c.layout.zero == 3)
+    piped = pytorch_pipelined(c.impl, c.layout)
     for name in ("params", "grads", "optimizer", "activations", "buffers", "context"):
         lines.append(f"  {name:<28}{getattr(mem, name) / GB:10.2f} GB")
         if name == "activations" and mem.counted_as:
