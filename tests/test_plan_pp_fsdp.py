@@ -126,3 +126,12 @@ def test_one_micro_batch_still_reduces_after_the_backward(monkeypatch):
     got = evaluate(LLAMA, lay, make_cluster("h100", 8), SEQ, 16, impl=PIPED)
     dp = got.timing.detail["comm_s"]["dp"]
     assert dp["exposed"] >= dp["ops"]["reduce_scatter"] > 0
+
+
+def test_explain_names_the_mode():
+    from meshloom.plan.explain import explain
+    text = explain(_plan(LAY, PIPED))
+    assert "whole gradients in the reduce dtype, reduce-scattered once" in text
+    assert "(pp_fsdp=pytorch, held for the step)" in text
+    plain = explain(_plan(LAY, Implementation(reshard_after_forward=False)))
+    assert "(reshard_after_forward=false)" in plain and "pp_fsdp=pytorch" not in plain
