@@ -10,7 +10,12 @@ Two CPU/CUDA differences are corrected here, not in the planner: with bf16 input
 weights, PyTorch's CPU LayerNorm keeps its mean and rstd in bf16 (layer_norm_cpu's
 `param_scalar_type`), its CUDA one in fp32 (the accumulation type), 8 bytes more per token for
 GPT-2's two norms; and eager dropout on CPU keeps its scaled mask in the input's dtype (2 bytes,
-at::dropout's unfused path), on CUDA a 1-byte bool (native_dropout), 1 byte less per element."""
+at::dropout's unfused path), on CUDA a 1-byte bool (native_dropout), 1 byte less per element.
+
+Compiled blocks go through `inductor_front` (tests/inductor_front.py): Inductor's passes and
+min-cut partitioner, which decide what a graph saves, without its code generation, which only
+decides how the graph runs and is most of a compile on CPU; one test holds the two to the same
+bytes."""
 
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import gc
 
 import pytest
 import torch
+from inductor_front import inductor_front
 from torch.profiler import ProfilerActivity, profile
 
 from meshloom.models.gpt2 import GPT2, GPT2Config
@@ -221,11 +227,28 @@ def test_eager_block_saves_what_the_planner_counts(name, precision):
     assert counted - _cpu_offset(cfg, precision) == per_token
 
 
+@pytest.mark.parametrize("name, precision", [("gpt2", "bf16"), ("mixtral", "amp")])
+def test_inductor_code_generation_packs_what_its_partition_says(name, precision):
+    """The census compiles with `inductor_front` (Inductor without its C++ code generation):
+    full Inductor packs the same storages, byte for byte, at both lengths. AOTAutograd's
+    default partitioner packs other bytes on these blocks, so the census does see which
+    partitioner ran."""
+    def packed(backend) -> list[int]:
+        torch._dynamo.reset()
+        _, model = _block({**CONFIGS, **MOE_CONFIGS}[name], precision)
+        block = torch.compile(model.layers[0], backend=backend, dynamic=False)
+        return [_packed_bytes(model, block, s, precision) for s in (256, 512)]
+
+    front = packed(inductor_front)
+    assert packed("inductor") == front
+    assert packed("aot_eager") != front
+
+
 @pytest.mark.parametrize("name, precision", [("gqa", "amp"), ("gqa", "bf16"), ("gpt2", "amp"),
                                              ("gpt2", "bf16")])
 def test_compiled_block_saves_what_the_planner_counts(name, precision):
     cfg, model = _block(CONFIGS[name], precision)
-    block = torch.compile(model.layers[0], backend="inductor", dynamic=False)
+    block = torch.compile(model.layers[0], backend=inductor_front, dynamic=False)
     per_token = (_packed_bytes(model, block, 512, precision)
                  - _packed_bytes(model, block, 256, precision)) / 256
     counted = meshloom_block_bytes(_shape(cfg), 1, 1, LAYOUT[precision], "none", fused=True)
@@ -287,7 +310,7 @@ def test_moe_block_saves_bf16_copies_of_every_weight_under_autocast(name, compil
     torch._dynamo.reset()
     cfg, model = _block(MOE_CONFIGS[name], "amp")
     model.eval()
-    block = torch.compile(model.layers[0], backend="inductor", dynamic=False) if compiled \
+    block = torch.compile(model.layers[0], backend=inductor_front, dynamic=False) if compiled \
         else model.layers[0]
 
     def bf16_saved(s: int) -> int:
@@ -321,7 +344,7 @@ def test_compiled_moe_block_saves_what_the_planner_counts(name, precision):
     torch._dynamo.reset()  # a fresh compile per case (dynamo's recompile limit)
     cfg, model = _block(MOE_COMPILED[name], precision)
     model.eval()
-    block = torch.compile(model.layers[0], backend="inductor", dynamic=False)
+    block = torch.compile(model.layers[0], backend=inductor_front, dynamic=False)
     per_token = (_packed_bytes(model, block, 512, precision)
                  - _packed_bytes(model, block, 256, precision)) / 256
     assert meshloom_block_bytes(_shape(cfg), 1, 1, LAYOUT[precision], "none", fused=True) \
@@ -348,7 +371,7 @@ def test_router_options_save_what_the_planner_counts(name, precision, compiled):
     torch._dynamo.reset()
     cfg, model = _block(ROUTERS[name], precision)
     model.eval()
-    block = torch.compile(model.layers[0], backend="inductor", dynamic=False) if compiled \
+    block = torch.compile(model.layers[0], backend=inductor_front, dynamic=False) if compiled \
         else model.layers[0]
     per_token = (_packed_bytes(model, block, 512, precision)
                  - _packed_bytes(model, block, 256, precision)) / 256
@@ -394,7 +417,7 @@ def _ep_census_job(world: int, precision: str, name: str, compiled: bool, axis: 
         pcfg = ParallelConfig(**dims, ep=2, zero_stage=0, sequence_parallel=sp)
         with _sac_caches() as caches:  # open from the wrapping on (it binds the context)
             par = parallelize(model, mesh, pcfg, activation_checkpointing=recompute,
-                              compile_blocks=compiled)
+                              compile_blocks=compiled, compile_backend=inductor_front)
             for s in (128, 256):
                 if "cp" in axis:  # one sequence, the rank's zigzag slice of it
                     torch.manual_seed(100 + s)
@@ -596,7 +619,7 @@ def _census_job(world: int, axis: str, precision: str, name: str, recompute: str
         with _sac_caches() as caches:
             pcfg = ParallelConfig(**dims, dp_shard=1, sequence_parallel=sp)
             par = parallelize(model, mesh, pcfg, activation_checkpointing=recompute,
-                              compile_blocks=compiled)
+                              compile_blocks=compiled, compile_backend=inductor_front)
             for s in (256, 512):
                 tokens = torch.randint(0, 300, (1, s))
                 args = (tokens,)
@@ -640,7 +663,8 @@ def test_tensor_parallel_block_saves_what_the_planner_counts(name, sp, precision
 
 
 # Compiled under tp: Llama amp with and without SP, and one SP case each of Llama in bf16 and
-# GPT-2 (compiling costs ~40 s a case here; the other combinations matched when checked).
+# GPT-2 (each case is 15-20 s of tracing and partitioning here; the other combinations matched
+# when checked).
 @pytest.mark.parametrize("name, precision, sp", [("gqa", "amp", False), ("gqa", "amp", True),
                                                  ("gqa", "bf16", True), ("gpt2", "amp", True)])
 def test_compiled_tensor_parallel_block_saves_what_the_planner_counts(name, precision, sp):
@@ -672,7 +696,8 @@ def test_compiled_selective_block_keeps_what_the_planner_counts(name, precision)
     torch._dynamo.reset()
     overrides = CONFIGS["gpt2"] | {"dropout": 0.1} if name == "gpt2+dropout" else CONFIGS[name]
     cfg, model = _block(overrides, precision)
-    apply_block_options(model, "selective", compile_blocks=True)
+    apply_block_options(model, "selective", compile_blocks=True,
+                        compile_backend=inductor_front)
     block = model.layers[0]
     per_token = (_packed_bytes(model, block, 512, precision)
                  - _packed_bytes(model, block, 256, precision)) / 256
@@ -763,7 +788,7 @@ def test_gpt2_dropout_keeps_its_residual_masks(precision, compiled):
     # flash kernel keeps only its RNG state, so the attention's own dropout is left out here.
     block.attn.attn_dropout = 0.0
     if compiled:
-        block = torch.compile(block, backend="inductor", dynamic=False)
+        block = torch.compile(block, backend=inductor_front, dynamic=False)
     per_token = (_packed_bytes(model, block, 512, precision)
                  - _packed_bytes(model, block, 256, precision)) / 256
     counted = meshloom_block_bytes(_shape(cfg), 1, 1, LAYOUT[precision], "none",
