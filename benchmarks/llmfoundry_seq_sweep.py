@@ -1,6 +1,8 @@
 """Where llm-foundry's H100 rows part from the planner: the same MPT models across sequence
 length, on the H100 and on the A100 (one benchmark table, one software stack), predicted as
-the validation predicts them (docs/plan-validation.md, "Known gaps"). No hardware needed:
+the validation predicts them (docs/plan-validation.md, "Known gaps"): the 1B and 3B models from
+512 to 32768 tokens, and the 30B model at 4096 and 8192 tokens on both GPUs (the validation's
+one llm-foundry row over 20% and its A100 twin). No hardware needed:
 
     python benchmarks/llmfoundry_seq_sweep.py
 
