@@ -287,6 +287,7 @@ def test_more_sharding_less_memory_and_search_respects_fix():
     ("tp=8,pp", "not key=value"), ("tq=2", "did you mean 'tp'"), ("tp=0", "positive integer"),
     ("recompute=some", "one of none, selective, full"), ("zero=4", "0, 1, 2 or 3"),
     ("sp=maybe", "true or false"), ("schedule=fast", "one of gpipe"),
+    ("tp=2,pp=2,tp=4", "tp is pinned twice"),
 ])
 def test_fix_errors_are_one_line(text, msg):
     with pytest.raises(PlanError, match=msg):

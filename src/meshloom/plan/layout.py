@@ -95,6 +95,8 @@ def parse_fix(text: str) -> dict:
             near = difflib.get_close_matches(key, FIX_KEYS, n=1, cutoff=0.5)
             hint = f" (did you mean '{near[0]}'?)" if near else ""
             raise PlanError(f"--fix: unknown key '{key}'{hint}; one of {', '.join(FIX_KEYS)}")
+        if key in out:  # the last one would win silently, and the plan not be the one asked
+            raise PlanError(f"--fix: {key} is pinned twice")
         if key in INT_KEYS:
             if not value.isdigit() or int(value) < (0 if key == "zero" else 1):
                 raise PlanError(f"--fix: {key}={value} must be a positive integer")
