@@ -102,8 +102,8 @@ def plain_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def compiled_loss(backend: str = "inductor") -> Callable[[torch.Tensor, torch.Tensor],
-                                                         torch.Tensor]:
+def compiled_loss(backend: str | Callable = "inductor"
+                  ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """`plain_loss` through torch.compile (with `train.compile`). Eager cross entropy over a big
     vocabulary writes the logits again in fp32, then their log-softmax, then an fp32 gradient:
     at a 128k vocabulary and 16k tokens a step that is 8 GB per copy. Compiled, it reads the
@@ -148,7 +148,7 @@ TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.flo
 def parallelize(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig,
                 compute_dtype: str = "fp32", tp_plan: dict[str, str] | None = None,
                 pipeline: PipelineSpec | None = None, activation_checkpointing: str = "none",
-                compile_blocks: bool = False, compile_backend: str = "inductor",
+                compile_blocks: bool = False, compile_backend: str | Callable = "inductor",
                 seq_len: int = 0, broadcast_weights: bool | None = None) -> Parallelized:
     """Apply the layout, in DESIGN.md's order: pipeline split (the model becomes this rank's
     stages), tensor parallel (the model's `TP_PLAN`, or `tp_plan`), then data parallel over the

@@ -18,6 +18,7 @@ around it for `selective` (so that the compiler sees the policy).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -63,7 +64,7 @@ def blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def apply_block_options(model: nn.Module, mode: str = "none", compile_blocks: bool = False,
-                        compile_backend: str = "inductor",
+                        compile_backend: str | Callable = "inductor",
                         block_list: list[nn.Module] | None = None) -> int:
     """Checkpoint (and/or compile) every block's forward in place; returns how many blocks.
     `block_list` names the blocks of a model that does not keep them in `layers` (the GPU
