@@ -84,7 +84,14 @@ def _root_order_job(world: int, kind: str) -> dict:
         loss.backward()
         strat.finish()
         left_gathered.append([u.name for u in strat.units if u.gathered or u.work is not None])
-    return {"steps": steps, "left_gathered": left_gathered, "root": strat.root.name}
+    # An eval forward after the step: no backward will come to free what it gathered.
+    model.eval()
+    with torch.no_grad():
+        model(x)
+    model.train()
+    eval_left = [u.name for u in strat.units if u.gathered or u.work is not None]
+    return {"steps": steps, "left_gathered": left_gathered, "root": strat.root.name,
+            "eval_left": eval_left}
 
 
 def _root_events(events: list[tuple[str, str]]) -> list[tuple[int, str]]:
@@ -138,3 +145,11 @@ def test_a_root_prefetch_nothing_reads_completes_before_the_step(orders):
     for res in orders["headless"]:
         assert [kind for _, kind in _root_events(res["steps"][2])] == ["start"]
         assert res["left_gathered"] == [[], [], []]
+
+
+@pytest.mark.parametrize("kind", ["untied", "tied", "scaled"])
+def test_a_forward_without_gradients_leaves_nothing_gathered(orders, kind):
+    """Eval and sampling run the model under no_grad: the root, held after a training forward
+    for its backward, is freed at the forward's end like every block."""
+    for res in orders[kind]:
+        assert res["eval_left"] == []

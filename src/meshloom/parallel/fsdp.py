@@ -267,6 +267,11 @@ class FullyShardedDataParallel:
         if (self.root is not None and self._root_read and torch.is_tensor(out)
                 and out.requires_grad):
             out.register_hook(lambda grad: self._pre_backward(self.root, grad))
+        elif self.root is not None and not torch.is_grad_enabled() and self.reshard_after_forward:
+            # No backward follows a forward without gradients (eval, sampling): the root, held
+            # only for one, is freed as the blocks were. Without resharding every unit stays
+            # gathered, as a training forward leaves them; the next step's finish() frees them.
+            self.root.free()
 
     def _pre_forward(self, u: _Unit) -> None:
         self._current.append(u)
