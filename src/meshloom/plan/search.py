@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import heapq
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -31,6 +32,7 @@ from meshloom.mesh import ParallelDims
 from meshloom.models.llama import LlamaConfig
 from meshloom.parallel.pipeline_schedule import SCHEDULES
 from meshloom.plan import PlanError
+from meshloom.plan.compute import block_cost, rates_for
 from meshloom.plan.hardware import Cluster
 from meshloom.plan.implementation import MESHLOOM, Implementation, split_fix
 from meshloom.plan.layout import RECOMPUTE, Layout
@@ -333,6 +335,9 @@ def _search(shape: ModelShape, cluster: Cluster, seq: int, global_batch: int, fi
     count = 0
     skipped = None
     refused = None
+    keep = max(top, EXACT_PASS)  # how many of the first pass's fastest the second re-ranks
+    fastest: list[float] = []  # their first-pass step times, negated (a max-heap)
+    floor = _ComputeFloor(shape, cluster, seq, global_batch, dtype, flash)
     for lay in layouts(shape, cluster, seq, global_batch, fixed):
         why = refuses(lay) if refuses else None
         if why:
@@ -342,6 +347,10 @@ def _search(shape: ModelShape, cluster: Cluster, seq: int, global_batch: int, fi
         if skipped:
             continue
         count += 1
+        # A layout whose blocks alone take longer than the keep-th fastest step so far cannot
+        # be among the fastest: neither its memory nor its step is worked out.
+        if len(fastest) == keep and floor(lay, impl, held) > -fastest[0] * (1 + FLOOR_MARGIN):
+            continue
         mem = memory_per_gpu(shape, lay, seq, global_batch, dtype, flash, impl)
         if mem.total > budget:
             smallest.append((mem.total, lay))
@@ -356,6 +365,9 @@ def _search(shape: ModelShape, cluster: Cluster, seq: int, global_batch: int, fi
                 if alt.timing.step_time_s < best.timing.step_time_s:
                     best = alt
         fitting.append(best)
+        heapq.heappush(fastest, -best.timing.step_time_s)
+        if len(fastest) > keep:
+            heapq.heappop(fastest)
     if not count:
         if refused:
             raise PlanError(f"no layout{' with --fix ' + _fmt(fixed) if fixed else ''} that "
@@ -369,9 +381,48 @@ def _search(shape: ModelShape, cluster: Cluster, seq: int, global_batch: int, fi
                 for _, lay in smallest[:top]]
     fitting.sort(key=lambda c: c.timing.step_time_s)
     head = [evaluate(shape, c.layout, cluster, seq, global_batch, dtype, flash,
-                     memory=c.memory, impl=c.impl) for c in fitting[:max(top, EXACT_PASS)]]
+                     memory=c.memory, impl=c.impl) for c in fitting[:keep]]
     head.sort(key=lambda c: c.timing.step_time_s)
     return head[:top]
+
+
+# Rounding room for the floor's test: it sums the block's seconds in another order than
+# step_time does, so it may come out a few units in the last place above a step it bounds.
+FLOOR_MARGIN = 1e-9
+# The Layout fields `compute.block_cost` reads (tests/test_plan_search_floor.py holds it to
+# them): layouts alike in these share one block's cost.
+BLOCK_FIELDS = ("tp", "cp", "ep", "micro_batch", "recompute", "sp", "zero")
+
+
+class _ComputeFloor:
+    """A lower bound on a layout's first-pass step time (`step_time`, exact_bubble off): the
+    micro-batches times the most blocks a pipeline rank holds times one block's forward and
+    backward compute, without any communication, bubble, ends or optimizer. Every term the
+    step adds to it is non-negative, so a layout whose floor exceeds the keep-th fastest step
+    found so far is not among the fastest. The block's cost is worked out once per
+    `BLOCK_FIELDS` values."""
+
+    def __init__(self, shape: ModelShape, cluster: Cluster, seq: int, global_batch: int,
+                 dtype: str, flash: bool):
+        self.shape, self.seq, self.global_batch, self.flash = shape, seq, global_batch, flash
+        self.rates, self.e = rates_for(cluster), act_elem_bytes(dtype)
+        self._blocks: dict[tuple, float] = {}
+
+    def __call__(self, lay: Layout, impl: Implementation,
+                 held: Implementation | None = None) -> float:
+        out = self._floor(lay, impl)
+        if held is not None and lay.zero == 3:  # the search may run it held instead
+            out = min(out, self._floor(lay, held))
+        return out
+
+    def _floor(self, lay: Layout, impl: Implementation) -> float:
+        key = (*(getattr(lay, f) for f in BLOCK_FIELDS), impl)
+        block = self._blocks.get(key)
+        if block is None:
+            blk = block_cost(self.shape, lay, self.rates, self.seq, self.e, self.flash, impl)
+            block = self._blocks[key] = blk.fwd.total + blk.bwd.total
+        stages = stage_layers(self.shape, lay.pp, lay.v, self.seq, impl.pp_split)
+        return lay.microbatches(self.global_batch) * max(rank_layers(stages, lay.pp)) * block
 
 
 def _no_layout(shape: ModelShape, cluster: Cluster, seq: int, global_batch: int,
