@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--gpu", default="titan-rtx-24g")
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--max-micro-batch", type=int, default=16)
-    p.add_argument("--out", type=Path, default=HERE / "results" / "gpt2_fsdp_plan.json")
+    p.add_argument("--out", type=Path, default=HERE / "results" / "planner" / "gpt2_fsdp.json")
     args = p.parse_args(argv)
     rows, best = [], {}
     for model in MODELS:
