@@ -349,7 +349,7 @@ def _search(shape: ModelShape, cluster: Cluster, seq: int, global_batch: int, fi
         count += 1
         # A layout whose blocks alone take longer than the keep-th fastest step so far cannot
         # be among the fastest: neither its memory nor its step is worked out.
-        if len(fastest) == keep and floor(lay, impl, held) > -fastest[0] * (1 + FLOOR_MARGIN):
+        if len(fastest) == keep and floor(lay, impl) > -fastest[0] * (1 + FLOOR_MARGIN):
             continue
         mem = memory_per_gpu(shape, lay, seq, global_batch, dtype, flash, impl)
         if mem.total > budget:
@@ -400,7 +400,8 @@ class _ComputeFloor:
     backward compute, without any communication, bubble, ends or optimizer. Every term the
     step adds to it is non-negative, so a layout whose floor exceeds the keep-th fastest step
     found so far is not among the fastest. The block's cost is worked out once per
-    `BLOCK_FIELDS` values."""
+    `BLOCK_FIELDS` values. It does not depend on how ZeRO-3 reshards (`block_cost` never reads
+    `reshard_after_forward`), so it bounds the held variant the search also tries."""
 
     def __init__(self, shape: ModelShape, cluster: Cluster, seq: int, global_batch: int,
                  dtype: str, flash: bool):
@@ -408,14 +409,7 @@ class _ComputeFloor:
         self.rates, self.e = rates_for(cluster), act_elem_bytes(dtype)
         self._blocks: dict[tuple, float] = {}
 
-    def __call__(self, lay: Layout, impl: Implementation,
-                 held: Implementation | None = None) -> float:
-        out = self._floor(lay, impl)
-        if held is not None and lay.zero == 3:  # the search may run it held instead
-            out = min(out, self._floor(lay, held))
-        return out
-
-    def _floor(self, lay: Layout, impl: Implementation) -> float:
+    def __call__(self, lay: Layout, impl: Implementation) -> float:
         key = (*(getattr(lay, f) for f in BLOCK_FIELDS), impl)
         block = self._blocks.get(key)
         if block is None:
