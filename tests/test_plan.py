@@ -392,6 +392,8 @@ def test_cli_hf_config_and_explicit_dims(tmp_path):
     (["--gpu", "h1000", "--model", "tiny"], "did you mean 'h100'"),
     (["--arch", "llama", "--hidden", "64"], "needs --layers"),
     (["--model", "tiny", "--gpus", "0"], "--gpus=0"),
+    (["--model", "tiny", "--gpus", "8", "--gpus-per-node", "3"],
+     "--gpus=8 is 2 nodes of --gpus-per-node=3 and 2 over"),
     (["--model", "tiny", "--fix", "tp=3"], "does not divide"),
     (["--model", "gpt2", "--write-config", "/nonexistent/x.toml"], "does not exist"),
     (["--model", "tiny", "--write-config", "/nonexistent/x.toml"], "does not exist"),

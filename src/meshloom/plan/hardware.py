@@ -169,6 +169,13 @@ def make_cluster(gpu: str, n_gpus: int, gpus_per_node: int = 8, *,
         raise PlanError(f"--gpus={n_gpus} must be at least 1")
     if gpus_per_node < 1:
         raise PlanError(f"--gpus-per-node={gpus_per_node} must be at least 1")
+    if n_gpus > gpus_per_node and n_gpus % gpus_per_node:
+        # Every term that crosses nodes (bus bandwidth, ports, node spans) assumes equal nodes;
+        # a short last node would be priced as a full one.
+        full, rest = divmod(n_gpus, gpus_per_node)
+        raise PlanError(f"--gpus={n_gpus} is {full} nodes of --gpus-per-node={gpus_per_node} "
+                        f"and {rest} over; the planner prices equal nodes: plan --gpus "
+                        f"{full * gpus_per_node} or {(full + 1) * gpus_per_node}")
     overrides = {k: v for k, v in dict(peak_tflops=peak_tflops, memory_gb=memory_gb,
                                        intra_gbps=intra_gbps, inter_gbps=inter_gbps).items()
                  if v is not None}
