@@ -100,6 +100,23 @@ def _rel(ref: list[float], got: list[float]) -> list[float]:
     return [abs(a - b) / abs(a) for a, b in zip(ref, got, strict=True)]
 
 
+def _covered(rows: list[dict]) -> dict[str, int]:
+    """How many trained draws used each axis at 2 or more and each option."""
+    def count(test) -> int:
+        return sum(any(test(o) for o in r["overrides"]) for r in rows)
+    out = {a: count(lambda o, a=a: o.startswith(f"parallel.{a}=") and int(o.split("=")[1]) > 1)
+           for a in ("tp", "pp", "cp", "ep", "dp_replicate", "dp_shard")}
+    out |= {f"zero_stage={z}": count(lambda o, z=z: o == f"parallel.zero_stage={z}")
+            for z in (1, 2, 3)}
+    out |= {s: count(lambda o, s=s: o == f"parallel.pp_schedule={s}") for s in SCHEDULES}
+    out |= {"sequence_parallel": count(lambda o: o == "parallel.sequence_parallel=true"),
+            "micro_batch set": count(lambda o: o.startswith("train.micro_batch=")),
+            "recompute": count(lambda o: o.startswith("train.activation_checkpointing=")),
+            "reshard_after_forward=false":
+                count(lambda o: o == "parallel.reshard_after_forward=false")}
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = parser(__doc__)
     p.add_argument("--layouts", type=int, default=300, help="accepted draws to train")
@@ -157,17 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
         "max_rel_loss_diff": max((r["max_rel_loss_diff"] for r in done), default=None),
         "max_rel_grad_norm_diff": max((r["max_rel_grad_norm_diff"] for r in done), default=None),
         "bounds": bound,
-        "covered": {k: sum(any(o.startswith(k) and not o.endswith(("=1", "=0", "=false"))
-                               for o in r["overrides"]) for r in rows)
-                    for k in ("parallel.tp", "parallel.pp", "parallel.cp", "parallel.ep",
-                              "parallel.dp_replicate", "parallel.dp_shard",
-                              "parallel.sequence_parallel", "train.micro_batch",
-                              "train.activation_checkpointing",
-                              "parallel.reshard_after_forward")}
-        | {f"zero_stage={z}": sum(f"parallel.zero_stage={z}" in r["overrides"] for r in rows)
-           for z in (1, 2, 3)}
-        | {s: sum(f"parallel.pp_schedule={s}" in r["overrides"] for r in rows)
-           for s in SCHEDULES},
+        "covered": _covered(rows),
     }
     result = {"config": {"seed": args.seed, "dtype": args.dtype, "compile": args.compile,
                          "families": FAMILIES,

@@ -46,6 +46,8 @@ def test_a_short_run_trains_accepted_draws_and_writes_its_bounds(tmp_path):
     assert s["draws"] == 2 + s["refused_before_launch"]
     assert s["failed_after_acceptance"] == s["beyond_bound"] == 0
     assert s["bounds"] == rl.BOUNDS["fp32"]
+    assert {"tp", "pp", "cp", "ep", "zero_stage=3", "zb_h1", "recompute"} <= set(s["covered"])
+    assert sum(s["covered"][a] for a in ("tp", "pp", "cp", "dp_replicate", "dp_shard")) >= 2
     for row in result["rows"]:
         assert row["ok"] and 0 <= row["max_rel_loss_diff"] <= 1e-5
         assert 0 <= row["max_rel_grad_norm_diff"] <= 1e-4
