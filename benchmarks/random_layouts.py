@@ -14,8 +14,12 @@ accepts must train. Per draw the result records the largest relative per-step di
 loss and of the global gradient norm (the norm catches a gradient scaled wrongly, which AdamW
 would hide from the losses, tests/conftest.py). Bounds: fp32 as DESIGN.md's parity rule (loss
 1e-5; norm 1e-5 at the first step and 1e-4 after, tests/conftest.py `assert_same_grad_norms`);
-bf16 as tests/test_mixed_precision_layouts.py (2e-3, 1e-2). Exit status 1 if a draw exceeds its
-bound or an accepted draw fails.
+bf16 as tests/test_mixed_precision_layouts.py (2e-3, 1e-2), against the fp32 run as there. In
+bf16 each draw is also compared with one process in bf16 (`same_dtype`; that process computes
+under autocast, while ZeRO stages compute with bf16 working parameters,
+docs/mixed-precision.md), and the summary gives how far that one process lies from fp32 per
+family.
+Exit status 1 if a draw exceeds its bound or an accepted draw fails.
 """
 
 from __future__ import annotations
@@ -145,9 +149,11 @@ def main(argv: list[str] | None = None) -> dict:
         except ConfigError as e:
             refused[str(e).split(":")[0].split("=")[0]] += 1
             continue
-        if family not in refs:
-            refs[family] = run_ranks(_train, 1, str(tmp / f"ref-{family}"), cache,
-                                     _model(family))[0]
+        low = args.dtype != "fp32"
+        for dtype in {"fp32", args.dtype}:
+            if (family, dtype) not in refs:
+                refs[family, dtype] = run_ranks(_train, 1, str(tmp / f"ref-{family}-{dtype}"),
+                                                cache, [*_model(family), f"train.dtype={dtype}"])[0]
         row = {"family": family, "ranks": world, "overrides": ov[len(_model(family)):-2]}
         try:
             got = run_ranks(_train, world, str(tmp / f"run-{len(rows)}"), cache, ov,
@@ -155,11 +161,16 @@ def main(argv: list[str] | None = None) -> dict:
         except RankError as e:  # accepted before launch, then failed: a finding
             row |= {"ok": False, "error": str(e).strip().splitlines()[-1][:300]}
         else:
-            loss, norm = _rel(refs[family]["losses"], got["losses"]), \
-                _rel(refs[family]["norms"], got["norms"])
+            ref = refs[family, "fp32"]
+            loss, norm = _rel(ref["losses"], got["losses"]), _rel(ref["norms"], got["norms"])
             row |= {"max_rel_loss_diff": max(loss), "max_rel_grad_norm_diff": max(norm),
                     "ok": max(loss) <= bound["loss"] and norm[0] <= bound["norm_first"]
                     and max(norm) <= bound["norm_later"]}
+            if low:  # the layout's own share: against one process in the same precision
+                same = refs[family, args.dtype]
+                row |= {"same_dtype": {
+                    "max_rel_loss_diff": max(_rel(same["losses"], got["losses"])),
+                    "max_rel_grad_norm_diff": max(_rel(same["norms"], got["norms"]))}}
         rows.append(row)
         shown = row.get("error") or f"loss {row['max_rel_loss_diff']:.1e} " \
             f"norm {row['max_rel_grad_norm_diff']:.1e}"
@@ -176,6 +187,14 @@ def main(argv: list[str] | None = None) -> dict:
         "bounds": bound,
         "covered": _covered(rows),
     }
+    if args.dtype != "fp32":  # how far the precision alone moves one process, per family
+        summary["one_process_vs_fp32"] = {
+            f: {"max_rel_loss_diff": max(_rel(r["losses"], refs[f, args.dtype]["losses"])),
+                "max_rel_grad_norm_diff": max(_rel(r["norms"], refs[f, args.dtype]["norms"]))}
+            for (f, dtype), r in refs.items() if dtype == "fp32"}
+        for key in ("max_rel_loss_diff", "max_rel_grad_norm_diff"):
+            summary[f"same_dtype_{key}"] = max((r["same_dtype"][key] for r in done),
+                                               default=None)
     result = {"config": {"seed": args.seed, "dtype": args.dtype, "compile": args.compile,
                          "families": FAMILIES,
                          "common": COMMON, **provenance()},

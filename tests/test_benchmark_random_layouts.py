@@ -63,3 +63,17 @@ def test_a_draw_beyond_its_bound_fails_the_run(tmp_path, monkeypatch):
         rl.main(["--layouts", "1", "--seed", "3", "--out", str(tmp_path / "r.json")])
     assert e.value.code == 1
     assert json.loads((tmp_path / "r.json").read_text())["summary"]["beyond_bound"] == 1
+
+
+def test_bf16_draws_also_compare_with_one_bf16_process(tmp_path):
+    out = tmp_path / "r.json"
+    rl.main(["--layouts", "1", "--seed", "5", "--dtype", "bf16", "--out", str(out)])
+    result = json.loads(out.read_text())
+    (row,) = result["rows"]
+    s = result["summary"]
+    assert s["bounds"] == rl.BOUNDS["bf16"] and row["ok"]
+    assert "train.dtype=bf16" not in row["overrides"]  # recorded once, in the config
+    assert result["config"]["dtype"] == "bf16"
+    assert row["same_dtype"]["max_rel_loss_diff"] > 0  # bf16 rounding moved something
+    assert set(s["one_process_vs_fp32"]) == {row["family"]}
+    assert s["one_process_vs_fp32"][row["family"]]["max_rel_loss_diff"] > 0
