@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> dict:
     rng = random.Random(args.seed)
     tmp = Path(tempfile.mkdtemp(prefix="random-layouts-"))
     cache = str(tmp / "cache")
-    refs: dict[str, dict] = {}
+    refs: dict[tuple[str, str], dict] = {}  # (family, dtype) -> one process's run
+    low = args.dtype != "fp32"
     rows, refused, draws = [], Counter(), 0
     while len(rows) < args.layouts:
         family, world, ov = draw(rng)
@@ -149,7 +150,6 @@ def main(argv: list[str] | None = None) -> dict:
         except ConfigError as e:
             refused[str(e).split(":")[0].split("=")[0]] += 1
             continue
-        low = args.dtype != "fp32"
         for dtype in {"fp32", args.dtype}:
             if (family, dtype) not in refs:
                 refs[family, dtype] = run_ranks(_train, 1, str(tmp / f"ref-{family}-{dtype}"),
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
             row |= {"max_rel_loss_diff": max(loss), "max_rel_grad_norm_diff": max(norm),
                     "ok": max(loss) <= bound["loss"] and norm[0] <= bound["norm_first"]
                     and max(norm) <= bound["norm_later"]}
-            if low:  # the layout's own share: against one process in the same precision
+            if low:  # and against one process in the same precision
                 same = refs[family, args.dtype]
                 row |= {"same_dtype": {
                     "max_rel_loss_diff": max(_rel(same["losses"], got["losses"])),
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
         "bounds": bound,
         "covered": _covered(rows),
     }
-    if args.dtype != "fp32":  # how far the precision alone moves one process, per family
+    if low:  # how far the precision alone moves one process, per family
         summary["one_process_vs_fp32"] = {
             f: {"max_rel_loss_diff": max(_rel(r["losses"], refs[f, args.dtype]["losses"])),
                 "max_rel_grad_norm_diff": max(_rel(r["norms"], refs[f, args.dtype]["norms"]))}
