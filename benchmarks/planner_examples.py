@@ -32,7 +32,7 @@ _EP8 = "tp=1,pp=1,cp=1,ep=8,zero=2,micro_batch=1,recompute=selective"
 _L70 = "--model llama3-70b --gpus 64 --gpu h100 --seq 8192 --global-batch 256"
 # The worked example's best layout, pinned, for the variants the prose compares it with.
 _BEST = ("tp=4,pp=4,dp=4,cp=1,micro_batch=1,zero=1,recompute=selective,"
-         "schedule=interleaved_1f1b,v=20,sp=true")
+         "schedule=interleaved_zb,v=20,sp=true")
 
 _CP4 = ("tp=1,pp=8,dp=4,cp=4,ep=8,micro_batch=1,zero=1,recompute=none,"
         "schedule=interleaved_1f1b,v=7")

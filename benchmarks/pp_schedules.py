@@ -2,7 +2,8 @@
 
     python benchmarks/pp_schedules.py --steps 6
 
-One `meshloom train` run per schedule (gpipe, 1f1b, interleaved_1f1b with v = 2, zb_h1), the
+One `meshloom train` run per schedule (gpipe, 1f1b, interleaved_1f1b with v = 2, zb_h1,
+interleaved_zb with v = 2), the
 demo model on 2 Gloo ranks (one pipeline stage each), `--microbatches` micro-batches of
 `--micro-batch` x `--seq` tokens, then the same numbers `meshloom report RUN_DIR` prints: the
 last step's measured bubble and makespan, the simulator's bubble for the same schedule with each
@@ -25,7 +26,8 @@ from _launch import parser, provenance, write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "pp_schedules.json"
-SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zb_h1": 1}  # name: virtual stages
+SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zb_h1": 1,  # name: virtual stages
+             "interleaved_zb": 2}
 
 
 def _train(run_dir: Path, schedule: str, v: int, args) -> None:

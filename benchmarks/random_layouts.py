@@ -36,6 +36,7 @@ from _launch import parser, provenance, write_result  # noqa: E402
 
 from meshloom.config import ConfigError, load_config  # noqa: E402
 from meshloom.launch import RankError, run_ranks  # noqa: E402
+from meshloom.parallel.pipeline_schedule import INTERLEAVED, SCHEDULES  # noqa: E402
 from meshloom.validation import validate  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +50,6 @@ COMMON = ["train.steps=4", "train.eval_every=0", "train.eval_sequences=0",
           "run.checkpoint_every=0", "run.device=cpu"]
 BOUNDS = {"fp32": {"loss": 1e-5, "norm_first": 1e-5, "norm_later": 1e-4},
           "bf16": {"loss": 2e-3, "norm_first": 1e-2, "norm_later": 1e-2}}
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 
 
 def draw(rng: random.Random) -> tuple[str, int, list[str]]:
@@ -69,7 +69,7 @@ def draw(rng: random.Random) -> tuple[str, int, list[str]]:
     if axes["pp"] > 1:
         schedule = rng.choice(SCHEDULES)
         ov.append(f"parallel.pp_schedule={schedule}")
-        if schedule == "interleaved_1f1b":
+        if schedule in INTERLEAVED:
             ov.append("parallel.pp_virtual_stages=2")
         ov.append(f"parallel.pp_microbatches={rng.choice((0, 2, 4))}")
     if family == "mixtral" and rng.random() < 0.8:

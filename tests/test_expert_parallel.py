@@ -92,6 +92,10 @@ CASES = [
     (4, ["parallel.ep=2", "parallel.pp=2", "parallel.pp_microbatches=2",
          "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2",
          "parallel.zero_stage=2"]),
+    # Interleaved and zero-bubble: a chunk's next input pass runs before its last weight pass
+    (4, ["parallel.ep=2", "parallel.pp=2", "parallel.pp_microbatches=4",
+         "parallel.pp_schedule=interleaved_zb", "parallel.pp_virtual_stages=2",
+         "parallel.zero_stage=3"]),
     # Context parallel: sequences in chunks over cp, routed (aux loss) as whole sequences
     (2, ["parallel.cp=2"]),
     (4, ["parallel.ep=2", "parallel.cp=2"]),  # ep across the cp ranks of a sequence

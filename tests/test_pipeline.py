@@ -93,10 +93,12 @@ def _pp(pp, schedule, v=1, *extra):
     return ov
 
 
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)]
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1),
+             ("interleaved_zb", 2)]
 CASES = [(pp, _pp(pp, s, v, "parallel.dp_shard=1")) for pp in (2, 4) for s, v in SCHEDULES]
 CASES += [
     (4, _pp(2, "1f1b", 1, "parallel.dp_replicate=2", "parallel.dp_shard=1")),
+    (4, _pp(2, "interleaved_zb", 2, "parallel.dp_replicate=2", "parallel.dp_shard=1")),
     (4, _pp(2, "interleaved_1f1b", 2, "parallel.dp_shard=2", "parallel.zero_stage=1")),
     (4, _pp(2, "zb_h1", 1, "parallel.dp_shard=2", "parallel.zero_stage=2")),
     (4, _pp(2, "interleaved_1f1b", 2, "parallel.dp_shard=2", "parallel.zero_stage=2")),
@@ -117,6 +119,13 @@ CASES += [
     (8, _pp(2, "zb_h1", 1, "parallel.dp_shard=2", "parallel.cp=2", "parallel.zero_stage=3")),
     (8, _pp(2, "interleaved_1f1b", 2, "parallel.dp_shard=2", "parallel.cp=2",
             "parallel.zero_stage=2")),
+    # Weight passes of both chunks deferred past other chunks' input passes: each chunk's
+    # lane reduces on its own last weight pass.
+    (4, _pp(2, "interleaved_zb", 2, "parallel.dp_shard=2", "parallel.zero_stage=2")),
+    (4, _pp(2, "interleaved_zb", 2, "parallel.dp_shard=2", "parallel.zero_stage=3",
+            "train.activation_checkpointing=full")),
+    (8, _pp(2, "interleaved_zb", 2, "parallel.dp_shard=2", "parallel.tp=2",
+            "parallel.zero_stage=3")),
     # Every unit held gathered from the step's first forward to its last backward.
     (4, _pp(2, "interleaved_1f1b", 2, "parallel.dp_shard=2", "parallel.zero_stage=3",
             "parallel.reshard_after_forward=false")),
@@ -158,7 +167,8 @@ def _assert_sharded_comm(results, stage: int, n_shard: int, ops: tuple[str, ...]
 @pytest.mark.parametrize("schedule,v,reshard", [("1f1b", 1, True), ("gpipe", 1, True),
                                                 ("interleaved_1f1b", 2, True),
                                                 ("zb_h1", 1, True), ("1f1b", 1, False),
-                                                ("zb_h1", 1, False)])
+                                                ("zb_h1", 1, False),
+                                                ("interleaved_zb", 2, True)])
 def test_pp_zero3_comm_volume(tmp_path, token_cache, schedule, v, reshard):
     ov = _pp(2, schedule, v, "parallel.dp_shard=2", "parallel.zero_stage=3",
              "train.eval_sequences=0", f"parallel.reshard_after_forward={str(reshard).lower()}")
@@ -182,6 +192,8 @@ TP_CASES = [
     (4, _pp(2, "zb_h1", 1, "parallel.tp=2", "parallel.dp_shard=1",
             "parallel.sequence_parallel=true")),
     (8, _pp(2, "1f1b", 1, "parallel.tp=2", "parallel.dp_shard=2")),  # 3-D: dp 2 x pp 2 x tp 2
+    (4, _pp(2, "interleaved_zb", 2, "parallel.tp=2", "parallel.dp_shard=1",
+            "parallel.sequence_parallel=true")),
     (8, _pp(2, "interleaved_1f1b", 2, "parallel.tp=2", "parallel.dp_shard=2",
             "parallel.zero_stage=1")),
 ]

@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 
 from meshloom.parallel.pipeline_schedule import (
+    SPLIT_BACKWARD,
     Action,
     build_schedule,
     compute_lists,
@@ -45,11 +46,53 @@ def test_zero_bubble_is_below_1f1b(p, m):
     assert zb.bubble() == pytest.approx((p - 1) / (3 * m + p - 1), abs=1e-12)
 
 
+@pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 8, 2), (4, 16, 2), (4, 12, 3), (8, 16, 2),
+                                   (8, 32, 4), (3, 9, 3)])
+def test_interleaved_zero_bubble_fills_interleaved_1f1b_and_holds_no_more(p, m, v):
+    """interleaved_zb against interleaved 1F1B with the same backward (B = I + W = 2): the step
+    takes 3mv + p - 1 units instead of 3mv + 3(p - 1), ZB-H1's bubble with v x m chunks, and
+    no rank holds more chunk activations than interleaved 1F1B's first rank."""
+    zb = simulate(build_schedule("interleaved_zb", p, m, v))
+    il = simulate(build_schedule("interleaved_1f1b", p, m, v),
+                  lambda a: 2.0 if a.kind == "B" else 1.0)
+    assert zb.makespan == 3 * m * v + p - 1 and il.makespan == 3 * m * v + 3 * (p - 1)
+    assert zb.bubble() == pytest.approx((p - 1) / (3 * m * v + p - 1), abs=1e-12)
+    peaks = [_peak_alive(a, release="W") for a in compute_lists("interleaved_zb", p, m, v)]
+    first = _peak_alive(compute_lists("interleaved_1f1b", p, m, v)[0])
+    assert max(peaks) == peaks[0] == first and min(peaks) >= p * v
+    # The forwards and input gradients keep interleaved 1F1B's order on every rank.
+    for zl, il_list in zip(compute_lists("interleaved_zb", p, m, v),
+                           compute_lists("interleaved_1f1b", p, m, v), strict=True):
+        assert [(a.kind.replace("I", "B"), a.stage, a.mb) for a in zl if a.kind != "W"] == \
+            [tuple(a) for a in il_list]
+
+
+@pytest.mark.parametrize("p,m", [(1, 3), (2, 2), (2, 6), (4, 4), (4, 8), (8, 24)])
+def test_interleaved_zero_bubble_with_one_chunk_is_zb_h1(p, m):
+    assert compute_lists("interleaved_zb", p, m, 1) == compute_lists("zb_h1", p, m)
+
+
+def test_interleaved_zero_bubble_runs_with_uneven_costs_and_latency():
+    """The lists are laid out on a unit clock; on any other (a heavy last stage, W cheaper than
+    I, a transfer latency) they still run to the end and beat interleaved 1F1B."""
+    p, m, v = 4, 8, 2
+
+    def cost(a):
+        base = 1.5 if a.stage == p * v - 1 else 1.0
+        return base * {"F": 1.0, "B": 2.2, "I": 1.4, "W": 0.8}[a.kind]
+
+    zb = simulate(build_schedule("interleaved_zb", p, m, v), cost, latency=0.3)
+    il = simulate(build_schedule("interleaved_1f1b", p, m, v), cost, latency=0.3)
+    assert zb.makespan < il.makespan
+
+
 @pytest.mark.parametrize("schedule,p,m,v", [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1),
-                                            ("interleaved_1f1b", 4, 8, 2), ("zb_h1", 4, 8, 1)])
+                                            ("interleaved_1f1b", 4, 8, 2), ("zb_h1", 4, 8, 1),
+                                            ("interleaved_zb", 4, 8, 2),
+                                            ("interleaved_zb", 2, 6, 3)])
 def test_every_micro_batch_runs_once_on_its_stage(schedule, p, m, v):
     lists = compute_lists(schedule, p, m, v)
-    kinds = ("F", "I", "W") if schedule == "zb_h1" else ("F", "B")
+    kinds = ("F", "I", "W") if schedule in SPLIT_BACKWARD else ("F", "B")
     for r, acts in enumerate(lists):
         assert all(a.stage % p == r for a in acts)  # stage s lives on rank s % p
         counts = Counter((a.kind, a.stage, a.mb) for a in acts)
@@ -94,6 +137,10 @@ def test_unknown_schedule_and_bad_virtual_stages():
         compute_lists("1f1b", 2, 4, 2)
     with pytest.raises(ValueError, match=r"count \(6\) to be a multiple of parallel.pp=4"):
         compute_lists("interleaved_1f1b", 4, 6, 2)
+    with pytest.raises(ValueError, match=r"interleaved_zb needs the micro-batch count \(6\)"):
+        compute_lists("interleaved_zb", 4, 6, 2)
+    with pytest.raises(ValueError, match="pp_virtual_stages=2 needs .* or interleaved_zb"):
+        compute_lists("zb_h1", 2, 4, 2)
 
 
 # ---------------------------------------------------------------- stage split

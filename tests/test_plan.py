@@ -106,10 +106,13 @@ def test_in_flight_per_schedule():
     assert in_flight("zb_h1", p, m, 1) == (p, p)
     v = 2  # interleaved: first stage p (1 + (p - 1) / (p v)) in units of its whole share
     assert in_flight("interleaved_1f1b", p, m, v)[0] == pytest.approx(p * (1 + (p - 1) / (p * v)))
+    # Interleaved zero bubble: the first rank as interleaved 1F1B's, the last p micro-batches.
+    assert in_flight("interleaved_zb", p, m, v) == (in_flight("interleaved_1f1b", p, m, v)[0], p)
 
 
 @pytest.mark.parametrize("schedule,p,v", [("1f1b", 4, 1), ("interleaved_1f1b", 4, 2),
-                                          ("zb_h1", 6, 1), ("gpipe", 4, 1), ("1f1b", 8, 1)])
+                                          ("zb_h1", 6, 1), ("gpipe", 4, 1), ("1f1b", 8, 1),
+                                          ("interleaved_zb", 4, 2), ("interleaved_zb", 3, 3)])
 def test_steady_state_extrapolation_matches_the_simulator(schedule, p, v):
     """The search simulates 2p and 3p micro-batches and extrapolates; uneven stage costs (a
     heavier last stage) and a p2p latency included, it stays within 2% of simulating all."""

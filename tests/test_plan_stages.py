@@ -123,7 +123,8 @@ def test_bloom_row_uses_its_scripts_split():
 
 
 @pytest.mark.parametrize("schedule, v", [("gpipe", 1), ("1f1b", 1), ("zb_h1", 1),
-                                         ("interleaved_1f1b", 2), ("interleaved_1f1b", 3)])
+                                         ("interleaved_1f1b", 2), ("interleaved_1f1b", 3),
+                                         ("interleaved_zb", 2), ("interleaved_zb", 3)])
 def test_alive_layers_is_the_walk_of_every_action(schedule, v):
     """The memory peak per rank, with its shortcuts (GPipe's peak as m times one micro-batch's,
     the other schedules' walk cut after the warm-up), equals walking every action of the full

@@ -266,6 +266,8 @@ def test_schedule_pictures(tmp_path):
     assert bubbles["1f1b"] == pytest.approx((p - 1) / (m + p - 1))
     assert bubbles["interleaved_1f1b"] == pytest.approx((p - 1) / (v * m + p - 1))
     assert bubbles["zb_h1"] < bubbles["1f1b"]
+    assert bubbles["interleaved_zb"] == pytest.approx((p - 1) / (3 * v * m + p - 1))
+    assert set(bubbles) == {"gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "interleaved_zb"}
     for name in bubbles:
         path = tmp_path / f"pp_{name}.png"
         w, h = png_size(path)

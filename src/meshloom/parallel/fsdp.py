@@ -72,6 +72,9 @@ class _Unit:
                                       and getattr(module, "backward_reads_weight", True))
         self.gathered, self.work = True, None
         self.pending = len(g.params)
+        # Parameters whose gradients a zero-bubble input pass gives (norms, an embedding): the
+        # weight pass completes the unit without them (their gradients wait in .grad).
+        self.early: set[nn.Parameter] = set()
         self.inflight: tuple | None = None
         self.free()
 
@@ -346,8 +349,14 @@ class FullyShardedDataParallel:
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         u = self._unit_of[p]
+        if self._scope is not None and not self._scope:
+            # A zero-bubble input pass: its gradient is reduced with the unit's weight pass.
+            # Counted there, it would complete the unit early whenever a rank runs a second
+            # input pass of a chunk before the first's weight pass (ZB-H1, interleaved_zb).
+            u.early.add(p)
+            return
         u.pending -= 1
-        if u.pending == 0:
+        if u.pending == len(u.early):
             self._reduce(u)
 
     def _reduce(self, u: _Unit) -> None:

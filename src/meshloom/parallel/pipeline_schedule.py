@@ -15,20 +15,26 @@ Schedules:
   backwards likewise with the chunks reversed (Narayanan et al. 2021);
 - zb_h1: backward split into I (input gradient, on the critical path) and W (weight gradient,
   deferred into what would be bubbles); stage r runs its Ws r micro-batches late, so every
-  stage holds 1F1B's first-stage peak of p micro-batches (Qi et al. 2023, ZB-H1).
+  stage holds 1F1B's first-stage peak of p micro-batches (Qi et al. 2023, ZB-H1);
+- interleaved_zb: interleaved 1F1B's forwards and input gradients, each rank's weight gradients
+  put where it would otherwise wait (`filled_lists`); with v = 1 it is ZB-H1.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import NamedTuple
 
 from meshloom.config import Config, ModelDims, closest
 from meshloom.mesh import ParallelDims
 
 COMPUTE = ("F", "B", "I", "W")
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "interleaved_zb")
+INTERLEAVED = ("interleaved_1f1b", "interleaved_zb")  # the ones that take virtual stages
+SPLIT_BACKWARD = ("zb_h1", "interleaved_zb")  # backward as I (input grad) and W (weight grad)
 
 
 class Action(NamedTuple):
@@ -63,6 +69,9 @@ def compute_lists(schedule: str, pp: int, m: int, v: int = 1,
         return [_one_f_one_b(r, pp, m) for r in ranks]
     if schedule == "interleaved_1f1b":
         return [_interleaved(r, pp, m, v) for r in ranks]
+    if schedule == "interleaved_zb":
+        lists = filled_lists(pp, m, v)
+        return [list(lists[r]) for r in ranks]
     return zero_bubble_lists(pp, m, ranks)
 
 
@@ -116,6 +125,61 @@ def zero_bubble_lists(pp: int, m: int, ranks: Sequence[int] | None = None
     return lists
 
 
+@lru_cache(maxsize=256)
+def filled_lists(pp: int, m: int, v: int) -> tuple[tuple[Action, ...], ...]:
+    """interleaved_zb: interleaved 1F1B's order of forwards and input-gradient passes (1F1B's for
+    v = 1), every backward split into I and W, and each W put where its rank would otherwise
+    wait. The lists are laid out once on a unit clock (F = I = W = 1, no transfer time): at each
+    tick a rank runs its next F or I if what it needs has finished, else its oldest pending W;
+    a rank holding p micro-batches of its layers (v x p chunk activations, forward done, W not)
+    clears a W before the next forward, so no rank holds more than interleaved 1F1B's first
+    rank (whose warm-up alone holds more). On that clock the step takes 3mv + p - 1 units
+    against interleaved 1F1B's 3mv + 3(p - 1) (F = 1, B = 2): a bubble of (p - 1) /
+    (3mv + p - 1), ZB-H1's with v x m micro-batch chunks; for v = 1 the lists are ZB-H1's
+    (tests/test_pipeline_schedule.py). The order of the F and I passes is interleaved 1F1B's,
+    which cannot deadlock, and a W needs only its own rank's I, so neither can these lists."""
+    n = pp * v
+    order = [[Action("I", a.stage, a.mb) if a.kind == "B" else a
+              for a in (_one_f_one_b(r, pp, m) if v == 1 else _interleaved(r, pp, m, v))]
+             for r in range(pp)]
+    cap = v * pp
+    done: dict[Action, int] = {}
+    pos, alive = [0] * pp, [0] * pp
+    pending: list[deque[Action]] = [deque() for _ in range(pp)]
+    out: list[list[Action]] = [[] for _ in range(pp)]
+
+    def ready(a: Action, tick: int) -> bool:
+        if a.kind == "F":
+            needs = [Action("F", a.stage - 1, a.mb)] if a.stage > 0 else []
+        else:
+            needs = [Action("F", a.stage, a.mb)] + (
+                [Action("I", a.stage + 1, a.mb)] if a.stage < n - 1 else [])
+        return all(done.get(d, tick + 1) <= tick for d in needs)
+
+    tick = 0
+    while any(pos[r] < len(order[r]) or pending[r] for r in range(pp)):
+        ran = []
+        for r in range(pp):
+            nxt = order[r][pos[r]] if pos[r] < len(order[r]) else None
+            if pending[r] and (nxt is None or (nxt.kind == "F" and alive[r] >= cap)
+                               or not ready(nxt, tick)):
+                ran.append((r, pending[r].popleft()))
+            elif nxt is not None and ready(nxt, tick):
+                ran.append((r, nxt))
+                pos[r] += 1
+        if not ran:  # cannot happen with interleaved 1F1B's order; fail loudly, not forever
+            raise ValueError(f"interleaved_zb: no rank can run at tick {tick} (pp={pp}, m={m}, "
+                             f"v={v})")
+        for r, a in ran:
+            done[a] = tick + 1
+            out[r].append(a)
+            if a.kind == "I":
+                pending[r].append(Action("W", a.stage, a.mb))
+            alive[r] += {"F": 1, "W": -1}.get(a.kind, 0)
+        tick += 1
+    return tuple(tuple(acts) for acts in out)
+
+
 def with_communication(lists: list[list[Action]], pp: int, n_stages: int) -> list[list[Action]]:
     """Insert the receive before and the send after every compute action that crosses a stage
     boundary (activations forward, their gradients backward)."""
@@ -152,16 +216,16 @@ def build_schedule(schedule: str, pp: int, m: int, v: int = 1) -> list[list[Acti
 
 
 def virtual_stages_problem(schedule: str, v: int) -> str | None:
-    if v != 1 and schedule != "interleaved_1f1b":
+    if v != 1 and schedule not in INTERLEAVED:
         return (f"parallel.pp_virtual_stages={v} needs parallel.pp_schedule=interleaved_1f1b "
-                f"(not {schedule})")
+                f"or interleaved_zb (not {schedule})")
     return None
 
 
 def microbatch_count_problem(schedule: str, pp: int, m: int) -> str | None:
     # Interleaving sends micro-batches through the chunks in groups of pp.
-    if schedule == "interleaved_1f1b" and m % pp:
-        return (f"parallel.pp_schedule=interleaved_1f1b needs the micro-batch count ({m}) to be "
+    if schedule in INTERLEAVED and m % pp:
+        return (f"parallel.pp_schedule={schedule} needs the micro-batch count ({m}) to be "
                 f"a multiple of parallel.pp={pp}")
     return None
 

@@ -88,6 +88,9 @@ class _Bucket:
             self.grads = None
             self.grad_shard = group.new_shard(torch.float32, master_device)
         self.pending = len(group.params)
+        # Parameters whose gradients a zero-bubble input pass gives (norms, an embedding): the
+        # weight pass completes the bucket without them (their gradients wait in .grad).
+        self.early: set[nn.Parameter] = set()
         self.inflight: tuple | None = None  # (work, packed input, output shard) of stage 2
 
     def bind_grads(self) -> None:
@@ -149,6 +152,12 @@ class ZeroDataParallel:
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         b = self._bucket_of[p]
+        if self._scope is not None and not self._scope:
+            # A zero-bubble input pass: its gradient is reduced with the bucket's weight pass
+            # (counted here, a second input pass before the first's weight pass would launch
+            # the bucket before its weights' gradients exist).
+            b.early.add(p)
+            return
         b.pending -= 1
         self._launch_ready(self._lane_of[b])
 
@@ -156,7 +165,7 @@ class ZeroDataParallel:
         buckets = self._lanes[lane]
         while self._next[lane] < len(buckets):
             b = buckets[self._next[lane]]
-            if not force and b.pending > 0:
+            if not force and b.pending > len(b.early):
                 return
             g = b.group
             packed = g.pack([p.grad for p in g.params],

@@ -30,7 +30,7 @@ from meshloom.config import (
 )
 from meshloom.mesh import ParallelDims
 from meshloom.models.llama import LlamaConfig
-from meshloom.parallel.pipeline_schedule import SCHEDULES
+from meshloom.parallel.pipeline_schedule import INTERLEAVED, SCHEDULES
 from meshloom.plan import PlanError
 from meshloom.plan.compute import block_cost, rates_for
 from meshloom.plan.hardware import Cluster
@@ -277,7 +277,9 @@ def _rest(shape, cluster, seq, global_batch, fixed, opts, base: Layout) -> Itera
         scheds = []
         for sched in opts("schedule", list(SCHEDULES)):
             vs = ([d for d in _divisors(shape.layers // base.pp) if d > 1]
-                  if sched == "interleaved_1f1b" and shape.layers % base.pp == 0 else [1])
+                  if sched in INTERLEAVED and shape.layers % base.pp == 0 else [1])
+            if sched == "interleaved_zb" and vs == [1] and "schedule" not in fixed:
+                continue  # with one chunk a rank it runs zb_h1's lists, searched already
             scheds += [(sched, v) for v in opts("v", vs)]
     for mb in mbs:
         for zero in zeros:

@@ -28,7 +28,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache, partial
 
-from meshloom.parallel.pipeline_schedule import Action, build_schedule, simulate
+from meshloom.parallel.pipeline_schedule import (
+    INTERLEAVED,
+    SPLIT_BACKWARD,
+    Action,
+    build_schedule,
+    simulate,
+)
 from meshloom.plan import nccl
 from meshloom.plan.compute import (
     ACCUMULATE_BF16_TO_FP32,
@@ -276,9 +282,10 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
         span_nolat = _makespan(sched, p, m, v, key, 0.0, cv)
         span = _makespan(sched, p, m, v, key, hop_pp, cv, impl.p2p_blocking)
     else:
-        frac = (p - 1) / ((v if lay.schedule == "interleaved_1f1b" else 1) * m + p - 1)
-        if lay.schedule == "zb_h1":
-            frac = (p - 1) / (3 * m + p - 1)
+        chunks = v if lay.schedule in INTERLEAVED else 1  # micro-batch chunks a rank runs
+        frac = (p - 1) / (chunks * m + p - 1)
+        if lay.schedule in SPLIT_BACKWARD:  # F = I = W: 3 units per micro-batch chunk
+            frac = (p - 1) / (3 * chunks * m + p - 1)
         span_nolat = m * busy_mb / (1 - frac)
         span = span_nolat + 2 * (p - 1) * hop_pp
         if impl.p2p_blocking:  # the busiest rank also waits out each of its own sends
@@ -290,7 +297,7 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     # the busiest rank's idle seconds, the part of the step time the breakdown charges to the
     # schedule.) Point-to-point transfers stay out of it, in pp_comm: a measured timeline
     # counts their wait as idle, see docs/plan.md.
-    kinds = ("F", "I", "W") if lay.schedule == "zb_h1" else ("F", "B")
+    kinds = ("F", "I", "W") if lay.schedule in SPLIT_BACKWARD else ("F", "B")
     mean_busy = m * sum(cost(Action(k, st, 0)) for st in range(n_stages) for k in kinds) / p
 
     # After the pipeline drains, each rank reduces and steps its own parameters: the step ends

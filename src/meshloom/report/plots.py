@@ -20,7 +20,13 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import FuncFormatter
 
-from meshloom.parallel.pipeline_schedule import Timeline, build_schedule, simulate
+from meshloom.parallel.pipeline_schedule import (
+    INTERLEAVED,
+    SCHEDULES,
+    Timeline,
+    build_schedule,
+    simulate,
+)
 
 DPI = 100
 KIND_COLORS = {"F": "#4285f4", "B": "#34a853", "I": "#f28500", "W": "#8e44ad"}
@@ -279,8 +285,8 @@ def schedule_pictures(folder: str | os.PathLike, pp: int = 4, m: int = 8, v: int
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     bubbles = {}
-    for name in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1"):
-        vv = v if name == "interleaved_1f1b" else 1
+    for name in SCHEDULES:
+        vv = v if name in INTERLEAVED else 1
         t = simulate(build_schedule(name, pp, m, vv))
         bubbles[name] = t.bubble()
         extra = f", v={vv}" if vv > 1 else ""
