@@ -92,6 +92,11 @@ CASES = [
     (4, ["parallel.ep=2", "parallel.pp=2", "parallel.pp_microbatches=2",
          "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2",
          "parallel.zero_stage=2"]),
+    # ...with the blocks recomputed: the expert units nested in them run their forward again
+    # inside the input pass (it freed them just before their backward)
+    (4, ["parallel.ep=2", "parallel.pp=2", "parallel.pp_microbatches=2",
+         "parallel.pp_schedule=zb_h1", "parallel.zero_stage=3",
+         "train.activation_checkpointing=full"]),
     # Interleaved and zero-bubble: a chunk's next input pass runs before its last weight pass
     (4, ["parallel.ep=2", "parallel.pp=2", "parallel.pp_microbatches=4",
          "parallel.pp_schedule=interleaved_zb", "parallel.pp_virtual_stages=2",

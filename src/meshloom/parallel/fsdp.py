@@ -277,7 +277,13 @@ class FullyShardedDataParallel:
             self.root.free()
 
     def _pre_forward(self, u: _Unit) -> None:
-        self._current.append(u)
+        # A unit nested in a recomputed block (an expert unit under full recompute) runs its
+        # forward again inside backward: it keeps its place in the forward order. Appended
+        # again, it would be its own successor there: a zero-bubble input pass would free it
+        # just before its backward reads it, and the next forward would prefetch it after
+        # itself instead of what follows it.
+        if u not in self._current:
+            self._current.append(u)
         u.wait_gather(self.mesh)
         nxt = self._neighbour(self._order, u, +1)
         if nxt is None and u is self._root_prefetcher:
