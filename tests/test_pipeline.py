@@ -226,19 +226,27 @@ def test_pp_tied_embeddings_stay_in_sync(tmp_path, token_cache, extra):
 
 def test_pp_activation_counts_and_timeline(tmp_path, token_cache):
     """Counted by the executor: 1F1B's first stage holds at most p micro-batches'
-    activations, GPipe's holds all m; every rank writes the last step's timeline."""
+    activations, GPipe's holds all m, interleaved_zb's first interleaved 1F1B's peak and the
+    others at least p micro-batches of their layers, each rank as the planner's walk of the
+    same lists says; every rank writes the last step's timeline."""
+    from meshloom.plan.memory import in_flight
+
     peaks = {}
-    for schedule in ("1f1b", "gpipe"):
+    for schedule, v, kinds in (("1f1b", 1, 2), ("gpipe", 1, 2), ("interleaved_zb", 2, 3)):
         run = tmp_path / schedule
-        run_ranks(_job, 4, run, token_cache, [*_pp(4, schedule), "parallel.dp_shard=1",
+        run_ranks(_job, 4, run, token_cache, [*_pp(4, schedule, v), "parallel.dp_shard=1",
                                               "parallel.pp_microbatches=8"])
         files = sorted((run / "pipeline").glob("timeline_rank*.json"))
         data = [json.loads(f.read_text()) for f in files]
         assert len(data) == 4
         peaks[schedule] = [d["peak_alive"] for d in sorted(data, key=lambda d: d["pp_rank"])]
-        assert all(len(d["spans"]) == 2 * 8 for d in data)  # F and B of 8 micro-batches
+        # F and B (or F, I and W) of 8 micro-batches in each of the rank's v chunks
+        assert all(len(d["spans"]) == kinds * 8 * v for d in data)
     assert peaks["1f1b"] == [4, 3, 2, 1]
     assert peaks["gpipe"] == [8, 8, 8, 8]
+    assert peaks["interleaved_zb"] == [11, 9, 8, 8]  # chunk activations, v = 2 a micro-batch
+    first, last = in_flight("interleaved_zb", 4, 8, 2)  # in units of a rank's whole share
+    assert (peaks["interleaved_zb"][0] / 2, peaks["interleaved_zb"][-1] / 2) == (first, last)
 
 
 # ---------------------------------------------------------------- time-outs
