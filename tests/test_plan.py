@@ -286,6 +286,18 @@ def test_more_sharding_less_memory_and_search_respects_fix():
         assert sum(c.timing.breakdown().values()) == pytest.approx(c.timing.step_time_s)
 
 
+def test_search_tries_interleaved_zero_bubble_only_where_it_interleaves():
+    """interleaved_zb with one chunk a rank is zb_h1's lists: searched with every v > 1 that
+    divides layers / pp (as interleaved 1F1B), never at v = 1 unless the user pins it."""
+    shape, cl = PRESETS["llama3-8b"], make_cluster("h100", 8)  # 32 layers
+    for pp, want in ((2, {2, 4, 8, 16}), (8, {2, 4})):
+        got = {lay.v for lay in layouts(shape, cl, 4096, 16, {"pp": pp, "tp": 1, "dp": 8 // pp})
+               if lay.schedule == "interleaved_zb"}
+        assert got == want, pp
+    pinned = {"pp": 8, "tp": 1, "dp": 1, "schedule": "interleaved_zb", "v": 1}
+    assert {lay.v for lay in layouts(shape, cl, 4096, 16, pinned)} == {1}
+
+
 @pytest.mark.parametrize("text,msg", [
     ("tp=8,pp", "not key=value"), ("tq=2", "did you mean 'tp'"), ("tp=0", "positive integer"),
     ("recompute=some", "one of none, selective, full"), ("zero=4", "0, 1, 2 or 3"),
