@@ -77,6 +77,11 @@ CASES = [
     (4, ["parallel.ep=4", "parallel.zero_stage=3"]),
     # Two micro-batches: both ZeRO-3s (dense and experts) hold the next one's opening units
     (4, ["parallel.ep=2", "parallel.zero_stage=3", "train.micro_batch=2"]),
+    # Selective recompute: the expert units' gathers stay outside the checkpointed block
+    (4, ["parallel.ep=2", "parallel.zero_stage=3", "train.activation_checkpointing=selective"]),
+    (4, ["parallel.ep=2", "parallel.pp=2", "parallel.pp_microbatches=2",
+         "parallel.pp_schedule=zb_h1", "parallel.zero_stage=3",
+         "train.activation_checkpointing=selective"]),
     # ...or, not resharding after forward, every unit (pipelined too: experts, pp and ZeRO-3)
     (4, ["parallel.ep=2", "parallel.zero_stage=3", "train.micro_batch=2",
          "parallel.reshard_after_forward=false"]),

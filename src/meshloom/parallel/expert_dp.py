@@ -133,7 +133,13 @@ def expert_data_parallel(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig,
         dp.norm_axes = axes.split if axes else ()
         return dp
 
-    expert_units = [f"{name}.experts" for name, _ in moe_blocks(model)]
     dense_units = [u for u in units_of(model)]
+    # Each block's experts are one unit, hooked on the block that holds them (their parameters
+    # are the unit's; the block's others are the dense strategy's): its gathers and frees then
+    # run outside the block's checkpointed function, as the dense units' do. Hooked on the
+    # experts inside it, a recompute would gather them again in backward, an op selective
+    # recompute does not find among the forward's ('not found in storage').
+    expert_units = [max((u for u in dense_units if u and name.startswith(u + ".")), key=len,
+                        default=f"{name}.experts") for name, _ in moe_blocks(model)]
     return ExpertGrads(model, mesh, build(dense, None, dense_units),
                        build(experts, EXPERTS, expert_units))
