@@ -71,8 +71,13 @@ AGREE = [
     (Layout(pp=2, dp=1, micro_batch=2, schedule="interleaved_1f1b", v=2), SHAPE, 64, 6,
      "parallel.pp_schedule=interleaved_1f1b needs the micro-batch count (3) to be a multiple "
      "of parallel.pp=2"),
+    (Layout(pp=2, dp=1, micro_batch=2, schedule="interleaved_zb", v=2), SHAPE, 64, 6,
+     "parallel.pp_schedule=interleaved_zb needs the micro-batch count (3) to be a multiple "
+     "of parallel.pp=2"),
+    (Layout(pp=2, dp=1, micro_batch=1, schedule="interleaved_zb", v=2), SHAPE, 64, 4, None),
     (Layout(pp=2, dp=1, micro_batch=1, schedule="1f1b", v=2), SHAPE, 64, 4,
-     "parallel.pp_virtual_stages=2 needs parallel.pp_schedule=interleaved_1f1b (not 1f1b)"),
+     "parallel.pp_virtual_stages=2 needs parallel.pp_schedule=interleaved_1f1b or interleaved_zb "
+     "(not 1f1b)"),
     (Layout(pp=4, dp=1, micro_batch=1, schedule="interleaved_1f1b", v=2), SHAPE, 64, 8,
      "parallel.pp=4 x parallel.pp_virtual_stages=2 = 8 stages exceeds model.n_layers=4 (a stage "
      "needs at least one layer)"),
