@@ -142,16 +142,22 @@ def pp_vs_torch(results: Path) -> list[str]:
     r = _load(results, "pp_vs_torch_demo")
     rows = []
     for name, v in r["variants"].items():
-        b = v["bubble"]
-        rows.append([name, _ms(v["median_s"]), _x(v["ratio_to_torch"]),
+        b, lists = v["bubble"], v["lists"]
+        kind = ("meshloom's" if name.startswith("meshloom") else
+                "torch's loop" if lists["source"] != "torch's pipeline_order" else
+                "torch's, as meshloom's" if lists["same_as_meshloom"] else
+                "torch's, not meshloom's")
+        rows.append([name, kind,
+                     _ms(v["median_s"]), _x(v["ratio_to_torch"]),
                      _x(v["paired_ratio_to_torch"]), f"{b['measured_median']:.3f}",
                      f"{b['predicted_unit_cost']:.3f}", f"{b['predicted_measured_costs']:.3f}",
                      f"{v['comm']['bytes_per_step'] / MIB:.2f}"])
     c = r["config"]
-    head = ["variant", "median step", "vs torch", "paired", "measured bubble",
+    head = ["variant", "action lists", "median step", "vs torch", "paired", "measured bubble",
             "simulated (unit costs)", "simulated (measured costs)", "MiB sent/step"]
-    return [f"{c['preset']} ({c['params'] / 1e6:.2f}M), pp = {c['pp']}, {c['microbatches']} "
-            f"micro-batches of {c['batch']} x {c['seq']} tokens, {c['steps']} timed steps:", "",
+    return [f"{c['preset']} ({c['params'] / 1e6:.2f}M), pp = {c['pp']} (interleaved: "
+            f"{c['virtual_stages']} stages per rank), {c['microbatches']} micro-batches of "
+            f"{c['batch']} x {c['seq']} tokens, {c['steps']} timed steps:", "",
             *_table(head, rows), "", _source(results, ["pp_vs_torch_demo"])]
 
 
