@@ -11,6 +11,7 @@ import pytest
 from meshloom.parallel.pipeline_schedule import (
     SPLIT_BACKWARD,
     Action,
+    _interleaved,
     build_schedule,
     compute_lists,
     simulate,
@@ -46,25 +47,28 @@ def test_zero_bubble_is_below_1f1b(p, m):
     assert zb.bubble() == pytest.approx((p - 1) / (3 * m + p - 1), abs=1e-12)
 
 
-@pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 8, 2), (4, 16, 2), (4, 12, 3), (8, 16, 2),
-                                   (8, 32, 4), (3, 9, 3)])
-def test_interleaved_zero_bubble_fills_interleaved_1f1b_and_holds_no_more(p, m, v):
+@pytest.mark.parametrize("p,m,v", [(2, 2, 2), (2, 4, 2), (4, 4, 2), (4, 8, 2), (4, 16, 2),
+                                   (4, 12, 3), (8, 16, 2), (8, 32, 4), (3, 9, 3), (5, 10, 4)])
+def test_interleaved_zero_bubble_fills_interleaved_1f1b_at_1f1b_memory(p, m, v):
     """interleaved_zb against interleaved 1F1B with the same backward (B = I + W = 2): the step
     takes 3mv + p - 1 units instead of 3mv + 3(p - 1), ZB-H1's bubble with v x m chunks, and
-    no rank holds more chunk activations than interleaved 1F1B's first rank."""
+    every rank holds at most p micro-batches of its layers (v x p chunk activations), 1F1B's
+    first-rank peak, where interleaved 1F1B's first rank holds v x p + p - 1 (m > p)."""
     zb = simulate(build_schedule("interleaved_zb", p, m, v))
     il = simulate(build_schedule("interleaved_1f1b", p, m, v),
                   lambda a: 2.0 if a.kind == "B" else 1.0)
     assert zb.makespan == 3 * m * v + p - 1 and il.makespan == 3 * m * v + 3 * (p - 1)
     assert zb.bubble() == pytest.approx((p - 1) / (3 * m * v + p - 1), abs=1e-12)
     peaks = [_peak_alive(a, release="W") for a in compute_lists("interleaved_zb", p, m, v)]
-    first = _peak_alive(compute_lists("interleaved_1f1b", p, m, v)[0])
-    assert max(peaks) == peaks[0] == first and min(peaks) >= p * v
-    # The forwards and input gradients keep interleaved 1F1B's order on every rank.
-    for zl, il_list in zip(compute_lists("interleaved_zb", p, m, v),
-                           compute_lists("interleaved_1f1b", p, m, v), strict=True):
-        assert [(a.kind.replace("I", "B"), a.stage, a.mb) for a in zl if a.kind != "W"] == \
-            [tuple(a) for a in il_list]
+    assert peaks == [p * v] * p
+    assert _peak_alive(compute_lists("interleaved_1f1b", p, m, v)[0]) == min(p * v + p - 1, m * v)
+    # The forwards and input gradients keep interleaved 1F1B's order, with the warm-up of a
+    # split backward: p - 1 - r forwards beyond (v - 1) x p on rank r, not twice that.
+    for r, zl in enumerate(compute_lists("interleaved_zb", p, m, v)):
+        fi = [(a.kind.replace("I", "B"), a.stage, a.mb) for a in zl if a.kind != "W"]
+        assert fi == [tuple(a) for a in _interleaved(r, p, m, v, offset=1)]
+        warm = (v - 1) * p + p - 1 - r
+        assert [a[0] for a in fi[:warm + 2]] == ["F"] * (warm + 1) + ["B"]
 
 
 @pytest.mark.parametrize("p,m", [(1, 3), (2, 2), (2, 6), (4, 4), (4, 8), (8, 24)])

@@ -83,7 +83,10 @@ def _one_f_one_b(r: int, pp: int, m: int) -> list[Action]:
     return out + [Action("B", r, k) for k in range(m - warm, m)]
 
 
-def _interleaved(r: int, pp: int, m: int, v: int) -> list[Action]:
+def _interleaved(r: int, pp: int, m: int, v: int, offset: int = 2) -> list[Action]:
+    """Interleaved 1F1B's order on rank r: (v - 1) x pp warm-up forwards, plus `offset` per rank
+    after r (2: a whole backward takes two forwards' time; 1 when it is split, see
+    filled_lists), then forward/backward pairs."""
     total = m * v
 
     def fwd(k: int) -> Action:  # the k-th forward on this rank
@@ -94,7 +97,7 @@ def _interleaved(r: int, pp: int, m: int, v: int) -> list[Action]:
         chunk = v - 1 - (k // pp) % v
         return Action("B", chunk * pp + r, (k // (pp * v)) * pp + k % pp)
 
-    warm = min((pp - r - 1) * 2 + (v - 1) * pp, total)
+    warm = min((pp - r - 1) * offset + (v - 1) * pp, total)
     out = [fwd(k) for k in range(warm)]
     for i in range(total - warm):
         out += [fwd(warm + i), bwd(i)]
@@ -129,18 +132,23 @@ def zero_bubble_lists(pp: int, m: int, ranks: Sequence[int] | None = None
 def filled_lists(pp: int, m: int, v: int) -> tuple[tuple[Action, ...], ...]:
     """interleaved_zb: interleaved 1F1B's order of forwards and input-gradient passes (1F1B's for
     v = 1), every backward split into I and W, and each W put where its rank would otherwise
-    wait. The lists are laid out once on a unit clock (F = I = W = 1, no transfer time): at each
-    tick a rank runs its next F or I if what it needs has finished, else its oldest pending W;
-    a rank holding p micro-batches of its layers (v x p chunk activations, forward done, W not)
-    clears a W before the next forward, so no rank holds more than interleaved 1F1B's first
-    rank (whose warm-up alone holds more). On that clock the step takes 3mv + p - 1 units
-    against interleaved 1F1B's 3mv + 3(p - 1) (F = 1, B = 2): a bubble of (p - 1) /
-    (3mv + p - 1), ZB-H1's with v x m micro-batch chunks; for v = 1 the lists are ZB-H1's
-    (tests/test_pipeline_schedule.py). The order of the F and I passes is interleaved 1F1B's,
-    which cannot deadlock, and a W needs only its own rank's I, so neither can these lists."""
+    wait. An I takes one forward's time, not a whole backward's two, so rank r warms up with
+    (v - 1) x p + (p - 1 - r) forwards, not interleaved 1F1B's (v - 1) x p + 2 (p - 1 - r). The
+    lists are laid out once on a unit clock (F = I = W = 1, no transfer time): at each tick a
+    rank runs its next F or I if what it needs has finished, else its oldest pending W; a rank
+    holding p micro-batches of its layers (v x p chunk activations, forward done, W not) clears
+    a W before the next forward, so no rank holds more: 1F1B's first-rank peak, below
+    interleaved 1F1B's (v x p + p - 1 on the first rank). On that clock the step takes
+    3mv + p - 1 units against interleaved 1F1B's 3mv + 3(p - 1) (F = 1, B = 2): a bubble of
+    (p - 1) / (3mv + p - 1), ZB-H1's with v x m micro-batch chunks; for v = 1 the lists are
+    ZB-H1's (tests/test_pipeline_schedule.py). The F and I order is the one torch's
+    ScheduleInterleavedZeroBubble runs (benchmarks/pp_lists_vs_torch.py); the Ws are placed
+    otherwise, with the same bubble. The layout runs every action once or raises: lists it
+    returns cannot deadlock."""
     n = pp * v
     order = [[Action("I", a.stage, a.mb) if a.kind == "B" else a
-              for a in (_one_f_one_b(r, pp, m) if v == 1 else _interleaved(r, pp, m, v))]
+              for a in (_one_f_one_b(r, pp, m) if v == 1 else
+                        _interleaved(r, pp, m, v, offset=1))]
              for r in range(pp)]
     cap = v * pp
     done: dict[Action, int] = {}
@@ -167,7 +175,7 @@ def filled_lists(pp: int, m: int, v: int) -> tuple[tuple[Action, ...], ...]:
             elif nxt is not None and ready(nxt, tick):
                 ran.append((r, nxt))
                 pos[r] += 1
-        if not ran:  # cannot happen with interleaved 1F1B's order; fail loudly, not forever
+        if not ran:  # not seen on any tested size; fail loudly, not forever
             raise ValueError(f"interleaved_zb: no rank can run at tick {tick} (pp={pp}, m={m}, "
                              f"v={v})")
         for r, a in ran:
