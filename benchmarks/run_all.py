@@ -48,6 +48,7 @@ JOBS: list[tuple[str, str, list[str]]] = [
     ("zero_vs_fsdp2_demo", "zero_vs_fsdp2.py", ["--preset", "demo", "--steps", "20"]),
     ("tp_vs_dtensor_demo", "tp_vs_dtensor.py", ["--preset", "demo", "--steps", "20"]),
     ("pp_vs_torch_demo", "pp_vs_torch.py", ["--preset", "demo", "--steps", "30"]),
+    ("pp_lists_vs_torch", "pp_lists_vs_torch.py", []),
     ("cp_memory", "cp_memory.py", ["--seq", "4096", "--steps", "5"]),
     ("moe_ep", "moe_ep.py", ["--nproc", "2", "--steps", "30"]),
     ("tp_generate", "tp_generate.py", ["--repeats", "5"]),
