@@ -277,8 +277,9 @@ class FullyShardedDataParallel:
             self.root.free()
 
     def _pre_forward(self, u: _Unit) -> None:
-        # A unit nested in a recomputed block (an expert unit under full recompute) runs its
-        # forward again inside backward: it keeps its place in the forward order. Appended
+        # A unit nested in a recomputed block (one a model declares inside its block,
+        # tests/test_fsdp_nested_units.py) runs its forward again inside backward: it keeps its
+        # place in the forward order. Appended
         # again, it would be its own successor there: a zero-bubble input pass would free it
         # just before its backward reads it, and the next forward would prefetch it after
         # itself instead of what follows it.
