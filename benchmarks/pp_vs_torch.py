@@ -135,6 +135,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             and args.microbatches % args.nproc):
         p.error(f"the interleaved schedules need --microbatches ({args.microbatches}) to be a "
                 f"multiple of --nproc ({args.nproc})")
+    rounds = max(1, args.microbatches // args.nproc)
+    if "torch_zb_h1" in args.variants and args.microbatches % rounds:
+        p.error(f"torch's ScheduleInterleavedZeroBubble (torch_zb_h1) needs --microbatches "
+                f"({args.microbatches}) to be a multiple of its rounds, --microbatches // "
+                f"--nproc = {rounds}")
+    stages = args.nproc * max(chunks_of(args, n) for n in args.variants)
+    layers = config_from_preset(args.preset).n_layers
+    if layers < stages:
+        p.error(f"{stages} pipeline stages need at least as many blocks (--preset "
+                f"{args.preset} has {layers}); lower --virtual-stages or --nproc")
     if args.batch < 1:
         p.error("--batch (sequences per micro-batch) must be >= 1")
     return args

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import load_benchmark
 
 from meshloom.parallel.pipeline_schedule import build_schedule, simulate
@@ -86,3 +87,18 @@ def test_pp_vs_torch_smoke(tmp_path):
     assert max(grads["max_rel_diff"].values()) < 1e-5
     assert grads["tensors"] == 4 * 9 + 3  # 9 tensors a block; embedding, final norm, head
     assert result["clock_skew_s"]["median"] >= 0.0
+
+
+def test_pp_vs_torch_refuses_what_a_schedule_cannot_run(capsys):
+    """One line naming the option, before any rank starts."""
+    bench = load_benchmark("pp_vs_torch")
+    for argv, says in [
+        (["--preset", "tiny", "--virtual-stages", "3"], "6 pipeline stages need at least"),
+        (["--microbatches", "5", "--variants", "meshloom_interleaved_zb"],
+         "need --microbatches (5) to be a multiple of --nproc (2)"),
+        (["--microbatches", "5", "--variants", "torch_zb_h1"], "multiple of its rounds"),
+        (["--virtual-stages", "1"], "--virtual-stages must be >= 2"),
+    ]:
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv)
+        assert says in capsys.readouterr().err
