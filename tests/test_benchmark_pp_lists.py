@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch.distributed as dist
 from conftest import ROOT, load_benchmark
 
@@ -65,3 +66,13 @@ def test_committed_comparison_backs_the_docs():
         assert ours["peak_chunk_activations"] == theirs["peak_chunk_activations"]
     text = (ROOT / "docs" / "pipeline.md").read_text()
     assert "pp_lists_vs_torch.json" in text
+
+
+def test_pp_lists_vs_torch_refuses_bad_sizes(capsys):
+    bench = load_benchmark("pp_lists_vs_torch")
+    for argv, says in [(["--pp", "1"], "at least 2 ranks"),
+                       (["--virtual-stages", "1"], "2 or more"),
+                       (["--rounds", "two"], "comma-separated positive integers")]:
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv)
+        assert says in capsys.readouterr().err
