@@ -62,7 +62,7 @@ from meshloom.parallel.pipeline_schedule import (
     INTERLEAVED,
     Action,
     Timeline,
-    build_schedule,
+    compute_lists,
     simulate,
     with_communication,
 )
@@ -457,8 +457,8 @@ def _rank_main(args: argparse.Namespace, rank: int, world: int) -> dict | None:
     dist.all_gather_object(everyone, mine)  # outside the timed region
     if rank != 0:
         return None
-    torch_lists = {v.name: [[tuple(a) for a in acts] for acts in v.torch_lists()]
-                   for v in variants if v.torch_lists() is not None}
+    torch_lists = {v.name: [[tuple(a) for a in acts] for acts in lists]
+                   for v in variants if (lists := v.torch_lists()) is not None}
     bounds = {v: stage_bounds(cfg, world * v, args.seq)
               for v in sorted({chunks_of(args, n) for n in args.variants})}
     return {"ranks": everyone, "bounds": bounds, "torch_lists": torch_lists,
@@ -481,13 +481,12 @@ def bubble_of(per_rank: list[list[tuple[float, float, str, int, int]]]) -> dict:
 
 def variant_lists(name: str, pp: int, m: int, v: int,
                   torch_lists: dict[str, list]) -> tuple[list[list[Action]], str]:
-    """The action lists this variant runs (with communication), and where they come from."""
-    ours = build_schedule(schedule_of(name), pp, m, v)
-    if name not in torch_lists:
-        return ours, ("meshloom's" if name.startswith("meshloom") else
-                      "meshloom's lists of the same schedule (torch runs it as a loop)")
-    lists = [[Action(*a) for a in acts] for acts in torch_lists[name]]
-    return with_communication(lists, pp, pp * v), "torch's pipeline_order"
+    """The compute actions this variant runs, per rank, and where they come from."""
+    if name in torch_lists:
+        return [[Action(*a) for a in acts] for acts in torch_lists[name]], "torch's pipeline_order"
+    return compute_lists(schedule_of(name), pp, m, v), (
+        "meshloom's" if name.startswith("meshloom") else
+        "meshloom's lists of the same schedule (torch runs it as a loop)")
 
 
 def bubbles(name: str, lists: list[list[Action]], ranks: list[dict], steps: int) -> dict:
@@ -531,8 +530,7 @@ def main(argv: list[str] | None = None) -> dict:
         # Activations forward and their gradients backward, over each of the pp x v - 1 stage
         # boundaries (consecutive stages sit on different ranks).
         expected = 2 * (pp * v - 1) * m * boundary_bytes
-        lists, source = variant_lists(name, pp, m, v, raw["torch_lists"])
-        compute = [[a for a in acts if a.kind in ("F", "B", "I", "W")] for acts in lists]
+        compute, source = variant_lists(name, pp, m, v, raw["torch_lists"])
         if name.startswith("meshloom"):
             by_op = Counter()
             for r in ranks:
@@ -547,8 +545,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "by_rank": sent, "source": "the isend ops of its stage's send lists"}
         comm["expected_bytes_per_step"] = expected
         base = f"torch_{schedule_of(name)}"
-        ours = [[a for a in acts if a.kind in ("F", "B", "I", "W")]
-                for acts in build_schedule(schedule_of(name), pp, m, v)]
+        ours = compute_lists(schedule_of(name), pp, m, v)
         variants[name] = {
             "schedule": schedule_of(name),
             "virtual_stages": v,
@@ -557,7 +554,7 @@ def main(argv: list[str] | None = None) -> dict:
             "ratio_to_torch": None, "paired_ratio_to_torch": None,
             "lists": {"source": source, "same_as_meshloom": compute == ours,
                       "compute": [" ".join(map(str, acts)) for acts in compute]},
-            "bubble": bubbles(name, lists, ranks, args.steps),
+            "bubble": bubbles(name, with_communication(compute, pp, pp * v), ranks, args.steps),
             "comm": comm,
             "final_loss": sum(r["loss"][name] for r in ranks),  # only the last stage's is > 0
         }
