@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_check.sh tests      # tests/test_gpu.py
 #   bash benchmarks/gpu_check.sh kernels [bench args]   # kernel table (docs/kernel-tables.md)
 #   bash benchmarks/gpu_check.sh power [--seconds S]    # GEMM rate against GEMM duty cycle
+#   bash benchmarks/gpu_check.sh probe [probe args]     # one MPT-30B FSDP1 rank, 4096/8192
 set -uo pipefail
 OUT=${OUT:-benchmarks/results/gpu_check}
 mkdir -p "$OUT"
@@ -96,5 +97,11 @@ if [ "$phase" = power ]; then  # the power limit's cost to GEMMs by duty cycle (
     2>&1 | tail -n 20
   exit 0
 fi
-echo "usage: gpu_check.sh train | mfu MODELS [args] | lib NAME [--set ...] | tests | kernels | power" >&2
+if [ "$phase" = probe ]; then  # one FSDP1 rank of MPT-30B near 80 GB, and with room (~3 min)
+  nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/probe_env.txt"
+  timeout 500 "$PY" benchmarks/fsdp1_rank_probe.py --out "$OUT/fsdp1_rank_probe.json" "$@" \
+    2>&1 | tail -n 20
+  exit 0
+fi
+echo "usage: gpu_check.sh train | mfu MODELS [args] | lib NAME [--set ...] | tests | kernels | power | probe" >&2
 exit 2
