@@ -77,6 +77,8 @@ BAD = [
     (["--nproc", "-1"], "--nproc=-1"),
     (["--set", "train.dtype=bf61"], "train.dtype: unknown dtype 'bf61' (did you mean 'bf16'?)"),
     (["--set", "parallel.cpu_offload=true"], "parallel.cpu_offload needs parallel.zero_stage"),
+    (["--nproc", "2", "--set", "parallel.zero_stage=2", "--set", "parallel.reduce_once=true"],
+     "parallel.reduce_once needs parallel.zero_stage=3, not 2"),
     (["--set", "parallel.reduce_dtype=fp8"], "parallel.reduce_dtype: unknown dtype 'fp8'"),
     (["--nproc", "2", "--set", "parallel.rank_devices=2", "--set", "parallel.pp=2"],
      "parallel.rank_devices (several devices per rank) does not combine with parallel.pp=2"),

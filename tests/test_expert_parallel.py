@@ -85,6 +85,9 @@ CASES = [
     # ...or, not resharding after forward, every unit (pipelined too: experts, pp and ZeRO-3)
     (4, ["parallel.ep=2", "parallel.zero_stage=3", "train.micro_batch=2",
          "parallel.reshard_after_forward=false"]),
+    # ...or summing whole gradients over the micro-batches (both ZeRO-3s reduce once a step)
+    (4, ["parallel.ep=2", "parallel.zero_stage=3", "train.micro_batch=2",
+         "parallel.reduce_once=true"]),
     (4, ["parallel.ep=2", "parallel.pp=2", "parallel.pp_microbatches=2",
          "parallel.zero_stage=3", "parallel.reshard_after_forward=false"]),
     (4, ["parallel.ep=2", "parallel.zero_stage=2", "parallel.dp_replicate=2"]),  # HSDP

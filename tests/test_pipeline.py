@@ -129,6 +129,14 @@ CASES += [
     # Every unit held gathered from the step's first forward to its last backward.
     (4, _pp(2, "interleaved_1f1b", 2, "parallel.dp_shard=2", "parallel.zero_stage=3",
             "parallel.reshard_after_forward=false")),
+    # Whole gradients summed over the micro-batches, reduced by each chunk's last backward
+    # (its last weight pass under the zero-bubble schedules).
+    (4, _pp(2, "1f1b", 1, "parallel.dp_shard=2", "parallel.zero_stage=3",
+            "parallel.reduce_once=true")),
+    (4, _pp(2, "zb_h1", 1, "parallel.dp_shard=2", "parallel.zero_stage=3",
+            "parallel.reduce_once=true")),
+    (4, _pp(2, "interleaved_zb", 2, "parallel.dp_shard=2", "parallel.zero_stage=3",
+            "parallel.reduce_once=true")),
 ]
 
 
@@ -141,23 +149,25 @@ def test_pp_parity(tmp_path, token_cache, reference, world, overrides):
         _assert_sharded_comm(results, stage, 2, ops=("reduce_scatter", "all_reduce") + (
             ("all_gather",) if stage == 2 else ()),
             reshard="parallel.reshard_after_forward=false" not in overrides,
-            n_replicate=2 if "parallel.dp_replicate=2" in overrides else 1)
+            n_replicate=2 if "parallel.dp_replicate=2" in overrides else 1,
+            reduce_once="parallel.reduce_once=true" in overrides)
 
 
 def _assert_sharded_comm(results, stage: int, n_shard: int, ops: tuple[str, ...],
-                         reshard: bool = True, n_replicate: int = 1) -> None:
+                         reshard: bool = True, n_replicate: int = 1,
+                         reduce_once: bool = False) -> None:
     """Every rank's data-parallel payload per step is the formula's for its stages' flat size:
     ZeRO-2/3 reduce-scatter each gradient once a micro-batch, whatever the schedule (a chunk's
     backward reduces its own chunk's buckets or units: interleaved 1F1B and the zero-bubble
     input pass used to reduce zeros for the others too). ZeRO-3 gathers each block for every
     micro-batch's forward and backward, the embedding for its forward only; without resharding
-    after forward, every unit once a step."""
+    after forward, every unit once a step. `reduce_once`: ZeRO-3 reduce-scatters once a step."""
     for r in results:
         f, m = r["flat"], r["microbatches"]
         per_step = dp_comm_bytes(f["psi"], stage, micro_batches=m, n_shard=n_shard,
                                  n_replicate=n_replicate, root_psi=f["root_psi"],
                                  forward_only_psi=f["forward_only_psi"],
-                                 reshard_after_forward=reshard)
+                                 reshard_after_forward=reshard, reduce_once=reduce_once)
         # (over the data-parallel axes: tp's and cp's collectives are not the formula's)
         got = {k: v for k, v in r["bytes"].items()
                if k[1] in ops and k[0] in ("dp_shard", "dp_replicate")}

@@ -55,6 +55,7 @@ def _job(run_dir, cache, overrides, resume=False):
         mem["largest_unit"] = max(u.nbytes for u in units if u.name != "")
         mem["all_units"] = sum(u.nbytes for u in units)
         mem["unit_psi"] = {u.name: u.group.padded for u in units}
+        mem["peak_whole"] = strat.peak_whole_bytes
     comm_bytes = dict(r.counter.bytes)  # before the gathers below
     whole = strat.full_state_dict() if hasattr(strat, "full_state_dict") else \
         {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -86,6 +87,9 @@ CASES = [_case(st, lay, acc) for st in (1, 2, 3) for lay in ("2", "4", "hsdp")
          for acc in (False, True)]
 CASES.append((2, ["parallel.zero_stage=3", "train.eval_sequences=0", "train.micro_batch=4",
                   "parallel.reshard_after_forward=false"]))
+# Stage 3 summing whole gradients over the micro-batches (FSDP's no_sync), resharded or not.
+CASES += [(w, [*o, "parallel.reduce_once=true"]) for w, o in
+          (_case(3, "2", True), _case(3, "hsdp", True), CASES[-1])]
 
 
 @pytest.mark.parametrize("world,overrides", CASES, ids=[" ".join(o) for _, o in CASES])
@@ -141,11 +145,16 @@ def test_zero_parity_memory_and_comm(tmp_path, token_cache, reference, world, ov
     # (without resharding, every unit: gathered once a step).
     units = got["mem"].get("unit_psi", {})
     carried = units["layers.0"] if units else 0
+    once = "parallel.reduce_once=true" in overrides
     per_step = dp_comm_bytes(psi_pad, stage, micro_batches=accum, n_shard=n_shard,
                              n_replicate=n_rep, reshard_after_forward=reshard,
                              root_psi=got["mem"].get("root_psi", 0),
                              forward_only_psi=got["mem"].get("forward_only_psi", 0),
-                             carried_psi=carried)
+                             carried_psi=carried, reduce_once=once)
+    # reduce_once holds every unit's whole fp32 gradient from the first micro-batch's backward
+    # to the last's; otherwise none is ever made.
+    if stage == 3:
+        assert got["mem"]["peak_whole"] == (4 * sum(units.values()) if once else 0)
     model_ops = {k: v for k, v in got["bytes"].items()
                  if k[1] in ("reduce_scatter", "all_gather", "all_reduce")}
     assert model_ops == {k: STEPS * v for k, v in per_step.items()}
@@ -208,6 +217,8 @@ MIXED_CASES = [
     (1, ["train.dtype=fp16"]),                                   # autocast + loss scaling
     (2, ["parallel.zero_stage=2", "train.dtype=fp16"]),
     (2, ["parallel.zero_stage=3", "train.dtype=fp16", "train.micro_batch=4"]),
+    (2, ["parallel.zero_stage=3", "train.dtype=bf16", "train.micro_batch=2",
+         "parallel.reduce_once=true", "parallel.reduce_dtype=bf16"]),
 ]
 
 

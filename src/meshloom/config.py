@@ -153,6 +153,9 @@ class ParallelConfig:
     ddp_bucket_mb: float = 25.0
     # ZeRO-3: free gathered parameters after each forward (false: each unit held for the step)
     reshard_after_forward: bool = True
+    # ZeRO-3: sum whole fp32 gradients over a step's micro-batches and reduce-scatter them once
+    # (FSDP's no_sync), for 4 bytes a parameter of memory between the first backward and the last
+    reduce_once: bool = False
     reduce_dtype: str = "fp32"  # dtype gradients are reduced in (DDP and the sharded stages)
     cpu_offload: bool = False  # ZeRO: fp32 master shard and AdamW state (stage 3: params) on CPU
     # "" / "auto": the mesh axes above; "dp": one process drives several devices with replicas

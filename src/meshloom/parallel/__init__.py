@@ -268,7 +268,8 @@ def _data_parallel(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig,
     if pcfg.zero_stage == 3:
         return FullyShardedDataParallel(model, mesh,
                                         reshard_after_forward=pcfg.reshard_after_forward,
-                                        precision=prec, carry=mesh.size("pp") == 1)
+                                        precision=prec, carry=mesh.size("pp") == 1,
+                                        reduce_once=pcfg.reduce_once)
     if mesh.size(mesh.replica_axis) > 1:  # cp ranks hold the same weights, see other tokens
         return DataParallel(model, mesh, axis=mesh.replica_axis, bucket_mb=pcfg.ddp_bucket_mb,
                             reduce_dtype=TORCH_DTYPES[pcfg.reduce_dtype])

@@ -126,6 +126,7 @@ def expert_data_parallel(model: nn.Module, mesh: Mesh, pcfg: ParallelConfig,
                                             reshard_after_forward=pcfg.reshard_after_forward,
                                             precision=precision, named=part, units=units,
                                             carry=mesh.size("pp") == 1,
+                                            reduce_once=pcfg.reduce_once,
                                             **({"axes": axes} if axes else {}))
         dp = DataParallel(model, mesh, axis=axes.whole if axes else dense_axis,
                           bucket_mb=pcfg.ddp_bucket_mb, reduce_dtype=reduce_dtype, named=part,

@@ -13,6 +13,10 @@ flat buffer, whose storage exists only while the unit is gathered:
   the unit before it); once all of its gradients exist they are packed, freed, and
   reduce-scattered asynchronously into the unit's gradient shard, and the buffer is freed;
 - HSDP: the reduced shard is all-reduced across the replicate group at the end of the step.
+- `reduce_once` (PyTorch FSDP's `no_sync()`): inside `no_sync()` a unit's gradients are added
+  into a whole fp32 gradient of the unit instead of being reduce-scattered, and the step's last
+  micro-batch reduce-scatters that sum once: one reduce-scatter a unit and step for 4 bytes a
+  parameter of memory from the first micro-batch's backward to the last's.
 The root unit stays gathered from forward to its backward, as the head's weights are used last in
 forward and first in backward. Its gather is started as the last block's prefetch, so that
 block's compute hides it, and waited on by the first module that reads it (the final norm), when
@@ -76,6 +80,7 @@ class _Unit:
         # weight pass completes the unit without them (their gradients wait in .grad).
         self.early: set[nn.Parameter] = set()
         self.inflight: tuple | None = None
+        self.whole: torch.Tensor | None = None  # reduce_once: this step's sum so far, fp32
         self.free()
 
     def free_grads(self) -> None:
@@ -165,17 +170,21 @@ class FullyShardedDataParallel:
     def __init__(self, model: nn.Module, mesh: Mesh, *, reshard_after_forward: bool = True,
                  precision: ShardPrecision = FP32,
                  named: list[tuple[str, nn.Parameter]] | None = None,
-                 units: list[str] | None = None, axes: DPAxes = DENSE, carry: bool = True):
+                 units: list[str] | None = None, axes: DPAxes = DENSE, carry: bool = True,
+                 reduce_once: bool = False):
         """`named`/`units`: the parameters and units to shard (default: all of them, in the
         model's units) over `axes`; expert parallel shards the experts apart, each MoE's
         `experts` a unit (parallel/expert_dp.py). `carry`: a backward inside `no_sync()` is
         followed by the next micro-batch's forward (plain accumulation; not so in a pipeline,
-        whose stages run other micro-batches' forwards in between)."""
+        whose stages run other micro-batches' forwards in between). `reduce_once`: inside
+        `no_sync()` gradients are summed whole and reduce-scattered by the step's last
+        micro-batch only."""
         # Gradients are averaged over data- and context-parallel ranks.
         self.model, self.mesh, self.dp, self.prec = model, mesh, mesh.size("dp_cp"), precision
         self.axes = axes
         self.norm_axes = (axes.shard, *axes.split)
         self.reshard_after_forward = reshard_after_forward
+        self.reduce_once = reduce_once
         if named is None:
             named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         with torch.no_grad():
@@ -205,6 +214,7 @@ class FullyShardedDataParallel:
         self._order: list[_Unit] = []
         self._current: list[_Unit] = []
         self.peak_gathered_bytes = 0
+        self.peak_whole_bytes = 0  # reduce_once: the most whole gradient bytes held at once
         self._inflight: list[_Unit] = []  # reduce-scatters not yet completed, oldest first
         self._reduced: set[_Unit] = set()  # units reduced in this micro-batch
         self._scope: set[_Unit] | None = None  # the units this backward reaches (None: all)
@@ -366,10 +376,34 @@ class FullyShardedDataParallel:
         if u.pending == len(u.early):
             self._reduce(u)
 
+    def _add_whole(self, u: _Unit) -> None:
+        """Add the unit's gradients (None: zeros) into its whole fp32 sum, made by the first."""
+        g = u.group
+        if u.whole is None:
+            u.whole = g.pack([p.grad for p in g.params], g.new_flat(torch.float32, empty=True))
+            held = sum(v.whole.numel() * 4 for v in self.units if v.whole is not None)
+            self.peak_whole_bytes = max(self.peak_whole_bytes, held)
+            return
+        for view, p in zip(g.views(u.whole), g.params, strict=True):
+            if p.grad is not None:
+                view.add_(p.grad)
+
     def _reduce(self, u: _Unit) -> None:
         g = u.group
-        packed = g.pack([p.grad for p in g.params],
-                        g.new_flat(self.prec.reduce_dtype, empty=True))
+        if self.reduce_once and self._accumulating:
+            self._add_whole(u)  # no collective: the step's last micro-batch reduces the sum
+            for p in g.params:
+                p.grad = None
+            u.pending = len(g.params)
+            self._reduced.add(u)
+            self._after_backward(u)
+            return
+        if u.whole is not None:  # reduce_once: the earlier micro-batches' sum, and this one's
+            self._add_whole(u)
+            packed, u.whole = u.whole.to(self.prec.reduce_dtype), None
+        else:
+            packed = g.pack([p.grad for p in g.params],
+                            g.new_flat(self.prec.reduce_dtype, empty=True))
         for p in g.params:
             p.grad = None
         # The step's first reduce of a unit lands straight in its (new) gradient shard when
@@ -382,19 +416,22 @@ class FullyShardedDataParallel:
         u.inflight = (work, packed, out, direct)
         u.pending = len(g.params)
         self._reduced.add(u)
-        # Held until the step's optimizer: without resharding after forward, every unit (the
-        # forwards to come would gather it again, and it is gathered at the peak anyway); else,
-        # carrying, the units the next forward opens with.
-        if (self._accumulating and not self.reshard_after_forward
-                or self._carrying and u in self._opening()):
-            self._kept.add(u)
-        else:
-            u.free()
+        self._after_backward(u)
         # Launching this unit's reduce-scatter completes the previous unit's: that one had this
         # unit's whole backward to finish, and its buffers (a whole unit) are released now.
         self._inflight.append(u)
         while len(self._inflight) > 1:
             self._complete(self._inflight.pop(0))
+
+    def _after_backward(self, u: _Unit) -> None:
+        """Held until the step's optimizer: without resharding after forward, every unit (the
+        forwards to come would gather it again, and it is gathered at the peak anyway); else,
+        carrying, the units the next forward opens with. Freed otherwise."""
+        if (self._accumulating and not self.reshard_after_forward
+                or self._carrying and u in self._opening()):
+            self._kept.add(u)
+        else:
+            u.free()
 
     def _complete(self, u: _Unit) -> None:
         work, _, out, direct = u.inflight
@@ -423,9 +460,9 @@ class FullyShardedDataParallel:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Whole gradients are never kept, so every micro-batch is reduced. With `carry`, the
-        next forward's opening units are held gathered for it; without resharding after
-        forward, every unit is."""
+        """Every micro-batch is reduced (without `reduce_once`; with it, summed whole for the
+        step's last to reduce). With `carry`, the next forward's opening units are held
+        gathered for it; without resharding after forward, every unit is."""
         self._carrying, self._accumulating = self._carry, True
         try:
             yield
@@ -466,6 +503,7 @@ class FullyShardedDataParallel:
     def zero_grad(self) -> None:
         for u in self.units:
             u.free_grads()
+            u.whole = None  # (only a step cut short leaves one)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         return pieces_state(self.mesh, [u.group for u in self.units], self._masters, optimizer,

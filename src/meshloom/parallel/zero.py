@@ -39,6 +39,9 @@ def check_zero_config(cfg: Config, dims: ParallelDims,
     p = cfg.parallel
     if p.zero_stage and dims.dp_shard == 1:
         return f"parallel.zero_stage={p.zero_stage} shards over parallel.dp_shard, which is 1"
+    if p.reduce_once and p.zero_stage != 3:
+        return (f"parallel.reduce_once needs parallel.zero_stage=3, not {p.zero_stage} (DDP and "
+                "ZeRO-1 reduce once a step already; ZeRO-2 keeps no whole gradients)")
     if p.cpu_offload and not p.zero_stage:
         return ("parallel.cpu_offload needs parallel.zero_stage >= 1 (it offloads the sharded "
                 "optimizer state)")

@@ -40,7 +40,7 @@ def model_state_bytes(psi: int, n_shard: int, stage: int, prec: Precision = FP32
 def dp_comm_bytes(psi: int, stage: int, *, micro_batches: int = 1, n_shard: int = 1,
                   n_replicate: int = 1, elem_bytes: int = 4, root_psi: int = 0,
                   forward_only_psi: int = 0, reshard_after_forward: bool = True,
-                  carried_psi: int = 0) -> dict[tuple[str, str], int]:
+                  carried_psi: int = 0, reduce_once: bool = False) -> dict[tuple[str, str], int]:
     """Payload bytes per optimizer step, per (axis, op), as `meshloom.comm` counts them (the
     whole tensor a collective acts on). Stages 2 and 3 keep no whole gradients, so they
     reduce-scatter after every micro-batch. Stage 3 gathers each unit for forward and again for
@@ -50,12 +50,14 @@ def dp_comm_bytes(psi: int, stage: int, *, micro_batches: int = 1, n_shard: int 
     `forward_only_psi` ones (an embedding, whose backward reads only the token ids) are gathered
     for forward only. `carried_psi` parameters stay gathered from one micro-batch's backward to
     the next one's forward (meshloom's ZeRO-3 under plain accumulation: the first block and a
-    tied root): every micro-batch but the first skips their gather."""
+    tied root): every micro-batch but the first skips their gather. `reduce_once` (stage 3):
+    whole gradients summed over the micro-batches, reduce-scattered once a step."""
     full = psi * elem_bytes
     if stage == 0:
         axis = "dp"
         return {(axis, "all_reduce"): full} if n_shard * n_replicate > 1 else {}
-    out = {("dp_shard", "reduce_scatter"): full * (1 if stage == 1 else micro_batches)}
+    once_a_step = stage == 1 or stage == 3 and reduce_once
+    out = {("dp_shard", "reduce_scatter"): full * (1 if once_a_step else micro_batches)}
     if stage in (1, 2):
         out[("dp_shard", "all_gather")] = full
     elif not reshard_after_forward:
