@@ -367,6 +367,33 @@ def test_written_config_carries_the_reduce_dtype(tmp_path, capsys):
     assert code == 0 and "reduce_dtype" not in text
 
 
+def test_written_config_carries_reduce_once(tmp_path, capsys):
+    """ZeRO-3 planned with `fsdp_no_sync` is meshloom's `parallel.reduce_once`."""
+    code, text, err = _write(tmp_path, capsys, "zero=3,micro_batch=1,fsdp_no_sync=true")
+    assert code == 0 and "reduce_once = true" in text, err
+    cfg = load_config(tmp_path / "best.toml", [])
+    validate(cfg, world_size=4)
+    assert cfg.parallel.reduce_once and cfg.parallel.zero_stage == 3
+    code, text, _ = _write(tmp_path, capsys, "zero=3,micro_batch=1,fsdp_no_sync=false")
+    assert code == 0 and "reduce_once" not in text
+
+
+def test_the_search_tries_reduce_once_for_meshloom_only():
+    """Unpinned, meshloom's ZeRO-3 with four micro-batches on a small model (memory to spare)
+    sums once: planned faster by more than ALT_MARGIN. Another trainer's is not tried."""
+    r = _plan("--model", "small", "--gpus", "4", "--seq", "1024", "--global-batch", "16",
+              "--top", "1", "--fix", "zero=3,micro_batch=1", "--json")
+    assert r.returncode == 0, r.stderr
+    c = json.loads(r.stdout)["candidates"][0]
+    assert c["summary"].endswith("reduce-once")
+    assert c["time_detail_s"]["implementation"]["fsdp_no_sync"] is True
+    r = _plan("--model", "small", "--gpus", "4", "--seq", "1024", "--global-batch", "16",
+              "--top", "1", "--fix", "zero=3,micro_batch=1", "--trainer", "torchtitan",
+              "--json")
+    assert r.returncode == 0, r.stderr
+    assert "reduce-once" not in json.loads(r.stdout)["candidates"][0]["summary"]
+
+
 @pytest.mark.parametrize("fix,said", [("fsdp_prefetch=false", "fsdp_prefetch=false"),
                                       ("zero=3,pp_fsdp=pytorch", "pp_fsdp=pytorch"),
                                       ("attention_kernel=triton", "attention_kernel=triton")])

@@ -32,7 +32,12 @@ from meshloom.models.llama import Llama, LlamaConfig
 from meshloom.parallel.activation_checkpointing import apply_block_options
 from meshloom.plan.implementation import Implementation
 from meshloom.plan.layout import Layout
-from meshloom.plan.memory import layer_activation_bytes, memory_per_gpu, meshloom_block_bytes
+from meshloom.plan.memory import (
+    layer_activation_bytes,
+    memory_per_gpu,
+    meshloom_block_bytes,
+    rank_param_split,
+)
 from meshloom.plan.models import PRESETS, from_dims, from_llama_config
 from meshloom.plan.moe import load_factor
 
@@ -842,3 +847,14 @@ def test_a_run_spread_over_rank_devices_gets_no_per_device_prediction():
     assert resharded.held_units == 0 < resharded.root_unit
     assert kept.root_unit == 0 < kept.held_units
     assert kept.total > resharded.total
+    # `parallel.reduce_once` holds whole fp32 gradients when the step has several
+    # micro-batches: 4 bytes for each of the rank's parameters.
+    once = replace(run, parallel=replace(zero3, reduce_once=True))
+    several = replace(once, train=replace(run.train, global_batch=8))
+    plain = replace(run, train=replace(run.train, global_batch=8), parallel=zero3)
+    params = sum(rank_param_split(from_llama_config(deep, "run"), Layout(dp=2, zero=3), 0))
+    assert predict_run_memory(deep, several, dims, 1).grads == pytest.approx(
+        predict_run_memory(deep, plain, dims, 1).grads + 4 * params)
+    assert predict_run_memory(deep, once, dims, run.train.global_batch // 2).total == \
+        predict_run_memory(deep, replace(run, parallel=zero3), dims,
+                           run.train.global_batch // 2).total

@@ -153,11 +153,13 @@ def plan(args) -> tuple[ModelShape, list[Candidate], dict]:
     refuses = None
     if args.trainer != "meshloom":  # only the layouts its code runs, bar what --fix pins
         refuses = functools.partial(layout_problem, args.trainer, pinned=frozenset(pinned))
-    # meshloom's ZeRO-3 runs either way (parallel.reshard_after_forward): try both unless
-    # pinned; other trainers' versions reshard as their entries say.
-    try_held = args.trainer == "meshloom" and "reshard_after_forward" not in pinned
+    # meshloom's ZeRO-3 runs either way (parallel.reshard_after_forward, parallel.reduce_once):
+    # try each unless pinned; other trainers' versions run as their entries say.
+    own = args.trainer == "meshloom"
     found = search(shape, cluster, args.seq, batch, fixed, args.dtype,
-                   args.attention == "flash", args.top, refuses, try_held)
+                   args.attention == "flash", args.top, refuses,
+                   try_held=own and "reshard_after_forward" not in pinned,
+                   try_once=own and "fsdp_no_sync" not in pinned)
     setup = {"model": shape.to_dict(), "cluster": {"gpu": cluster.gpu.__dict__,
                                                     "gpus": cluster.n_gpus,
                                                     "gpus_per_node": cluster.gpus_per_node},
@@ -201,10 +203,12 @@ def run(args) -> int:
 
 
 # The implementation keys a meshloom config can say (train.compile,
-# parallel.reshard_after_forward, parallel.reduce_dtype), and what the run's environment
+# parallel.reshard_after_forward, parallel.reduce_once, parallel.reduce_dtype), and what the
+# run's environment
 # decides: the kernel SDPA picks (FlashAttention-2 or cuDNN), NCCL's protocols (NCCL_PROTO).
 # Any other key differing from meshloom's own describes a run the written config would not be.
-_WRITABLE = ("compile", "reshard_after_forward", "grad_reduce_dtype", "nccl_protocols")
+_WRITABLE = ("compile", "reshard_after_forward", "fsdp_no_sync", "grad_reduce_dtype",
+             "nccl_protocols")
 _SDPA_PICKS = ("sdpa", "fa2", "cudnn")
 
 
@@ -225,7 +229,7 @@ def _write_config(path: str, shape: ModelShape, best: Candidate, setup: dict) ->
                         f"{', '.join(other)} (from --fix); drop one of them")
     text = config_toml(best.layout, shape, setup["seq"], setup["global_batch"], setup["dtype"],
                        best.impl.compile, best.impl.reshard_after_forward,
-                       best.impl.grad_reduce_dtype)
+                       best.impl.grad_reduce_dtype, best.impl.fsdp_no_sync)
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise PlanError(f"--write-config: folder {folder} does not exist")

@@ -38,9 +38,10 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   `no_backward_sync` and Accelerate's gradient accumulation enter: TinyLlama's pretrain script).
   Every micro-batch still gathers twice (FULL_SHARD frees the gathered parameters in backward
   even then); the whole gradients stay in memory (the gradient dtype's bytes for every parameter
-  of the rank) and every micro-batch after the first adds into them. Off (meshloom, torchtitan,
-  Composer): every micro-batch reduce-scatters. A no-op unless zero = 3 (or FSDP1's zero = 0
-  or 2) with more than one micro-batch.
+  of the rank) and every micro-batch after the first adds into them; meshloom
+  (`parallel.reduce_once`) sums them in fp32, 4 bytes a parameter. Off (meshloom's default,
+  torchtitan, Composer): every micro-batch reduce-scatters. A no-op unless zero = 3 (or
+  FSDP1's zero = 0 or 2) with more than one micro-batch.
 - `fsdp_flat_param`: ZeRO-3 as PyTorch's FSDP1 runs it: each unit's parameters are views of
   one flat parameter, so every backward's gradients reach it through autograd's concatenation
   of the views' gradients (`split_with_sizes` backward: a read and a write of every gradient,
@@ -439,8 +440,11 @@ def reduce_bytes(impl: Implementation, dtype: str) -> int:
 def whole_grad_bytes(impl: Implementation, lay, dtype: str) -> int | None:
     """Bytes of each whole gradient ZeRO-3 accumulates over a step (`zero3_no_sync`): under
     PyTorch's pipelining FSDP2 keeps them in the reduce dtype (`pp_fsdp`); None for the
-    backward's own gradient dtype (FSDP1's flat gradient under `no_sync()`)."""
-    return reduce_bytes(impl, dtype) if pytorch_pipelined(impl, lay) else None
+    backward's own gradient dtype (FSDP1's flat gradient under `no_sync()`); 4 for meshloom's
+    fp32 sums (`parallel.reduce_once`, parallel/fsdp.py)."""
+    if pytorch_pipelined(impl, lay):
+        return reduce_bytes(impl, dtype)
+    return None if impl.fsdp_flat_param else 4
 
 
 def fp32_gradient_shards(impl: Implementation, lay) -> bool:

@@ -132,10 +132,10 @@ def layout_fields() -> list[str]:
 
 def config_toml(layout: Layout, shape, seq: int, global_batch: int, dtype: str,
                 compile_blocks: bool = False, reshard_after_forward: bool = True,
-                reduce_dtype: str = "fp32") -> str:
+                reduce_dtype: str = "fp32", reduce_once: bool = False) -> str:
     """A meshloom training config for this layout, with the run options the plan was priced
-    with (`compile`, ZeRO-3's `reshard_after_forward`, the gradients' `reduce_dtype`) where
-    they are not the defaults. A
+    with (`compile`, ZeRO-3's `reshard_after_forward` and `reduce_once` (`fsdp_no_sync`), the
+    gradients' `reduce_dtype`) where they are not the defaults. A
     preset of meshloom's own is named (a GPT shape with its vocabulary, which the tokenizer
     would otherwise set); any other shape is written out: a Llama shape as such, a GPT shape on
     the gpt2 preset."""
@@ -168,6 +168,7 @@ def config_toml(layout: Layout, shape, seq: int, global_batch: int, dtype: str,
         f"zero_stage = {layout.zero}",
         *(["reshard_after_forward = false"] if layout.zero == 3 and not reshard_after_forward
           else []),
+        *(["reduce_once = true"] if layout.zero == 3 and reduce_once else []),
         f"tp = {layout.tp}",
         f"sequence_parallel = {'true' if layout.sp else 'false'}",
         f"pp = {layout.pp}", f"cp = {layout.cp}",

@@ -774,6 +774,7 @@ def predict_run_memory(llama_cfg, cfg, dims, micro_batch: int) -> Memory:
     else:
         shape = from_llama_config(llama_cfg, "run")
     impl = Implementation(compile=bool(getattr(cfg.train, "compile", False)),
-                          reshard_after_forward=p.reshard_after_forward)
+                          reshard_after_forward=p.reshard_after_forward,
+                          fsdp_no_sync=p.reduce_once)
     return memory_per_gpu(shape, lay, cfg.data.seq_len, cfg.train.global_batch, dtype,
                           impl=impl, stages=tuple(p.pp_layers) or None)

@@ -375,9 +375,15 @@ def _after_backward(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str
         g, w = _grad_bytes(impl, lay, dtype), reduce_bytes(impl, dtype)
         accumulate = rates.stream((dense + experts) * ((g + w if g != w else 0)
                                                        + (m - 1) * (g + 2 * w)))
-    elif zero3_no_sync(impl, lay, m):  # later micro-batches add into the whole gradients
+    elif zero3_no_sync(impl, lay, m) and impl.fsdp_flat_param:
+        # FSDP1: later micro-batches add into the flat gradient, in the backward's dtype
         accumulate = accumulate_seconds(dense + experts, m - 1, rates,
                                         _grad_bytes(impl, lay, dtype))
+    elif zero3_no_sync(impl, lay, m):
+        # meshloom's fp32 sums (`parallel.reduce_once`): the first micro-batch's gradients
+        # copied in (read g, write 4), each later one added (read g, read 4, write 4)
+        g = _grad_bytes(impl, lay, dtype)
+        accumulate = rates.stream((dense + experts) * (g + 4 + (m - 1) * (g + 8)))
     else:
         additions = 0 if impl.fused_grad_accumulation else m if kept else m - 1
         # meshloom's own ZeRO-1 keeps whole bf16 gradients; other trainers accumulate in fp32.
