@@ -1,6 +1,7 @@
 """Parity over randomly drawn layouts: each draw combines the parallel axes (tp, pp, cp,
 dp_replicate, dp_shard, ep) with the options that change how a step runs (ZeRO stage, sequence
-parallel, pipeline schedule and micro-batches, gradient accumulation, recompute, resharding),
+parallel, pipeline schedule and micro-batches, gradient accumulation, recompute, resharding,
+ZeRO-3's whole-gradient reduce_once),
 on the tiny preset of a random family, and trains it on 2 or 4 Gloo ranks against the same
 family's single-process run.
 
@@ -63,7 +64,8 @@ def draw(rng: random.Random) -> tuple[str, int, list[str]]:
             axes[axis], room = 2, room // 2
     shard = world // (axes["tp"] * axes["pp"] * axes["cp"] * axes["dp_replicate"])
     ov = [f"parallel.{a}={v}" for a, v in axes.items()] + [f"parallel.dp_shard={shard}"]
-    ov.append(f"parallel.zero_stage={rng.choice((0, 1, 2, 3)) if shard > 1 else 0}")
+    zero = rng.choice((0, 1, 2, 3)) if shard > 1 else 0
+    ov.append(f"parallel.zero_stage={zero}")
     if axes["tp"] > 1 and rng.random() < 0.5:
         ov.append("parallel.sequence_parallel=true")
     if axes["pp"] > 1:
@@ -80,6 +82,8 @@ def draw(rng: random.Random) -> tuple[str, int, list[str]]:
         ov.append(f"train.activation_checkpointing={rng.choice(('selective', 'full'))}")
     if rng.random() < 0.3:
         ov.append(f"parallel.reshard_after_forward={rng.choice(('true', 'false'))}")
+    if zero == 3 and rng.random() < 0.5:
+        ov.append("parallel.reduce_once=true")
     return family, world, ov
 
 
@@ -117,7 +121,8 @@ def _covered(rows: list[dict]) -> dict[str, int]:
             "micro_batch set": count(lambda o: o.startswith("train.micro_batch=")),
             "recompute": count(lambda o: o.startswith("train.activation_checkpointing=")),
             "reshard_after_forward=false":
-                count(lambda o: o == "parallel.reshard_after_forward=false")}
+                count(lambda o: o == "parallel.reshard_after_forward=false"),
+            "reduce_once": count(lambda o: o == "parallel.reduce_once=true")}
     return out
 
 
