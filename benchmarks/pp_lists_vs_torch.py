@@ -7,6 +7,8 @@ stands in for the ranks: the lists depend only on the sizes), and meshloom's lis
 schedule, and compares them:
 - whether they are the same, action for action, and whether their forwards and input-gradient
   passes (or whole backwards) run in the same order on every rank, the weight passes aside;
+  for interleaved_zb also whether torch's are meshloom's `w_order="lagged"` lists (the weight
+  passes the planner prices for a torchtitan run);
 - the bubble each leaves with unit costs (F = B = I = W = 1), from meshloom's simulator, which
   runs any list (it checks dependencies, so a list that could deadlock would fail here);
 - the most chunk activations any rank holds at once (a forward adds one, the backward that frees
@@ -121,10 +123,11 @@ def compare(schedule: str, pp: int, m: int, v: int) -> dict:
     def no_w(lists: list[list[Action]]) -> list[list[Action]]:
         return [[a for a in acts if a.kind != "W"] for acts in lists]
 
-    return {"schedule": schedule, "pp": pp, "v": v, "microbatches": m,
-            "same_lists": ours == theirs, "same_order_without_w": no_w(ours) == no_w(theirs),
-            "meshloom": describe(ours, pp, v),
-            "torch": describe(theirs, pp, v)}
+    row = {"schedule": schedule, "pp": pp, "v": v, "microbatches": m,
+           "same_lists": ours == theirs, "same_order_without_w": no_w(ours) == no_w(theirs)}
+    if schedule == "interleaved_zb":
+        row["same_as_lagged"] = compute_lists(schedule, pp, m, v, w_order="lagged") == theirs
+    return {**row, "meshloom": describe(ours, pp, v), "torch": describe(theirs, pp, v)}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -149,17 +152,20 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _print_table(r: dict) -> None:
-    print(f"{'schedule':18}{'pp':>4}{'v':>3}{'m':>4}{'same':>6}{'F/I':>5}{'bubble ours':>13}"
-          f"{'torch':>8}{'peak ours':>11}{'torch':>7}")
+    print(f"{'schedule':18}{'pp':>4}{'v':>3}{'m':>4}{'same':>6}{'F/I':>5}{'lagged':>7}"
+          f"{'bubble ours':>13}{'torch':>8}{'peak ours':>11}{'torch':>7}")
     for row in r["rows"]:
         o, t = row["meshloom"], row["torch"]
         print(f"{row['schedule']:18}{row['pp']:4}{row['v']:3}{row['microbatches']:4}"
               f"{'yes' if row['same_lists'] else 'no':>6}"
-              f"{'yes' if row['same_order_without_w'] else 'no':>5}{o['bubble_unit_cost']:13.3f}"
+              f"{'yes' if row['same_order_without_w'] else 'no':>5}"
+              f"{({True: 'yes', False: 'no'}).get(row.get('same_as_lagged'), '-'):>7}"
+              f"{o['bubble_unit_cost']:13.3f}"
               f"{t['bubble_unit_cost']:8.3f}{max(o['peak_chunk_activations']):11}"
               f"{max(t['peak_chunk_activations']):7}")
-    print("same: the lists; F/I: their order without the W passes; bubble: unit costs; peak: "
-          "the most chunk activations alive on any rank")
+    print("same: the lists; F/I: their order without the W passes; lagged: torch's are "
+          "meshloom's w_order=lagged lists; bubble: unit costs; peak: the most chunk "
+          "activations alive on any rank")
 
 
 if __name__ == "__main__":

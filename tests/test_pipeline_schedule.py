@@ -47,24 +47,27 @@ def test_zero_bubble_is_below_1f1b(p, m):
     assert zb.bubble() == pytest.approx((p - 1) / (3 * m + p - 1), abs=1e-12)
 
 
+@pytest.mark.parametrize("w_order", ["filled", "lagged"])
 @pytest.mark.parametrize("p,m,v", [(2, 2, 2), (2, 4, 2), (4, 4, 2), (4, 8, 2), (4, 16, 2),
                                    (4, 12, 3), (8, 16, 2), (8, 32, 4), (3, 9, 3), (5, 10, 4)])
-def test_interleaved_zero_bubble_fills_interleaved_1f1b_at_1f1b_memory(p, m, v):
+def test_interleaved_zero_bubble_fills_interleaved_1f1b_at_1f1b_memory(p, m, v, w_order):
     """interleaved_zb against interleaved 1F1B with the same backward (B = I + W = 2): the step
     takes 3mv + p - 1 units instead of 3mv + 3(p - 1), ZB-H1's bubble with v x m chunks, and
     every rank holds at most p micro-batches of its layers (v x p chunk activations), 1F1B's
-    first-rank peak, where interleaved 1F1B's first rank holds v x p + p - 1 (m > p)."""
-    zb = simulate(build_schedule("interleaved_zb", p, m, v))
+    first-rank peak, where interleaved 1F1B's first rank holds v x p + p - 1 (m > p). Both
+    placements of the weight passes: meshloom's (filled) and PyTorch's (lagged)."""
+    zb = simulate(build_schedule("interleaved_zb", p, m, v, w_order))
     il = simulate(build_schedule("interleaved_1f1b", p, m, v),
                   lambda a: 2.0 if a.kind == "B" else 1.0)
     assert zb.makespan == 3 * m * v + p - 1 and il.makespan == 3 * m * v + 3 * (p - 1)
     assert zb.bubble() == pytest.approx((p - 1) / (3 * m * v + p - 1), abs=1e-12)
-    peaks = [_peak_alive(a, release="W") for a in compute_lists("interleaved_zb", p, m, v)]
+    lists = compute_lists("interleaved_zb", p, m, v, w_order=w_order)
+    peaks = [_peak_alive(a, release="W") for a in lists]
     assert peaks == [p * v] * p
     assert _peak_alive(compute_lists("interleaved_1f1b", p, m, v)[0]) == min(p * v + p - 1, m * v)
     # The forwards and input gradients keep interleaved 1F1B's order, with the warm-up of a
     # split backward: p - 1 - r forwards beyond (v - 1) x p on rank r, not twice that.
-    for r, zl in enumerate(compute_lists("interleaved_zb", p, m, v)):
+    for r, zl in enumerate(lists):
         fi = [(a.kind.replace("I", "B"), a.stage, a.mb) for a in zl if a.kind != "W"]
         assert fi == [tuple(a) for a in _interleaved(r, p, m, v, offset=1)]
         warm = (v - 1) * p + p - 1 - r
@@ -74,6 +77,26 @@ def test_interleaved_zero_bubble_fills_interleaved_1f1b_at_1f1b_memory(p, m, v):
 @pytest.mark.parametrize("p,m", [(1, 3), (2, 2), (2, 6), (4, 4), (4, 8), (8, 24)])
 def test_interleaved_zero_bubble_with_one_chunk_is_zb_h1(p, m):
     assert compute_lists("interleaved_zb", p, m, 1) == compute_lists("zb_h1", p, m)
+    assert compute_lists("interleaved_zb", p, m, 1, w_order="lagged") == compute_lists(
+        "zb_h1", p, m)
+
+
+def test_lagged_weight_passes_run_r_input_passes_behind():
+    """PyTorch's placement: on rank r the W of its k-th input-gradient pass follows its
+    (k + r)-th, the last r at the end; the rest of the list is meshloom's."""
+    p, m, v = 4, 8, 2
+    filled = compute_lists("interleaved_zb", p, m, v)
+    for r, acts in enumerate(compute_lists("interleaved_zb", p, m, v, w_order="lagged")):
+        inputs = [a for a in acts if a.kind == "I"]
+        for k, i in enumerate(inputs[:len(inputs) - r]):
+            after = inputs[k + r]
+            w = Action("W", i.stage, i.mb)
+            assert acts.index(w) == acts.index(after) + 1
+        assert acts[-r:] == [Action("W", a.stage, a.mb) for a in inputs[len(inputs) - r:]] \
+            if r else True
+        assert [a for a in acts if a.kind != "W"] == [a for a in filled[r] if a.kind != "W"]
+    with pytest.raises(ValueError, match="unknown w_order 'late'"):
+        compute_lists("interleaved_zb", p, m, v, w_order="late")
 
 
 def test_interleaved_zero_bubble_runs_with_uneven_costs_and_latency():

@@ -17,7 +17,10 @@ Schedules:
   deferred into what would be bubbles); stage r runs its Ws r micro-batches late, so every
   stage holds 1F1B's first-stage peak of p micro-batches (Qi et al. 2023, ZB-H1);
 - interleaved_zb: interleaved 1F1B's forwards and input gradients, each rank's weight gradients
-  put where it would otherwise wait (`filled_lists`); with v = 1 it is ZB-H1.
+  put where it would otherwise wait (`filled_lists`); with v = 1 it is ZB-H1. `w_order="lagged"`
+  gives the same forwards and input gradients with each W run r input-gradient passes after
+  its own on rank r, as PyTorch's ScheduleInterleavedZeroBubble places them (`lagged_lists`):
+  what the planner prices for a torchtitan run.
 """
 
 from __future__ import annotations
@@ -53,10 +56,18 @@ def stage_rank(stage: int, pp: int) -> int:
     return stage % pp
 
 
+W_ORDERS = ("filled", "lagged")
+
+
 def compute_lists(schedule: str, pp: int, m: int, v: int = 1,
-                  ranks: Sequence[int] | None = None) -> list[list[Action]]:
-    """Each rank's compute actions in execution order (only those of `ranks` if given)."""
+                  ranks: Sequence[int] | None = None, w_order: str = "filled"
+                  ) -> list[list[Action]]:
+    """Each rank's compute actions in execution order (only those of `ranks` if given).
+    `w_order` places interleaved_zb's weight passes: "filled" (meshloom's, `filled_lists`) or
+    "lagged" (PyTorch's, `lagged_lists`)."""
     ranks = range(pp) if ranks is None else ranks
+    if w_order not in W_ORDERS:
+        raise ValueError(f"unknown w_order {w_order!r}; one of {', '.join(W_ORDERS)}")
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; one of {', '.join(SCHEDULES)}")
     problem = virtual_stages_problem(schedule, v) or microbatch_count_problem(schedule, pp, m)
@@ -69,6 +80,8 @@ def compute_lists(schedule: str, pp: int, m: int, v: int = 1,
         return [_one_f_one_b(r, pp, m) for r in ranks]
     if schedule == "interleaved_1f1b":
         return [_interleaved(r, pp, m, v) for r in ranks]
+    if schedule == "interleaved_zb" and w_order == "lagged":
+        return [lagged_lists(r, pp, m, v) for r in ranks]
     if schedule == "interleaved_zb":
         lists = filled_lists(pp, m, v)
         return [list(lists[r]) for r in ranks]
@@ -128,6 +141,31 @@ def zero_bubble_lists(pp: int, m: int, ranks: Sequence[int] | None = None
     return lists
 
 
+def _split_order(r: int, pp: int, m: int, v: int) -> list[Action]:
+    """Rank r's forwards and input-gradient passes in interleaved_zb's order: interleaved
+    1F1B's (1F1B's for v = 1) with every backward an I, warmed up by p - 1 - r forwards beyond
+    (v - 1) x p (an I takes one forward's time, not two)."""
+    return [Action("I", a.stage, a.mb) if a.kind == "B" else a
+            for a in (_one_f_one_b(r, pp, m) if v == 1 else _interleaved(r, pp, m, v, offset=1))]
+
+
+def lagged_lists(r: int, pp: int, m: int, v: int) -> list[Action]:
+    """interleaved_zb with its weight passes placed as PyTorch's ScheduleInterleavedZeroBubble
+    places them: after rank r's k-th input-gradient pass (k >= r) comes the W of its
+    (k - r)-th, the rest at the end. ZB-H1's rule (`zero_bubble_lists`) over the interleaved
+    order; for v = 1 it is ZB-H1's lists. Same F/I order, unit-clock bubble and peaks as
+    `filled_lists`; benchmarks/pp_lists_vs_torch.py checks it action for action."""
+    out, done, w = [], [], 0
+    for a in _split_order(r, pp, m, v):
+        out.append(a)
+        if a.kind == "I":
+            done.append(a)
+            if len(done) > r:
+                out.append(Action("W", done[w].stage, done[w].mb))
+                w += 1
+    return out + [Action("W", a.stage, a.mb) for a in done[w:]]
+
+
 @lru_cache(maxsize=256)
 def filled_lists(pp: int, m: int, v: int) -> tuple[tuple[Action, ...], ...]:
     """interleaved_zb: interleaved 1F1B's order of forwards and input-gradient passes (1F1B's for
@@ -146,10 +184,7 @@ def filled_lists(pp: int, m: int, v: int) -> tuple[tuple[Action, ...], ...]:
     otherwise, with the same bubble. The layout runs every action once or raises: lists it
     returns cannot deadlock."""
     n = pp * v
-    order = [[Action("I", a.stage, a.mb) if a.kind == "B" else a
-              for a in (_one_f_one_b(r, pp, m) if v == 1 else
-                        _interleaved(r, pp, m, v, offset=1))]
-             for r in range(pp)]
+    order = [_split_order(r, pp, m, v) for r in range(pp)]
     cap = v * pp
     done: dict[Action, int] = {}
     pos, alive = [0] * pp, [0] * pp
@@ -213,9 +248,10 @@ def with_communication(lists: list[list[Action]], pp: int, n_stages: int) -> lis
     return out
 
 
-def build_schedule(schedule: str, pp: int, m: int, v: int = 1) -> list[list[Action]]:
+def build_schedule(schedule: str, pp: int, m: int, v: int = 1, w_order: str = "filled"
+                   ) -> list[list[Action]]:
     """Every rank's full action list (compute and communication)."""
-    return with_communication(compute_lists(schedule, pp, m, v), pp, pp * v)
+    return with_communication(compute_lists(schedule, pp, m, v, w_order=w_order), pp, pp * v)
 
 
 # ---------------------------------------------------------------- rules a config must meet

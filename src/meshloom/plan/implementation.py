@@ -113,6 +113,12 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   are added in), and the whole gradients are reduce-scattered once, after the stage's last
   backward, with nothing beside them (FSDP2's final callback makes the compute stream wait).
   A no-op unless zero = 3 and pp > 1.
+- `pp_w_order`: where interleaved_zb puts its weight-gradient passes
+  (parallel/pipeline_schedule.py). `filled`: meshloom's, each W where its rank would otherwise
+  wait (`filled_lists`). `lagged`: PyTorch's ScheduleInterleavedZeroBubble's, each W r
+  input-gradient passes after its own on rank r (`lagged_lists`; torchtitan; the lists are
+  torch's action for action, benchmarks/pp_lists_vs_torch.py). Both have the same F/I order,
+  unit-clock bubble and peaks; at uneven costs they differ. A no-op for other schedules.
 - `grad_reduce_dtype`: the dtype data-parallel gradient collectives carry in bf16 training:
   `fp32` (meshloom's `parallel.reduce_dtype` default, docs/mixed-precision.md; PyTorch FSDP2 as
   torchtitan configures it, `mixed_precision_reduce = "float32"`; DDP under autocast, whose
@@ -340,6 +346,7 @@ class Implementation:
     fsdp_carry: bool = True
     reshard_after_forward: bool = True
     pp_fsdp: str = "meshloom"
+    pp_w_order: str = "filled"
     grad_reduce_dtype: str = "fp32"
     deepspeed_bf16_optimizer: bool = False
     dp_buckets: str = "torch"
@@ -497,7 +504,8 @@ def parse_bool(key: str, value: str) -> bool:
 
 STR_IMPL_KEYS = ("attention_kernel", "pp_split", "optimizer_state", "optimizer_impl",
                  "grad_reduce_dtype", "dp_buckets", "cross_entropy", "train_metrics", "cp_ring",
-                 "nccl_protocols", "sp_copies", "residual_stream", "fsdp_root", "pp_fsdp")
+                 "nccl_protocols", "sp_copies", "residual_stream", "fsdp_root", "pp_fsdp",
+                 "pp_w_order")
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 OPTIMIZER_IMPLS = ("fused", "foreach", "for_loop")
 # Bytes per parameter beside the bf16 parameter and gradient: (master copy, Adam moments).

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-from meshloom.parallel.pipeline_schedule import SCHEDULES
+from meshloom.parallel.pipeline_schedule import SCHEDULES, W_ORDERS
 from meshloom.plan import PlanError
 from meshloom.plan.cp_ring import CP_RINGS
 from meshloom.plan.implementation import (
@@ -117,7 +117,8 @@ def parse_fix(text: str) -> dict:
                        "sp_copies": SP_COPIES,
                        "residual_stream": RESIDUAL_STREAMS,
                        "fsdp_root": FSDP_ROOTS,
-                       "pp_fsdp": PP_FSDP}.get(key, SCHEDULES)
+                       "pp_fsdp": PP_FSDP,
+                       "pp_w_order": W_ORDERS}.get(key, SCHEDULES)
             if value not in options:
                 raise PlanError(f"--fix: {key}={value} must be one of {', '.join(options)}")
             out[key] = value

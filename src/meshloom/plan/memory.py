@@ -571,17 +571,17 @@ def in_flight(schedule: str, pp: int, m: int, v: int) -> tuple[float, float]:
 
 @lru_cache(maxsize=4096)
 def alive_layers(schedule: str, pp: int, m: int, v: int, stages: tuple[int, ...],
-                 ranks: tuple[int, ...]) -> tuple[int, ...]:
+                 ranks: tuple[int, ...], w_order: str = "filled") -> tuple[int, ...]:
     """For each of `ranks`, the most layer x micro-batch activations alive at once, the stages
     holding `stages` blocks each. Walked on the schedule's action lists: a forward adds its
     stage's blocks, the backward that consumes them (W for zero-bubble, which still needs the
-    inputs) removes them."""
+    inputs) removes them. `w_order`: where interleaved_zb's weight passes go (`pp_w_order`)."""
     if pp == 1:
         return (stages[0],) * len(ranks)
     # GPipe runs every forward before any backward: the peak is m times one micro-batch's.
     scale, m = (m, 1) if schedule == "gpipe" else (1, m)
     peaks = []
-    for walk in _stage_walks(schedule, pp, m, v, ranks):
+    for walk in _stage_walks(schedule, pp, m, v, ranks, w_order):
         alive = peak = 0
         for stage, sign in walk:
             alive += sign * stages[stage]
@@ -591,8 +591,8 @@ def alive_layers(schedule: str, pp: int, m: int, v: int, stages: tuple[int, ...]
 
 
 @lru_cache(maxsize=1024)
-def _stage_walks(schedule: str, pp: int, m: int, v: int, ranks: tuple[int, ...]
-                 ) -> tuple[tuple[tuple[int, int], ...], ...]:
+def _stage_walks(schedule: str, pp: int, m: int, v: int, ranks: tuple[int, ...],
+                 w_order: str = "filled") -> tuple[tuple[tuple[int, int], ...], ...]:
     """Each rank's compute actions as (stage, +1 for a forward, -1 for the backward that frees
     its inputs): what `alive_layers` walks, kept apart from the blocks per stage so that the
     planner's many splits of one schedule share it."""
@@ -601,7 +601,7 @@ def _stage_walks(schedule: str, pp: int, m: int, v: int, ranks: tuple[int, ...]
         m = min(m, rounds * pp)
     sign = {"F": 1, "B": -1, "W": -1}
     return tuple(tuple((act.stage, sign[act.kind]) for act in acts if act.kind in sign)
-                 for acts in compute_lists(schedule, pp, m, v, ranks=ranks))
+                 for acts in compute_lists(schedule, pp, m, v, ranks=ranks, w_order=w_order))
 
 
 def _accounting(shape: ModelShape, lay: Layout, dtype: str, flash: bool,
@@ -683,7 +683,8 @@ def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
     # blocks than the first.
     ranks = tuple(sorted({0, lay.pp - 1} | {r for r in range(lay.pp) if held[r] > held[0]}))
     alive = dict(zip(ranks, alive_layers(lay.schedule if lay.pp > 1 else "1f1b", lay.pp, m,
-                                         lay.v, stages, ranks), strict=True))
+                                         lay.v, stages, ranks,
+                                         impl.pp_w_order), strict=True))
     per_layer = layer_activation_bytes(shape, s, b, lay, dtype, flash, impl=impl)
     working = (layer_activation_bytes(shape, s, b, lay, dtype, flash, recompute="none",
                                       impl=impl)

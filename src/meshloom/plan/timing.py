@@ -279,8 +279,8 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     elif exact_bubble:
         sched = lay.schedule
         key, cv = _cost_key(cost, n_stages, v), cluster.action_cv
-        span_nolat = _makespan(sched, p, m, v, key, 0.0, cv)
-        span = _makespan(sched, p, m, v, key, hop_pp, cv, impl.p2p_blocking)
+        span_nolat = _makespan(sched, p, m, v, key, 0.0, cv, w_order=impl.pp_w_order)
+        span = _makespan(sched, p, m, v, key, hop_pp, cv, impl.p2p_blocking, impl.pp_w_order)
     else:
         chunks = v if lay.schedule in INTERLEAVED else 1  # micro-batch chunks a rank runs
         frac = (p - 1) / (chunks * m + p - 1)
@@ -823,30 +823,31 @@ def _cost_key(cost, n_stages: int, v: int) -> tuple:
 
 
 def _makespan(schedule: str, p: int, m: int, v: int, key: tuple, latency: float,
-              cv: float = 0.0, blocking: bool = False) -> float:
+              cv: float = 0.0, blocking: bool = False, w_order: str = "filled") -> float:
     """Simulated step span. From 2p micro-batches on, a 1F1B-type schedule is in its steady
     state, where every further round of p micro-batches adds the same time: simulate 2p and 3p
-    and extrapolate linearly (tests check this against direct simulation)."""
+    and extrapolate linearly (tests check this against direct simulation). `w_order`: where
+    interleaved_zb's weight passes go (`pp_w_order`)."""
     step = p  # one round of micro-batches through every stage (interleaving needs m % p == 0)
     m1, m2 = 2 * p, 3 * p
     if m <= m2 or schedule == "gpipe" and m * p <= 2 * SIMULATE_LIMIT:
-        return _simulate(schedule, p, m, v, key, latency, cv, blocking)
+        return _simulate(schedule, p, m, v, key, latency, cv, blocking, w_order)
     if schedule == "gpipe":  # all forwards, then all backwards: linear in m from the start
         m1, m2 = step, 2 * step
-    s1 = _simulate(schedule, p, m1, v, key, latency, cv, blocking)
-    s2 = _simulate(schedule, p, m2, v, key, latency, cv, blocking)
+    s1 = _simulate(schedule, p, m1, v, key, latency, cv, blocking, w_order)
+    s2 = _simulate(schedule, p, m2, v, key, latency, cv, blocking, w_order)
     return s1 + (m - m1) * (s2 - s1) / (m2 - m1)
 
 
 @lru_cache(maxsize=8192)
 def _simulate(schedule: str, p: int, m: int, v: int, key: tuple, latency: float,
-              cv: float = 0.0, blocking: bool = False) -> float:
+              cv: float = 0.0, blocking: bool = False, w_order: str = "filled") -> float:
     """Makespan of the schedule; with action_cv > 0 the mean over JITTER_SAMPLES runs in which
     every action's time is its nominal time times an independent normal factor (mean 1, sd cv,
     floored at JITTER_FLOOR), seeded, so the same inputs always give the same prediction."""
     kinds = ("F", "B", "I", "W")
     table = {(kinds[i % 4], i // 4): c for i, c in enumerate(key)}
-    lists = build_schedule(schedule, p, m, v)
+    lists = build_schedule(schedule, p, m, v, w_order)
     if cv <= 0:
         return simulate(lists, lambda a: table[(a.kind, a.stage)], latency, blocking).makespan
     spans = []

@@ -179,7 +179,8 @@ TRAINERS: dict[str, dict] = {
     "torchtitan": {"compile": False, "op_sac": True, "cross_entropy": "eager",
                    "optimizer_impl": "foreach", "fsdp_copy_out": True, "rope_complex": True,
                    "grad_reduce_dtype": "fp32", "sp_copies": "batch",
-                   "tp_overlap_backward": False, "fsdp_root": "outer", "pp_fsdp": "pytorch"},
+                   "tp_overlap_backward": False, "fsdp_root": "outer", "pp_fsdp": "pytorch",
+                   "pp_w_order": "lagged"},
 }
 
 
