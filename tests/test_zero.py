@@ -219,6 +219,11 @@ MIXED_CASES = [
     (2, ["parallel.zero_stage=3", "train.dtype=fp16", "train.micro_batch=4"]),
     (2, ["parallel.zero_stage=3", "train.dtype=bf16", "train.micro_batch=2",
          "parallel.reduce_once=true", "parallel.reduce_dtype=bf16"]),
+    # whole sums of loss-scaled gradients, and shards offloaded to the CPU
+    (2, ["parallel.zero_stage=3", "train.dtype=fp16", "train.micro_batch=4",
+         "parallel.reduce_once=true"]),
+    (2, ["parallel.zero_stage=3", "parallel.cpu_offload=true", "train.eval_sequences=0",
+         "train.micro_batch=4", "parallel.reduce_once=true"]),
 ]
 
 
