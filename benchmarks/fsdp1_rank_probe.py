@@ -11,9 +11,12 @@ toy sizes for its tests:
 Each (sequence length, mode) runs in a fresh process, so one allocator's history never carries
 into the next. Mode `full` holds what the run's rank held: the fp32 flat-parameter shards, their
 fp32 gradient shards and AdamW's two moments (16 bytes a parameter over `--dp`); mode `light`
-holds only the parameter shards, so the same compute runs with some 45 GB more room. The same
-step slower in `full` than in `light` is the allocator's price; the allocator's own counters
-(`num_alloc_retries`, the inactive split bytes) say where it came from. Beside the measurement
+holds only the parameter shards, so the same compute runs with some 45 GB more room; mode
+`expandable` is `full` under the caching allocator's expandable segments
+(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, which the 2023 stack did not have), which
+cannot fragment the same way. The same step slower in `full` than in `light` is the
+allocator's price; the allocator's own counters (`num_alloc_retries`, the inactive split bytes)
+say where it came from, and `expandable` whether fragmentation is the cause. Beside the measurement
 stands the planner's compute for the same micro-batch, priced at the kernel the probe runs
 (SDPA's), so the probe also checks that.
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -33,6 +37,7 @@ import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results" / "gpu_check" / "fsdp1_rank_probe.json"
+MODES = ("full", "light", "expandable")
 sys.path.insert(0, str(HERE))
 
 
@@ -104,14 +109,14 @@ class Rank:
         # what the values are, not what the kernels do or the bytes they move.
         self.shards = [torch.randn(padded(numel(u), dp) // dp, generator=g, device=device)
                        .mul_(0.02) for u in self.units]
-        full = mode == "full"
+        full = mode != "light"
         self.grads = [torch.zeros_like(s) for s in self.shards] if full else None
         self.moments = [(torch.zeros_like(s), torch.zeros_like(s)) for s in self.shards] \
             if full else None
 
     def held_bytes(self) -> int:
         n = sum(s.numel() for s in self.shards)
-        return n * 4 * (4 if self.mode == "full" else 1)
+        return n * 4 * (1 if self.mode == "light" else 4)
 
     def gather(self, i: int) -> torch.Tensor:
         """The unit's unsharded 16-bit flat parameter: FSDP1 casts its shard to the compute
@@ -255,7 +260,7 @@ def planned(d: Dims, seq: int, dp: int, gpu: str, accum: int) -> dict:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seqs", default="4096,8192", help="sequence lengths, comma-separated")
-    p.add_argument("--modes", default="full,light")
+    p.add_argument("--modes", default="full,light,expandable")
     p.add_argument("--dp", type=int, default=8, help="the run's data-parallel size")
     p.add_argument("--micro-batches", type=int, default=3, help="timed micro-batches")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -277,8 +282,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--seqs {args.seqs!r} and --dims {args.dims!r} must be integers, "
                 "--dims five of them")
     args.modes = args.modes.split(",")
-    if bad := [m for m in args.modes if m not in ("full", "light")]:
-        p.error(f"unknown mode(s) {bad}: full or light")
+    if bad := [m for m in args.modes if m not in MODES]:
+        p.error(f"unknown mode(s) {bad}: one of {', '.join(MODES)}")
     if args.d.hidden % args.d.heads:
         p.error(f"hidden {args.d.hidden} is not a multiple of heads {args.d.heads}")
     return args
@@ -305,7 +310,10 @@ def main(argv: list[str] | None = None) -> dict:
                    "--dtype", args.dtype, "--cap-mib", str(args.cap_mib)]
             if args.dims:
                 cmd += ["--dims", args.dims]
-            done = subprocess.run(cmd, capture_output=True, text=True)
+            env = dict(os.environ)
+            if mode == "expandable":
+                env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+            done = subprocess.run(cmd, capture_output=True, text=True, env=env)
             line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
             if done.returncode or not line:
                 tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]

@@ -97,7 +97,7 @@ if [ "$phase" = power ]; then  # the power limit's cost to GEMMs by duty cycle (
     2>&1 | tail -n 20
   exit 0
 fi
-if [ "$phase" = probe ]; then  # one FSDP1 rank of MPT-30B near 80 GB, and with room (~3 min)
+if [ "$phase" = probe ]; then  # one FSDP1 rank of MPT-30B near 80 GB, with room, expandable (~4 min)
   nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/probe_env.txt"
   timeout 500 "$PY" benchmarks/fsdp1_rank_probe.py --out "$OUT/fsdp1_rank_probe.json" "$@" \
     2>&1 | tail -n 20

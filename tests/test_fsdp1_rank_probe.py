@@ -80,28 +80,38 @@ def test_modes_hold_what_the_runs_rank_holds():
 
 
 def test_the_command_writes_each_config_from_its_own_process(tmp_path):
-    """One length and mode on the CPU at toy size: a row with its timings and losses, the
-    planner's compute for the same micro-batch beside it."""
+    """One length, two modes on the CPU at toy size: a row each with its timings and losses,
+    the planner's compute for the same micro-batch beside them."""
     out = tmp_path / "probe.json"
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fsdp1_rank_probe.py"),
                            "--device", "cpu", "--dtype", "fp32", "--dims",
                            ",".join(map(str, TINY)), "--dp", "2", "--seqs", "16",
-                           "--modes", "light", "--micro-batches", "2", "--out", str(out)],
+                           "--modes", "full,expandable", "--micro-batches", "2",
+                           "--out", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     result = json.loads(out.read_text())
-    (row,) = result["rows"]
-    assert row["seq"] == 16 and row["mode"] == "light" and "error" not in row
-    assert len(row["micro_batch_s"]) == 2 and all(t > 0 for t in row["micro_batch_s"])
-    assert all(0 < loss < 10 for loss in row["losses"]) and row["allocator_after"] is None
+    full, expandable = result["rows"]
+    assert (full["mode"], expandable["mode"]) == ("full", "expandable")
+    for row in (full, expandable):
+        assert row["seq"] == 16 and "error" not in row
+        assert len(row["micro_batch_s"]) == 2 and all(t > 0 for t in row["micro_batch_s"])
+        assert all(0 < loss < 10 for loss in row["losses"]) and row["allocator_after"] is None
+    # `expandable` is `full` under other allocator settings: the same state, the same steps
+    assert expandable["held_gb"] == full["held_gb"] > 0
+    assert expandable["losses"] == full["losses"]
     plan = result["planned"]["16"]
     assert plan["micro_batch_s"] == pytest.approx(sum(plan["compute_s_per_micro_batch"].values()))
 
 
-def test_bad_arguments_get_one_line():
+@pytest.mark.parametrize("args,says", [
+    (["--dims", "32,2,5,64,53"], "error: hidden 32 is not a multiple of heads 5"),
+    (["--modes", "full,heavy"], "error: unknown mode(s) ['heavy']: one of full, light, "
+                                "expandable"),
+    (["--seqs", "4k"], "must be integers, --dims five of them")])
+def test_bad_arguments_get_one_line(args, says):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fsdp1_rank_probe.py"),
-                           "--device", "cpu", "--dims", "32,2,5,64,53"],
-                          capture_output=True, text=True, timeout=120)
+                           "--device", "cpu", *args], capture_output=True, text=True,
+                          timeout=120)
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1].endswith(
-        "error: hidden 32 is not a multiple of heads 5")
+    assert done.stderr.strip().splitlines()[-1].endswith(says)
