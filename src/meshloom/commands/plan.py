@@ -251,14 +251,16 @@ def format_table(shape: ModelShape, found: list[Candidate], setup: dict) -> str:
              f"{setup['global_batch']}, {setup['dtype']}, {setup['attention']} attention"]
     if found and not found[0].fits:
         lines.append("NOTHING FITS: the layouts below need the least memory.")
-    head = (f"{'#':>2}  {'layout':<72} {'fits':>4} {'mem GB':>7} {'step s':>8} "
+    # 72 columns, wider when a summary needs it (no-reshard and reduce-once both marked)
+    width = max([72, *(len(c.short()) for c in found)])
+    head = (f"{'#':>2}  {'layout':<{width}} {'fits':>4} {'mem GB':>7} {'step s':>8} "
             f"{'TFLOP/s':>7} {'MFU':>5} {'tok/s/GPU':>9}  time: compute/tp/cp/pp/dp/bubble %")
     lines += [head, "-" * len(head)]
     for i, c in enumerate(found, 1):
         t = c.timing
         parts = [t.compute, t.tp, t.cp, t.pp, t.dp, t.bubble]
         pct = "/".join(f"{100 * x / t.step_time_s:.0f}" for x in parts)
-        lines.append(f"{i:>2}  {c.short():<72} {'yes' if c.fits else 'NO':>4} "
+        lines.append(f"{i:>2}  {c.short():<{width}} {'yes' if c.fits else 'NO':>4} "
                      f"{c.memory.total / gb:>7.1f} {t.step_time_s:>8.3g} "
                      f"{c.tflops_per_gpu:>7.0f} {c.mfu:>5.0%} {c.tokens_per_s_per_gpu:>9.0f}  "
                      f"{pct}")

@@ -374,7 +374,7 @@ def _search(shape: ModelShape, cluster: Cluster, seq: int, global_batch: int, fi
                         memory=mem, impl=impl)
         # The alternatives need more memory than the plain ZeRO-3: only if that fits. Summing
         # once changes nothing with one micro-batch a step.
-        for other in alts or () if lay.zero == 3 else ():
+        for other in (alts or []) if lay.zero == 3 else []:
             if other.fsdp_no_sync and lay.microbatches(global_batch) < 2:
                 continue
             mem = memory_per_gpu(shape, lay, seq, global_batch, dtype, flash, other)
