@@ -46,6 +46,7 @@ JOBS: list[tuple[str, str, list[str]]] = [
     ("dp_vs_ddp_demo", "dp_vs_ddp.py", ["--preset", "demo", "--steps", "30"]),
     ("dp_vs_ddp_small", "dp_vs_ddp.py", ["--preset", "small", "--steps", "16"]),
     ("zero_vs_fsdp2_demo", "zero_vs_fsdp2.py", ["--preset", "demo", "--steps", "20"]),
+    ("zero3_accumulation_demo", "zero3_accumulation.py", ["--preset", "demo", "--steps", "20"]),
     ("tp_vs_dtensor_demo", "tp_vs_dtensor.py", ["--preset", "demo", "--steps", "20"]),
     ("pp_vs_torch_demo", "pp_vs_torch.py", ["--preset", "demo", "--steps", "30"]),
     ("pp_lists_vs_torch", "pp_lists_vs_torch.py", []),

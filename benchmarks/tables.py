@@ -128,6 +128,24 @@ def zero_vs_fsdp2(results: Path) -> list[str]:
     return [*_table(head, rows), "", _source(results, names)]
 
 
+def zero3_accumulation(results: Path) -> list[str]:
+    names = ["zero3_accumulation_demo"]
+    r = _load(results, names[0])
+    c = r["config"]
+    base = {"zero3_once": "zero3", "fsdp2_once": "fsdp2", "zero3": "fsdp2"}
+    rows = []
+    for name, v in r["variants"].items():
+        b = base.get(name)
+        ratio = f"{_x(v.get(f'paired_ratio_to_{b}'))} vs {b}" if b else "-"
+        rows.append([f"{c['preset']} ({c['params'] / 1e6:.2f}M)", name, c["micro_batches"],
+                     c["steps"], _ms(v["median_s"]), ratio,
+                     f"{v['memory_bytes']['state'] / MIB:.2f}",
+                     f"{v['memory_bytes']['step_peak'] / MIB:.2f}", _comm(v)])
+    head = ["model", "variant", "micro-batches", "timed steps", "median step",
+            "paired ratio", "state MiB", "in-step peak MiB", "comm MiB/step"]
+    return [*_table(head, rows), "", _source(results, names)]
+
+
 def tp_vs_dtensor(results: Path) -> list[str]:
     names = ["tp_vs_dtensor_demo", "tp_vs_dtensor_small"]
     rows = _per_variant(results, names, lambda v: [
@@ -274,7 +292,8 @@ def planner_validation(results: Path) -> list[str]:
 
 
 TABLES: dict[str, Callable[[Path], list[str]]] = {
-    f.__name__: f for f in (ddp_vs_torch, dp_vs_ddp, zero_vs_fsdp2, tp_vs_dtensor, pp_vs_torch,
+    f.__name__: f for f in (ddp_vs_torch, dp_vs_ddp, zero_vs_fsdp2, zero3_accumulation,
+                            tp_vs_dtensor, pp_vs_torch,
                             pp_schedules, cp_memory, moe_ep, tp_generate, tp_generate_long_prompt,
                             gpt2_vs_transformers, planner_validation)}
 
