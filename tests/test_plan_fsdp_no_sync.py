@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from meshloom.plan.compute import rates_for
+from meshloom.plan.explain import explain
 from meshloom.plan.hardware import make_cluster
 from meshloom.plan.implementation import Implementation
 from meshloom.plan.layout import Layout, parse_fix
@@ -56,6 +57,11 @@ def test_whole_gradients_are_kept_and_added_into():
         each = evaluate(SHAPE, lay, cl, SEQ, BATCH, impl=impl)
         once = evaluate(SHAPE, lay, cl, SEQ, BATCH, impl=replace(impl, fsdp_no_sync=True))
         assert once.memory.grads - each.memory.grads == pytest.approx(held * psi)
+        # named apart in the breakdown, and in --explain
+        assert once.memory.whole_grads == pytest.approx(held * psi) and not each.memory.whole_grads
+        assert once.memory.to_dict()["grads_whole"] == once.memory.whole_grads
+        assert (f"reduce-scattered once (fsdp_no_sync): {held * psi / 1e9:.2f} GB"
+                in explain(once))
         assert once.timing.detail["accumulate_s"] == pytest.approx(stream(psi * moved),
                                                                    rel=1e-12)
         assert once.timing.compute == each.timing.compute

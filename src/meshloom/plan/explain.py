@@ -58,7 +58,11 @@ def explain(c: Candidate) -> str:
                          f"{mem.root_unit / GB:.2f} GB")
         if name == "grads" and piped:
             lines.append("    the shards, and the stage's whole gradients in the reduce dtype, "
-                         "reduce-scattered once after its last backward (pp_fsdp=pytorch)")
+                         "reduce-scattered once after its last backward (pp_fsdp=pytorch): "
+                         f"{mem.whole_grads / GB:.2f} GB")
+        elif name == "grads" and mem.whole_grads:
+            lines.append("    whole gradients summed over the step's micro-batches, "
+                         f"reduce-scattered once (fsdp_no_sync): {mem.whole_grads / GB:.2f} GB")
         if name == "buffers" and mem.held_units:
             why = "pp_fsdp=pytorch, held for the step" if piped else "reshard_after_forward=false"
             lines.append(f"    ZeRO-3's units, every one gathered at the peak "

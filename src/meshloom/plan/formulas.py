@@ -43,8 +43,9 @@ def dp_comm_bytes(psi: int, stage: int, *, micro_batches: int = 1, n_shard: int 
                   carried_psi: int = 0, reduce_once: bool = False) -> dict[tuple[str, str], int]:
     """Payload bytes per optimizer step, per (axis, op), as `meshloom.comm` counts them (the
     whole tensor a collective acts on). Stages 2 and 3 keep no whole gradients, so they
-    reduce-scatter after every micro-batch (stage 3 once a step under `reduce_once`). Stage 3 gathers each unit for forward and again for
-    backward, every micro-batch (once a step if it is not resharded after forward: then every
+    reduce-scatter after every micro-batch (stage 3 once a step under `reduce_once`). Stage 3
+    gathers each unit for forward and again for backward, every micro-batch (once a step if it
+    is not resharded after forward: then every
     unit stays gathered to the step's last backward); the root unit's
     `root_psi` parameters (final norm and head) are gathered once per micro-batch and kept, and
     `forward_only_psi` ones (an embedding, whose backward reads only the token ids) are gathered

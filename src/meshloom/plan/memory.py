@@ -192,7 +192,8 @@ def rank_model_states(shape: ModelShape, lay: Layout, rank: int, prec,
     if fp32_grad_shards and prec.grad_bytes < 4:
         states["grads"] *= 4 / prec.grad_bytes
     if whole_grads:  # ZeRO-3 under `fsdp_no_sync`: whole gradients beside the shards
-        states["grads"] += (whole_grad_bytes or prec.grad_bytes) * (dense + experts)
+        states["whole_grads"] = (whole_grad_bytes or prec.grad_bytes) * (dense + experts)
+        states["grads"] += states["whole_grads"]
     if whole_fp32:
         psi = dense + experts
         sharded = dense / lay.dp_shard + experts / expert_shard(lay)
@@ -644,6 +645,7 @@ class Memory:
     counted_as: str = ""  # how the activations were counted (`activation_accounting`)
     root_unit: float = 0.0  # of the buffers: ZeRO-3's root unit (`zero3_root_params`)
     held_units: float = 0.0  # of the buffers: ZeRO-3 without resharding, every unit gathered
+    whole_grads: float = 0.0  # of the grads: ZeRO-3's whole gradients summed over a step
 
     @property
     def total(self) -> float:
@@ -655,7 +657,8 @@ class Memory:
                 "activations": self.activations, "buffers": self.buffers,
                 "context": self.context, "total": self.total, "pipeline_rank": self.rank,
                 "activations_counted_as": self.counted_as, "buffers_root_unit": self.root_unit,
-                **({"buffers_held_units": self.held_units} if self.held_units else {})}
+                **({"buffers_held_units": self.held_units} if self.held_units else {}),
+                **({"grads_whole": self.whole_grads} if self.whole_grads else {})}
 
 
 def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
@@ -717,7 +720,8 @@ def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
         mem = Memory(states["params"], states["grads"] if grads_at_peak else 0.0,
                      states["optimizer"], acts, buffers + gathered, CONTEXT_BYTES, rank,
                      counted_as, gathered if resharded else 0.0,
-                     0.0 if resharded else gathered)
+                     0.0 if resharded else gathered,
+                     states.get("whole_grads", 0.0) if grads_at_peak else 0.0)
         if best is None or mem.total > best.total:
             best = mem
     return best
