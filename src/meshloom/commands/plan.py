@@ -204,8 +204,8 @@ def run(args) -> int:
 
 # The implementation keys a meshloom config can say (train.compile,
 # parallel.reshard_after_forward, parallel.reduce_once, parallel.reduce_dtype), and what the
-# run's environment
-# decides: the kernel SDPA picks (FlashAttention-2 or cuDNN), NCCL's protocols (NCCL_PROTO).
+# run's environment decides: the kernel SDPA picks (FlashAttention-2 or cuDNN), NCCL's
+# protocols (NCCL_PROTO).
 # Any other key differing from meshloom's own describes a run the written config would not be.
 _WRITABLE = ("compile", "reshard_after_forward", "fsdp_no_sync", "grad_reduce_dtype",
              "nccl_protocols")

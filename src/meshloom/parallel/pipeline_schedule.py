@@ -181,8 +181,8 @@ def filled_lists(pp: int, m: int, v: int) -> tuple[tuple[Action, ...], ...]:
     (p - 1) / (3mv + p - 1), ZB-H1's with v x m micro-batch chunks; for v = 1 the lists are
     ZB-H1's (tests/test_pipeline_schedule.py). The F and I order is the one torch's
     ScheduleInterleavedZeroBubble runs (benchmarks/pp_lists_vs_torch.py); the Ws are placed
-    otherwise, with the same bubble. The layout runs every action once or raises: lists it
-    returns cannot deadlock."""
+    otherwise (torch's placement: `lagged_lists`), with the same bubble. The layout runs every
+    action once or raises: lists it returns cannot deadlock."""
     n = pp * v
     order = [_split_order(r, pp, m, v) for r in range(pp)]
     cap = v * pp
