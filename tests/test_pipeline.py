@@ -135,6 +135,8 @@ CASES += [
             "parallel.reduce_once=true")),
     (4, _pp(2, "zb_h1", 1, "parallel.dp_shard=2", "parallel.zero_stage=3",
             "parallel.reduce_once=true")),
+    (4, _pp(2, "interleaved_1f1b", 2, "parallel.dp_shard=2", "parallel.zero_stage=3",
+            "parallel.reduce_once=true")),
     (4, _pp(2, "interleaved_zb", 2, "parallel.dp_shard=2", "parallel.zero_stage=3",
             "parallel.reduce_once=true")),
 ]
