@@ -848,13 +848,14 @@ def test_a_run_spread_over_rank_devices_gets_no_per_device_prediction():
     assert kept.root_unit == 0 < kept.held_units
     assert kept.total > resharded.total
     # `parallel.reduce_once` holds whole fp32 gradients when the step has several
-    # micro-batches: 4 bytes for each of the rank's parameters.
+    # micro-batches: 4 bytes for each of the rank's parameters, at the peak instead of the
+    # shards (made by the last reduce).
     once = replace(run, parallel=replace(zero3, reduce_once=True))
     several = replace(once, train=replace(run.train, global_batch=8))
     plain = replace(run, train=replace(run.train, global_batch=8), parallel=zero3)
     params = sum(rank_param_split(from_llama_config(deep, "run"), Layout(dp=2, zero=3), 0))
-    assert predict_run_memory(deep, several, dims, 1).grads == pytest.approx(
-        predict_run_memory(deep, plain, dims, 1).grads + 4 * params)
+    assert predict_run_memory(deep, plain, dims, 1).grads > 0
+    assert predict_run_memory(deep, several, dims, 1).grads == pytest.approx(4 * params)
     assert predict_run_memory(deep, once, dims, run.train.global_batch // 2).total == \
         predict_run_memory(deep, replace(run, parallel=zero3), dims,
                            run.train.global_batch // 2).total
