@@ -22,8 +22,6 @@ import argparse
 import contextlib
 import gc
 import sys
-import time
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -39,7 +37,6 @@ from meshloom.parallel.fsdp import FullyShardedDataParallel
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import (  # noqa: E402
     batch,
-    comm_since,
     init_rank,
     launch,
     loss_of,
@@ -47,12 +44,21 @@ from _launch import (  # noqa: E402
     parse_with_variants,
     parser,
     provenance,
-    round_order,
     summary,
     threads_per_rank,
     write_result,
 )
-from zero_vs_fsdp2 import ATOL, RTOL, TCFG, PeakRise, Variant, _agreement, _fsdp2, state_bytes  # noqa: E402
+from zero_vs_fsdp2 import (  # noqa: E402
+    ATOL,
+    RTOL,
+    TCFG,
+    PeakRise,
+    Variant,
+    _agreement,
+    _fsdp2,
+    state_bytes,
+    timed_rounds,
+)
 
 VARIANTS = ("zero3", "zero3_once", "fsdp2", "fsdp2_once")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "zero3_accumulation.json"
@@ -124,24 +130,8 @@ def _rank_main(args: argparse.Namespace, rank: int, world: int) -> dict | None:
     cfg = config_from_preset(args.preset, max_seq_len=max(args.seq, 16))
     variants = [build_variant(n, cfg, args, mesh, dmesh, device) for n in args.variants]
     m = args.micro_batches
-    times: dict[str, list[float]] = {v.name: [] for v in variants}
-    comm: dict[str, Counter] = {v.name: Counter() for v in variants}
-    losses: dict[str, float] = {}
-    for k in range(args.warmup + args.steps):
-        x, y = batch(args, cfg.vocab_size, rank, k, device)
-        for v in round_order(variants, k):
-            gc.collect()
-            before = mesh.counter.snapshot()
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = step(v, x, y, m)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            losses[v.name] = loss.item()
-            if k >= args.warmup:
-                times[v.name].append(dt)
-                comm[v.name] += comm_since(mesh.counter, before)
+    times, comm, losses = timed_rounds(variants, args, cfg.vocab_size, rank, device, mesh,
+                                       lambda v, x, y: step(v, x, y, m))
     x, y = batch(args, cfg.vocab_size, rank, args.warmup + args.steps, device)
     memory = {v.name: measure_memory(v, x, y, m, device) for v in variants}
     check = _agreement(variants, device)

@@ -23,6 +23,7 @@ import itertools
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -301,33 +302,43 @@ def _agreement(variants: list[Variant], device: torch.device) -> dict:
             "allclose": t[-1].item() == 0.0}
 
 
-def _rank_main(args: argparse.Namespace, rank: int, world: int) -> dict | None:
-    device = init_rank(args, rank, world)
-    cuda = device.type == "cuda"
-    mesh = Mesh(ParallelDims(dp_shard=world), rank, device.type, CommCounter())
-    dmesh = init_device_mesh(device.type, (world,))
-    cfg = config_from_preset(args.preset, max_seq_len=max(args.seq, 16))
-    variants = [build_variant(n, cfg, args, mesh, dmesh, device) for n in args.variants]
-
+def timed_rounds(variants: list[Variant], args: argparse.Namespace, vocab: int, rank: int,
+                 device: torch.device, mesh: Mesh,
+                 run: Callable[[Variant, torch.Tensor, torch.Tensor], torch.Tensor]
+                 ) -> tuple[dict[str, list[float]], dict[str, Counter], dict[str, float]]:
+    """`args.warmup + args.steps` rounds, each variant running `run` once a round on the same
+    batch, in `round_order`: per variant this rank's timed step seconds, the bytes our counter
+    saw per op in the timed steps, and the last loss."""
     times: dict[str, list[float]] = {v.name: [] for v in variants}
     comm: dict[str, Counter] = {v.name: Counter() for v in variants}
     losses: dict[str, float] = {}
     for step in range(args.warmup + args.steps):
-        x, y = batch(args, cfg.vocab_size, rank, step, device)
+        x, y = batch(args, vocab, rank, step, device)
         for v in round_order(variants, step):
             # Collect the last step's garbage now, so that no step pays for another's.
             gc.collect()
             before = mesh.counter.snapshot()
             dist.barrier()
             t0 = time.perf_counter()
-            loss = v.step(x, y)
-            if cuda:
+            loss = run(v, x, y)
+            if device.type == "cuda":
                 torch.cuda.synchronize()  # kernels are async: the step ends when they have run
             dt = time.perf_counter() - t0
             losses[v.name] = loss.item()
             if step >= args.warmup:
                 times[v.name].append(dt)
                 comm[v.name] += comm_since(mesh.counter, before)
+    return times, comm, losses
+
+
+def _rank_main(args: argparse.Namespace, rank: int, world: int) -> dict | None:
+    device = init_rank(args, rank, world)
+    mesh = Mesh(ParallelDims(dp_shard=world), rank, device.type, CommCounter())
+    dmesh = init_device_mesh(device.type, (world,))
+    cfg = config_from_preset(args.preset, max_seq_len=max(args.seq, 16))
+    variants = [build_variant(n, cfg, args, mesh, dmesh, device) for n in args.variants]
+    times, comm, losses = timed_rounds(variants, args, cfg.vocab_size, rank, device, mesh,
+                                       lambda v, x, y: v.step(x, y))
 
     x, y = batch(args, cfg.vocab_size, rank, args.warmup + args.steps, device)
     memory = {v.name: measure_memory(v, x, y, device) for v in variants}

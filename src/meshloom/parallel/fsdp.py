@@ -215,6 +215,7 @@ class FullyShardedDataParallel:
         self._current: list[_Unit] = []
         self.peak_gathered_bytes = 0
         self.peak_whole_bytes = 0  # reduce_once: the most whole gradient bytes held at once
+        self._whole_bytes = 0  # reduce_once: the whole gradient bytes held now
         self._inflight: list[_Unit] = []  # reduce-scatters not yet completed, oldest first
         self._reduced: set[_Unit] = set()  # units reduced in this micro-batch
         self._scope: set[_Unit] | None = None  # the units this backward reaches (None: all)
@@ -381,8 +382,8 @@ class FullyShardedDataParallel:
         g = u.group
         if u.whole is None:
             u.whole = g.pack([p.grad for p in g.params], g.new_flat(torch.float32, empty=True))
-            held = sum(v.whole.numel() * 4 for v in self.units if v.whole is not None)
-            self.peak_whole_bytes = max(self.peak_whole_bytes, held)
+            self._whole_bytes += u.whole.numel() * 4
+            self.peak_whole_bytes = max(self.peak_whole_bytes, self._whole_bytes)
             return
         for view, p in zip(g.views(u.whole), g.params, strict=True):
             if p.grad is not None:
@@ -400,6 +401,7 @@ class FullyShardedDataParallel:
             return
         if u.whole is not None:  # reduce_once: the earlier micro-batches' sum, and this one's
             self._add_whole(u)
+            self._whole_bytes -= u.whole.numel() * 4
             packed, u.whole = u.whole.to(self.prec.reduce_dtype), None
         else:
             packed = g.pack([p.grad for p in g.params],
@@ -504,6 +506,7 @@ class FullyShardedDataParallel:
         for u in self.units:
             u.free_grads()
             u.whole = None  # (only a step cut short leaves one)
+        self._whole_bytes = 0
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         return pieces_state(self.mesh, [u.group for u in self.units], self._masters, optimizer,
