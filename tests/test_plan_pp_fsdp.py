@@ -56,15 +56,16 @@ def test_a_no_op_without_a_pipeline_or_zero3(lay):
 
 @pytest.mark.parametrize("reduce", ["fp32", "bf16"])
 def test_memory_holds_the_stage_gathered_and_its_whole_gradients(reduce):
-    """Beside the shards: every parameter of the stage gathered (bf16) and its whole
-    gradients in the reduce dtype; the root unit's place is taken by the held units."""
+    """Every parameter of the stage gathered (bf16) and its whole gradients in the reduce
+    dtype, in the shards' place (FSDP2 makes the shards only by the step's reduce, freeing the
+    whole ones); the root unit's place is taken by the held units."""
     impl = replace(PIPED, grad_reduce_dtype=reduce)
     got = _plan(LAY, impl).memory
     base = _plan(LAY, replace(MESHLOOM, grad_reduce_dtype=reduce)).memory
     assert got.rank == base.rank
     psi = _rank_params(LAY, got.rank)
     assert got.held_units == psi * 2 and got.root_unit == 0
-    assert got.grads - base.grads == psi * (4 if reduce == "fp32" else 2)
+    assert got.grads == got.whole_grads == psi * (4 if reduce == "fp32" else 2) > base.grads
     assert got.params == base.params and got.optimizer == base.optimizer
 
 

@@ -454,13 +454,6 @@ def whole_grad_bytes(impl: Implementation, lay, dtype: str) -> int | None:
     return None if impl.fsdp_flat_param else 4
 
 
-def meshloom_sums(impl: Implementation, lay) -> bool:
-    """Whether whole gradients under `zero3_no_sync` are meshloom's fp32 sums
-    (`parallel.reduce_once`, parallel/fsdp.py), whose gradient shards are made only by the
-    step's last reduce: not FSDP1's flat gradient, nor FSDP2's under PyTorch's pipelining."""
-    return not impl.fsdp_flat_param and not pytorch_pipelined(impl, lay)
-
-
 def fp32_gradient_shards(impl: Implementation, lay) -> bool:
     """Whether the sharded gradients are fp32 in bf16 training where meshloom's are bf16:
     FSDP1's ZeRO-2 (SHARD_GRAD_OP, `fsdp_flat_param`) keeps each reduce-scattered gradient

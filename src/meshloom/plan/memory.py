@@ -36,7 +36,6 @@ from meshloom.plan.implementation import (
     fp32_gradient_shards,
     fp32_working_params,
     keeps_grads,
-    meshloom_sums,
     residual_stream,
     whole_fp32_states,
     whole_grad_bytes,
@@ -175,17 +174,18 @@ def rank_model_states(shape: ModelShape, lay: Layout, rank: int, prec,
                       layers: int | None = None, etp: int = 1,
                       whole_fp32: bool = False, whole_grads: bool = False,
                       fp32_grad_shards: bool = False,
-                      whole_grad_bytes: int | None = None,
-                      shards_after_sums: bool = False) -> dict[str, float]:
+                      whole_grad_bytes: int | None = None) -> dict[str, float]:
     """Per-GPU bytes of params, grads and optimizer state: the dense part sharded by ZeRO over
     dp_shard, the routed experts (already split over ep) over the expert shard degree.
     `whole_fp32` (DeepSpeed's BF16_Optimizer, implementation.whole_fp32_states): every rank
     also keeps whole fp32 gradients beside the bf16 ones and the whole master copy; only the
     moments are sharded. `whole_grads` (ZeRO-3 under `fsdp_no_sync`, or PyTorch's
-    pipelining, `pp_fsdp`): whole unsharded gradients accumulate beside the shards, of
-    `whole_grad_bytes` each (default the precision's gradient bytes); `shards_after_sums`
-    (meshloom's `parallel.reduce_once`): the shards are made by the step's last reduce, as the
-    sums are freed unit by unit, so the peak holds the sums alone. `fp32_grad_shards`
+    pipelining, `pp_fsdp`): whole unsharded gradients accumulate over the step, of
+    `whole_grad_bytes` each (default the precision's gradient bytes), in the shards' place:
+    the previous step's shards were freed (`zero_grad(set_to_none=True)`, PyTorch's default
+    since 2.0), and the step's last reduce makes the new ones as it frees the whole gradients
+    unit by unit (meshloom's `parallel.reduce_once`; FSDP1's `_saved_grad_shard` is None then;
+    FSDP2 assigns a None `.grad`), so the peak holds the larger of the two. `fp32_grad_shards`
     (FSDP1's SHARD_GRAD_OP, `fp32_gradient_shards`): the gradient shards are fp32 whatever
     the compute dtype."""
     dense, experts = rank_param_split(shape, lay, rank, layers, etp)
@@ -195,10 +195,9 @@ def rank_model_states(shape: ModelShape, lay: Layout, rank: int, prec,
         states = {k: v + more[k] for k, v in states.items()}
     if fp32_grad_shards and prec.grad_bytes < 4:
         states["grads"] *= 4 / prec.grad_bytes
-    if whole_grads:  # ZeRO-3 under `fsdp_no_sync`: whole gradients beside the shards
+    if whole_grads:  # ZeRO-3 under `fsdp_no_sync`: whole gradients, then the shards
         states["whole_grads"] = (whole_grad_bytes or prec.grad_bytes) * (dense + experts)
-        states["grads"] = states["whole_grads"] + (0.0 if shards_after_sums
-                                                   else states["grads"])
+        states["grads"] = max(states["whole_grads"], states["grads"])
     if whole_fp32:
         psi = dense + experts
         sharded = dense / lay.dp_shard + experts / expert_shard(lay)
@@ -708,8 +707,7 @@ def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
         states = rank_model_states(shape, lay, rank, prec, held[rank], expert_tp(lay, impl),
                                    whole_fp32_states(impl, lay, dtype), zero3_no_sync(impl, lay, m),
                                    fp32_gradient_shards(impl, lay),
-                                   whole_grad_bytes(impl, lay, dtype),
-                                   meshloom_sums(impl, lay))
+                                   whole_grad_bytes(impl, lay, dtype))
         acts = alive[rank] * per_layer
         if rank == 0 and shape.has_dropout:  # the embedding dropout's 1-byte mask; the
             # embedding's output itself is the first block's input, counted there (SP: a slice)
