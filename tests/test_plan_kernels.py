@@ -515,10 +515,11 @@ def test_megatrons_unfused_vocab_parallel_loss_is_priced_pass_by_pass():
     assert slow[0] - gemm_only[0] == pytest.approx((6 - 1) * 50e-6)
     assert slow[1] - gemm_only[1] == pytest.approx((2 - 1) * 50e-6)
     # memory: Megatron's losses keep an fp32 copy beside the bf16 logits (6 bytes per logit);
-    # a one-kernel loss holds the logits and their bf16 gradient (4)
+    # a one-kernel loss holds the logits and their bf16 gradient (4); F.cross_entropy over an
+    # fp32 copy, its backward's three fp32 tensors (12; tests/test_plan_loss_memory.py)
     from meshloom.plan.memory import logits_bytes
     other = {"meshloom_block": False}
-    for kind, per_logit in (("megatron", 6), ("megatron_fused", 6), ("eager", 6),
+    for kind, per_logit in (("megatron", 6), ("megatron_fused", 6), ("eager", 12),
                             ("xentropy", 4), ("fused", 4)):
         impl = Implementation(cross_entropy=kind, **other)
         assert logits_bytes(shape, 4096, 2, lay, "bf16", impl) == logits * per_logit, kind
@@ -1004,7 +1005,7 @@ def test_sequence_parallel_does_not_charge_the_embedding_output_again():
     per_layer_input = 4096 * llama.hidden * 2 / 8
     # The loss (logits, fp32 copy, the final norm's input slice) and one layer's recompute
     # happen one after the other: the peak holds the larger.
-    loss = logits_bytes(llama, 4096, 1, lay, "bf16") + 4096 * llama.hidden * 2 / 8
+    loss = logits_bytes(llama, 4096, 1, lay, "bf16", ideal) + 4096 * llama.hidden * 2 / 8
     working = layer_activation_bytes(llama, 4096, 1, lay, "bf16", recompute="none")
     assert mem.activations == pytest.approx(llama.layers * per_layer_input + max(loss, working))
 

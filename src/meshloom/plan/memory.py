@@ -514,21 +514,29 @@ def residual_bytes(impl: Implementation | None, e: int) -> int:
     return 4 if impl is not None and residual_stream(impl, e) != "16bit" else e
 
 
+# F.cross_entropy over fp32 logits, at its backward's peak: the saved log-softmax, the NLL's
+# gradient and log-softmax's (4 bytes each per logit; logits_bytes).
+EAGER_CE_PEAK_BYTES = 12
+
+
 def logits_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype: str,
                  impl: Implementation | None = None) -> float:
-    """The last rank's loss: logits in the compute dtype plus one fp32 copy for the cross
-    entropy (its softmax, later overwritten by the gradient), vocabulary-parallel over tp.
-    A loss that makes no fp32 copy (`cross_entropy` fused or xentropy: one kernel reads the
-    16-bit logits and writes their 16-bit gradient) holds the logits and that gradient.
-    meshloom's own loss at tp = 1 (`meshloom_block`): eager, its peak is the backward's fp32
-    log-softmax, the fp32 gradient it receives and the one it writes (12 bytes per logit, the
-    bf16 logits already freed); compiled (`parallel.compiled_loss`), the bf16 logits it saves
-    and their bf16 gradient (4 bytes)."""
-    if lay.tp == 1 and uses_meshloom_block(shape, dtype, impl):
-        return s * b * shape.vocab * (4 if impl.compile else 12)
+    """The last rank's loss at its peak, per logit of the rank's vocabulary slice (V/tp):
+    - Megatron's (`megatron`, `megatron_fused`; and with no implementation given): the
+      logits in the compute dtype and one fp32 copy, its softmax, which the backward
+      overwrites with the gradient in place (e + 4);
+    - one kernel each way (`fused`, `xentropy`; meshloom's compiled loss,
+      `parallel.compiled_loss`): the 16-bit logits and their 16-bit gradient (2e);
+    - PyTorch's `F.cross_entropy` over an fp32 copy (`eager`: torchtitan's
+      `cross_entropy_loss`, meshloom's eager loss), with the 16-bit logits freed before
+      backward (torchtitan's `del pred`): the backward holds the fp32 log-softmax it saved,
+      the fp32 gradient the NLL's backward writes and the one log-softmax's backward writes,
+      `EAGER_CE_PEAK_BYTES` (the forward's peak, logits + copy + log-softmax, is 2e + 4 less
+      or equal). tests/test_plan_loss_memory.py measures it on CPU."""
     e = act_elem_bytes(dtype)
-    no_fp32_copy = impl is not None and impl.cross_entropy in ("fused", "xentropy")
-    return s * b * shape.vocab / lay.tp * (e + (e if no_fp32_copy else 4))
+    kind = impl.loss if impl is not None else "megatron"
+    per = {"fused": 2 * e, "xentropy": 2 * e, "eager": EAGER_CE_PEAK_BYTES}.get(kind, e + 4)
+    return s * b * shape.vocab / lay.tp * per
 
 
 def final_norm_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype: str,
