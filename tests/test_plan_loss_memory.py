@@ -4,7 +4,8 @@ the head's matmul to the end of the loss's backward, per logit.
 
 PyTorch's `F.cross_entropy` over an fp32 copy of the logits is torchtitan's loss
 (`cross_entropy_loss`: `pred.flatten(0, 1).float()`, its train step deleting `pred` before the
-backward) and meshloom's eager one (`parallel.plain_loss`). Its forward holds the 16-bit logits,
+backward; in 2024 its Llama's forward made the copy, `self.output(h).float()`) and meshloom's
+eager one (`parallel.plain_loss`). Its forward holds the 16-bit logits,
 the copy and the log-softmax (2 + 4 + 4 bytes), and the copy dies with the call; its backward
 the saved log-softmax, the gradient the NLL's backward writes and the one log-softmax's backward
 writes (4 + 4 + 4): 12 bytes a logit, `EAGER_CE_PEAK_BYTES`. The kernels' allocations are the
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from meshloom.parallel import plain_loss
+from meshloom.parallel.tensor import vocab_parallel_cross_entropy
 from meshloom.plan.implementation import Implementation
 from meshloom.plan.layout import Layout
 from meshloom.plan.memory import EAGER_CE_PEAK_BYTES, logits_bytes
@@ -30,6 +32,15 @@ B, S, H, V = 2, 64, 8, 4096  # a narrow hidden size: the weights' bytes are a ro
 
 def _titan_loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+def _titan_2024_loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """torchtitan's 2024 loss, over the fp32 logits its Llama's forward returned
+    (`self.output(h).float()`, `MODEL_UPCASTS`)."""
+    return F.cross_entropy(pred.flatten(0, 1), labels.flatten(0, 1))
+
+
+MODEL_UPCASTS = {_titan_2024_loss}
 
 
 def _high_water(events) -> int:
@@ -58,6 +69,8 @@ def _peak_per_logit(loss_fn, free_logits: bool = True) -> float:
     try:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             pred = x @ head.t()
+            if loss_fn in MODEL_UPCASTS:  # the 16-bit output dies with the cast
+                pred = pred.float()
             loss = loss_fn(pred, labels)
             if free_logits:
                 del pred
@@ -72,7 +85,8 @@ def _planned_per_logit(impl: Implementation) -> float:
     return logits_bytes(shape, S, B, Layout(micro_batch=B), "bf16", impl) / (B * S * V)
 
 
-@pytest.mark.parametrize("loss_fn", [_titan_loss, plain_loss], ids=["torchtitan", "meshloom"])
+@pytest.mark.parametrize("loss_fn", [_titan_loss, _titan_2024_loss, plain_loss],
+                         ids=["torchtitan", "torchtitan-2024", "meshloom"])
 def test_eager_cross_entropy_peaks_at_what_the_planner_counts(loss_fn):
     got = _peak_per_logit(loss_fn)
     # the NLL's few scalars and the targets' indices come on top: well under 1% of a byte
@@ -88,6 +102,42 @@ def test_the_measurement_sees_logits_kept_through_the_backward():
     the census is fine enough to tell."""
     assert _peak_per_logit(_titan_loss, free_logits=False) == pytest.approx(
         EAGER_CE_PEAK_BYTES + 2, rel=2e-3)
+
+
+class _OneRankSlice:
+    """The tp axis as `vocab_parallel_cross_entropy` sees it on any rank: its collectives act
+    in place on [N]-sized tensors, so one rank's slice allocates what every rank's does."""
+
+    def size(self, axis: str) -> int:
+        return 1
+
+    def coord(self, axis: str) -> int:
+        return 0
+
+
+def _meshloom_tp_loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return vocab_parallel_cross_entropy(pred, labels, V, _OneRankSlice())
+
+
+# PyTorch's CPU TensorIterator computes an op whose output dtype differs from its inputs'
+# (the backward's fp32 softmax × gradient written into bf16) into a temporary of the common
+# dtype and copies it out (`common_device == kCPU` in TensorIterator::compute_types); CUDA
+# kernels cast as they store. The CPU measurement carries that fp32 temporary; GPUs do not.
+CPU_OUTPUT_CAST_TEMPORARY = 4
+
+
+def test_meshloom_vocab_parallel_loss_peaks_at_what_the_planner_counts():
+    """meshloom's loss under tp > 1 (parallel/tensor.py): its one fp32 copy becomes the softmax
+    in place, and the backward writes the 16-bit gradient beside it: e + 4 = 6 bytes a logit
+    at either peak, where an up-cast F.cross_entropy holds 12; the planner counts that for
+    meshloom at tp > 1, compiled or not (the step does not compile it)."""
+    got = _peak_per_logit(_meshloom_tp_loss) - CPU_OUTPUT_CAST_TEMPORARY
+    assert got == pytest.approx(6, rel=2e-3) and got >= 6
+    shape = from_dims("llama", H, 1, 1, V)
+    for compiled in (False, True):
+        lay = Layout(tp=2, micro_batch=B)
+        counted = logits_bytes(shape, S, B, lay, "bf16", Implementation(compile=compiled))
+        assert counted == 6 * B * S * V / 2
 
 
 def test_one_kernel_and_megatron_losses_keep_their_counts():

@@ -168,36 +168,46 @@ def padded_vocab(vocab: int, tp: int) -> int:
 
 
 class _VocabParallelCE(torch.autograd.Function):
+    """Memory: one fp32 tensor of the rank's logits, made by the up-cast and turned into the
+    softmax in place, is all the forward allocates beside the 16-bit logits, and the backward
+    writes the gradient straight in the logits' dtype beside it: 4 + e bytes a logit at either
+    peak (plan/memory.py `logits_bytes`; tests/test_plan_loss_memory.py measures it)."""
+
     @staticmethod
     def forward(ctx, logits, targets, vocab_size, mesh):
-        # logits: [N, V/tp] this rank's vocabulary slice; targets: [N] global ids.
-        logits = logits.float()
-        n_local = logits.shape[-1]
+        # logits: [N, V/tp] this rank's vocabulary slice; targets: [N] global ids. A copy
+        # always, so that the caller's fp32 logits are never written.
+        x = logits.to(torch.float32, copy=True)
+        n_local = x.shape[-1]
         lo = mesh.coord(AXIS) * n_local
-        # Padding columns (ids >= vocab_size) never take part.
-        cols = torch.arange(lo, lo + n_local, device=logits.device)
-        logits = logits.masked_fill(cols >= vocab_size, float("-inf"))
-        m = logits.max(dim=-1).values
+        if lo + n_local > vocab_size:  # padding columns (ids >= vocab_size) take no part
+            x[:, max(vocab_size - lo, 0):] = float("-inf")
+        m = x.max(dim=-1).values
         comm.all_reduce(m, mesh, AXIS, op=dist.ReduceOp.MAX, label="all_reduce_loss")
-        exp = (logits - m.unsqueeze(-1)).exp()
-        sum_exp = exp.sum(dim=-1)
-        comm.all_reduce(sum_exp, mesh, AXIS, label="all_reduce_loss")
         local_t = targets - lo
         mine = (local_t >= 0) & (local_t < n_local)
-        picked = logits.gather(-1, local_t.clamp(0, n_local - 1).unsqueeze(-1)).squeeze(-1)
+        picked = x.gather(-1, local_t.clamp(0, n_local - 1).unsqueeze(-1)).squeeze(-1)
         picked = torch.where(mine, picked - m, torch.zeros_like(picked))
         comm.all_reduce(picked, mesh, AXIS, label="all_reduce_loss")
-        loss = sum_exp.log() - picked
-        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), local_t, mine)
-        return loss
+        softmax = x.sub_(m.unsqueeze(-1)).exp_()
+        sum_exp = softmax.sum(dim=-1)
+        comm.all_reduce(sum_exp, mesh, AXIS, label="all_reduce_loss")
+        softmax.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_t, mine)
+        ctx.grad_dtype = logits.dtype
+        return sum_exp.log() - picked
 
     @staticmethod
     def backward(ctx, g):
         softmax, local_t, mine = ctx.saved_tensors
-        grad = softmax.clone()
+        # d loss_i / d x_ij = g_i (softmax_ij - [j == t_i]): each element computed in fp32 and
+        # rounded once into the logits' dtype, as an fp32 gradient cast afterwards would be.
+        grad = torch.empty(softmax.shape, dtype=ctx.grad_dtype, device=softmax.device)
+        torch.mul(softmax, g.unsqueeze(-1), out=grad)
         rows = torch.arange(grad.shape[0], device=grad.device)[mine]
-        grad[rows, local_t[mine]] -= 1.0
-        return grad * g.unsqueeze(-1), None, None, None
+        cols = local_t[mine]
+        grad[rows, cols] = ((softmax[rows, cols] - 1.0) * g[rows]).to(grad.dtype)
+        return grad, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,

@@ -31,6 +31,7 @@ from meshloom.plan.implementation import (
     TRAIN_METRIC_PASSES,
     Implementation,
     autocast_weights,
+    loss_kind,
     residual_stream,
 )
 from meshloom.plan.kernel_table import KernelTable, attention_flops, for_gpu, load, sdpa_kernel
@@ -71,11 +72,15 @@ from meshloom.plan.step_kernels import (
 # (read 4, write 2). Its softmax is still an fp32 copy. Apex's and flash-attn 1's xentropy
 # kernel (csrc/xentropy/xentropy_kernel.cu) reads each row twice forward, once for its max and
 # sum and once for the sum of exponentials, and backward reads it once more and writes the
-# gradient: 4 and 4.
+# gradient: 4 and 4. meshloom's vocabulary-parallel loss under tp > 1 (parallel/tensor.py,
+# `vocab_parallel`) makes one fp32 copy (read 2, write 4) and takes the max (read 4), subtracts
+# it and exponentiates in place (4, 4 each), sums (4) and divides in place (4, 4): Megatron's
+# 38; its backward writes the 16-bit gradient straight from the softmax (read 4, write 2).
 CE_BYTES_PER_LOGIT = {"fused": (2.0, 4.0), "eager": (18.0, 22.0), "megatron": (38.0, 14.0),
-                      "megatron_fused": (22.0, 6.0), "xentropy": (4.0, 4.0)}
+                      "megatron_fused": (22.0, 6.0), "xentropy": (4.0, 4.0),
+                      "vocab_parallel": (38.0, 6.0)}
 CE_KERNELS = {"fused": (1, 1), "eager": (4, 5), "megatron": (6, 2), "megatron_fused": (3, 1),
-              "xentropy": (1, 1)}
+              "xentropy": (1, 1), "vocab_parallel": (6, 1)}
 # AdamW (fused, fp32 state) reads and writes the master weight, m and v and reads the gradient
 # (28 bytes). A training loop's gradient bookkeeping (Implementation.grad_clip): the global
 # norm reads every gradient (4 bytes) and clipping scales it in place (read, write: 8), or,
@@ -245,10 +250,11 @@ def ring_kernel(kernel: str, cp_ring: str) -> str:
     return "fa2" if cp_ring == "meshloom" and kernel == "sdpa" else kernel
 
 
-def loss_source(impl: Implementation) -> str:
+def loss_source(impl: Implementation, lay: Layout) -> str:
     """Which cross entropy the head is priced with, for the rates line (`auto` resolved)."""
-    fwd, bwd = CE_BYTES_PER_LOGIT[impl.loss]
-    return f"loss: {impl.loss}, {fwd + bwd:g} bytes per logit"
+    kind = loss_kind(impl, lay)
+    fwd, bwd = CE_BYTES_PER_LOGIT[kind]
+    return f"loss: {kind}, {fwd + bwd:g} bytes per logit"
 
 
 @dataclass
@@ -439,7 +445,8 @@ def head_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int,
     tokens = lay.micro_batch * (seq // lay.cp)
     g = head_gemm(shape, tokens, lay.tp)
     logits = tokens * shape.vocab / lay.tp
-    (ce_f, ce_b), (k_f, k_b) = CE_BYTES_PER_LOGIT[impl.loss], CE_KERNELS[impl.loss]
+    kind = loss_kind(impl, lay)
+    (ce_f, ce_b), (k_f, k_b) = CE_BYTES_PER_LOGIT[kind], CE_KERNELS[kind]
     fwd = rates.gemm(g) + rates.stream(ce_f * logits, k_f)
     bwd = sum(rates.gemm(b) for b in g.backward()) + rates.stream(ce_b * logits, k_b)
     casts = casts_weights(lay, e, impl)

@@ -246,7 +246,8 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   backward. Off (meshloom): each tp rank holds whole experts and runs its own tokens through
   them (plan/moe.py). A no-op for a dense model or tp = 1.
 - `cross_entropy`: how the loss runs over the logits (plan/compute.py's CE_BYTES_PER_LOGIT):
-  `auto` (meshloom: its compiled loss with `compile`, else eager), `fused` (one pass each way:
+  `auto` (meshloom: its compiled loss with `compile`, else eager; under tp > 1 its own
+  vocabulary-parallel loss, `loss_kind`), `fused` (one pass each way:
   a compiled loss, flash-attn 2's Triton cross entropy), `xentropy` (apex's and flash-attn 1's
   CUDA kernel, which reads the logits twice forward), `eager` (`F.cross_entropy` on 16-bit
   logits), `megatron` (Megatron's unfused `vocab_parallel_cross_entropy`: an fp32 copy of the
@@ -436,6 +437,15 @@ def zero3_no_sync(impl: Implementation, lay, m: int) -> bool:
     always, even for one micro-batch)."""
     fsdp = lay.zero == 3 or lay.zero == 2 and impl.fsdp_flat_param
     return fsdp and (impl.fsdp_no_sync and m > 1 or pytorch_pipelined(impl, lay))
+
+
+def loss_kind(impl: Implementation, lay) -> str:
+    """The cross entropy the step runs (a key of compute.CE_BYTES_PER_LOGIT): meshloom under
+    tp > 1 runs its own vocabulary-parallel loss whatever `compile` says (`vocab_parallel`,
+    parallel/tensor.py's `vocab_parallel_cross_entropy`); otherwise `impl.loss`."""
+    if impl.cross_entropy == "auto" and impl.meshloom_block and lay.tp > 1:
+        return "vocab_parallel"
+    return impl.loss
 
 
 def reduce_bytes(impl: Implementation, dtype: str) -> int:

@@ -36,6 +36,7 @@ from meshloom.plan.implementation import (
     fp32_gradient_shards,
     fp32_working_params,
     keeps_grads,
+    loss_kind,
     residual_stream,
     whole_fp32_states,
     whole_grad_bytes,
@@ -524,7 +525,9 @@ def logits_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype: str,
     """The last rank's loss at its peak, per logit of the rank's vocabulary slice (V/tp):
     - Megatron's (`megatron`, `megatron_fused`; and with no implementation given): the
       logits in the compute dtype and one fp32 copy, its softmax, which the backward
-      overwrites with the gradient in place (e + 4);
+      overwrites with the gradient in place (e + 4); meshloom's under tp > 1
+      (`vocab_parallel`) the same: its fp32 copy becomes the softmax in place, and the backward
+      writes the gradient in the logits' dtype beside it;
     - one kernel each way (`fused`, `xentropy`; meshloom's compiled loss,
       `parallel.compiled_loss`): the 16-bit logits and their 16-bit gradient (2e);
     - PyTorch's `F.cross_entropy` over an fp32 copy (`eager`: torchtitan's
@@ -534,7 +537,7 @@ def logits_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype: str,
       `EAGER_CE_PEAK_BYTES` (the forward's peak, logits + copy + log-softmax, is 2e + 4 less
       or equal). tests/test_plan_loss_memory.py measures it on CPU."""
     e = act_elem_bytes(dtype)
-    kind = impl.loss if impl is not None else "megatron"
+    kind = loss_kind(impl, lay) if impl is not None else "megatron"
     per = {"fused": 2 * e, "xentropy": 2 * e, "eager": EAGER_CE_PEAK_BYTES}.get(kind, e + 4)
     return s * b * shape.vocab / lay.tp * per
 

@@ -320,7 +320,7 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     detail = {
         "rates": "; ".join(filter(None, (rates.source, attention_source(
             rates, impl.attention_kernel, flash, impl.cp_ring if lay.cp > 1 else None),
-            loss_source(impl)))),
+            loss_source(impl, lay)))),
         "implementation": impl.to_dict(),
         "compute_s": {"gemm": per_step * (blk.fwd.gemm + blk.bwd.gemm),
                       "attention": per_step * (blk.fwd.attention + blk.bwd.attention),
