@@ -535,7 +535,9 @@ def logits_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype: str,
       backward (torchtitan's `del pred`): the backward holds the fp32 log-softmax it saved,
       the fp32 gradient the NLL's backward writes and the one log-softmax's backward writes,
       `EAGER_CE_PEAK_BYTES` (the forward's peak, logits + copy + log-softmax, is 2e + 4 less
-      or equal). tests/test_plan_loss_memory.py measures it on CPU."""
+      or equal). tests/test_plan_loss_memory.py measures it on CPU. Under tp > 1 torchtitan's
+      `loss_parallel` runs DTensor's log-softmax and NLL handlers on the slice instead, which
+      hold at least those three tensors; their further temporaries are not counted."""
     e = act_elem_bytes(dtype)
     kind = loss_kind(impl, lay) if impl is not None else "megatron"
     per = {"fused": 2 * e, "xentropy": 2 * e, "eager": EAGER_CE_PEAK_BYTES}.get(kind, e + 4)
