@@ -50,7 +50,9 @@ from meshloom.plan import PlanError
 # with flash-attn 2's `CrossEntropyLoss` on the csrc/xentropy extension its README builds.
 # torchtitan's loss stays eager with torch.compile on: `apply_compile` compiles each
 # TransformerBlock, and `loss_fn` is `F.cross_entropy(pred.flatten(0, 1).float(), ...)` outside
-# them (torchtitan's parallelize_llama.py and train.py of its 2024 performance runs).
+# them (torchtitan's parallelize_llama.py and train.py of its 2024 performance runs). From
+# April 2025 (pytorch/torchtitan#1033) `build_cross_entropy_loss` compiles the loss too when
+# the run compiles: runs.json's compiled 2025 rows say `cross_entropy=fused`.
 # Megatron-LM 2021 and Megatron-DeepSpeed take the loss with Megatron's unfused
 # vocab_parallel_cross_entropy on an fp32 copy of the logits (post_language_model_processing's
 # `vocab_parallel_cross_entropy(output.float(), labels)`, GPTModelPipe's CrossEntropy);
