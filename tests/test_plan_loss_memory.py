@@ -148,3 +148,31 @@ def test_one_kernel_and_megatron_losses_keep_their_counts():
     assert _planned_per_logit(Implementation(cross_entropy="megatron")) == 6
     shape = from_dims("llama", H, 1, 1, V)
     assert logits_bytes(shape, S, B, Layout(micro_batch=B), "bf16") == 6 * B * S * V
+
+
+def test_explain_names_the_loss_held_at_the_peak():
+    """torchtitan's Llama 3 8B on 8 GPUs (two 8192-token sequences a rank): the peak holds the
+    eager loss's 12 bytes over 16384 × 128256 logits and the final norm's input, and --explain
+    says so; under full recompute of a small vocabulary the recomputed block is the larger and
+    no loss is named."""
+    from meshloom.plan.explain import explain
+    from meshloom.plan.hardware import make_cluster
+    from meshloom.plan.memory import final_norm_bytes
+    from meshloom.plan.models import PRESETS
+    from meshloom.plan.search import evaluate
+    from meshloom.plan.trainers import trainer_impl
+
+    shape, lay = PRESETS["llama3-8b"], Layout(dp=8, zero=3, micro_batch=2, recompute="selective")
+    impl = Implementation(**trainer_impl("torchtitan"))
+    plan = evaluate(shape, lay, make_cluster("h100", 8), 8192, 16, impl=impl)
+    held = (logits_bytes(shape, 8192, 2, lay, "bf16", impl)
+            + final_norm_bytes(shape, 8192, 2, lay, "bf16", impl))
+    assert held == pytest.approx(8192 * 2 * (128256 * EAGER_CE_PEAK_BYTES + 4096 * 2))
+    assert plan.memory.loss == pytest.approx(held)
+    assert plan.memory.to_dict()["activations_loss"] == plan.memory.loss
+    assert f"the loss (eager) over its logits and the final norm's input, held at the peak: " \
+           f"{held / 1e9:.2f} GB" in explain(plan)
+    small = from_dims("llama", 1024, 4, 8, 512)
+    full = Layout(dp=8, zero=3, micro_batch=2, recompute="full")
+    plain = evaluate(small, full, make_cluster("h100", 8), 2048, 16, impl=impl)
+    assert plain.memory.loss == 0 and "the loss (" not in explain(plain)

@@ -3,7 +3,7 @@ it wins (or does not fit)."""
 
 from __future__ import annotations
 
-from meshloom.plan.implementation import pytorch_pipelined
+from meshloom.plan.implementation import loss_kind, pytorch_pipelined
 from meshloom.plan.search import Candidate
 
 GB = 1e9
@@ -52,14 +52,17 @@ def explain(c: Candidate) -> str:
         lines.append(f"  {name:<28}{getattr(mem, name) / GB:10.2f} GB")
         if name == "activations" and mem.counted_as:
             lines.append(f"    counted as: {mem.counted_as}")
+        if name == "activations" and mem.loss:
+            lines.append(f"    the loss ({loss_kind(c.impl, c.layout)}) over its logits and the "
+                         f"final norm's input, held at the peak: {mem.loss / GB:.2f} GB")
         if name == "buffers" and mem.root_unit:
             lines.append(f"    ZeRO-3's root unit, gathered forward to backward "
                          f"(fsdp_root={d['implementation']['fsdp_root']}): "
                          f"{mem.root_unit / GB:.2f} GB")
         if name == "grads" and piped:
-            lines.append("    the shards, and the stage's whole gradients in the reduce dtype, "
-                         "reduce-scattered once after its last backward (pp_fsdp=pytorch): "
-                         f"{mem.whole_grads / GB:.2f} GB")
+            lines.append("    the stage's whole gradients in the reduce dtype, reduce-scattered "
+                         "once after its last backward, which makes the shards "
+                         f"(pp_fsdp=pytorch): {mem.whole_grads / GB:.2f} GB")
         elif name == "grads" and mem.whole_grads:
             lines.append("    whole gradients summed over the step's micro-batches, "
                          f"reduce-scattered once (fsdp_no_sync): {mem.whole_grads / GB:.2f} GB")

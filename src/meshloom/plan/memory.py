@@ -663,6 +663,7 @@ class Memory:
     root_unit: float = 0.0  # of the buffers: ZeRO-3's root unit (`zero3_root_params`)
     held_units: float = 0.0  # of the buffers: ZeRO-3 without resharding, every unit gathered
     whole_grads: float = 0.0  # of the grads: ZeRO-3's whole gradients summed over a step
+    loss: float = 0.0  # of the activations: the loss and final norm, where the peak holds them
 
     @property
     def total(self) -> float:
@@ -675,7 +676,8 @@ class Memory:
                 "context": self.context, "total": self.total, "pipeline_rank": self.rank,
                 "activations_counted_as": self.counted_as, "buffers_root_unit": self.root_unit,
                 **({"buffers_held_units": self.held_units} if self.held_units else {}),
-                **({"grads_whole": self.whole_grads} if self.whole_grads else {})}
+                **({"grads_whole": self.whole_grads} if self.whole_grads else {}),
+                **({"activations_loss": self.loss} if self.loss else {})}
 
 
 def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
@@ -738,7 +740,8 @@ def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
                      states["optimizer"], acts, buffers + gathered, CONTEXT_BYTES, rank,
                      counted_as, gathered if resharded else 0.0,
                      0.0 if resharded else gathered,
-                     states.get("whole_grads", 0.0) if grads_at_peak else 0.0)
+                     states.get("whole_grads", 0.0) if grads_at_peak else 0.0,
+                     loss if loss >= working else 0.0)
         if best is None or mem.total > best.total:
             best = mem
     return best
