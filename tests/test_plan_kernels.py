@@ -508,6 +508,11 @@ def test_megatrons_unfused_vocab_parallel_loss_is_priced_pass_by_pass():
     assert cost(compile=False, cross_entropy="megatron") == megatron
     assert cost(compile=False, cross_entropy="fused") == fused
     assert cost(compile=True, cross_entropy="eager") == cost(compile=False, cross_entropy="eager")
+    # F.cross_entropy over vocabulary-split logits runs PyTorch's loss_parallel handlers: 38
+    # bytes a logit forward as Megatron's, 38 backward (zeros, exp, add, multiply, down-cast)
+    titan = cost(compile=False, cross_entropy="eager")
+    assert titan[0] == pytest.approx(megatron[0])
+    assert titan[1] - fused[1] == pytest.approx((38 - 4) * logits / 2000e9)
     own = cost(compile=True)
     assert own == cost(compile=False) == cost(compile=True, cross_entropy="auto")
     assert own[0] == pytest.approx(megatron[0])
@@ -521,11 +526,12 @@ def test_megatrons_unfused_vocab_parallel_loss_is_priced_pass_by_pass():
     assert slow[0] - gemm_only[0] == pytest.approx((6 - 1) * 50e-6)
     assert slow[1] - gemm_only[1] == pytest.approx((2 - 1) * 50e-6)
     # memory: Megatron's losses keep an fp32 copy beside the bf16 logits (6 bytes per logit);
-    # a one-kernel loss holds the logits and their bf16 gradient (4); F.cross_entropy over an
-    # fp32 copy, its backward's three fp32 tensors (12; tests/test_plan_loss_memory.py)
+    # a one-kernel loss holds the logits and their bf16 gradient (4); F.cross_entropy over
+    # vocabulary-split logits is PyTorch's loss_parallel, five fp32 tensors at its backward's
+    # peak (20; tests/test_plan_loss_memory.py)
     from meshloom.plan.memory import logits_bytes
     other = {"meshloom_block": False}
-    for kind, per_logit in (("megatron", 6), ("megatron_fused", 6), ("eager", 12),
+    for kind, per_logit in (("megatron", 6), ("megatron_fused", 6), ("eager", 20),
                             ("xentropy", 4), ("fused", 4)):
         impl = Implementation(cross_entropy=kind, **other)
         assert logits_bytes(shape, 4096, 2, lay, "bf16", impl) == logits * per_logit, kind

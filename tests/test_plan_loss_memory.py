@@ -13,6 +13,7 @@ same on CUDA (each output a new tensor; nll_loss_backward's zeros)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import pytest
@@ -24,7 +25,7 @@ from meshloom.parallel import plain_loss
 from meshloom.parallel.tensor import vocab_parallel_cross_entropy
 from meshloom.plan.implementation import Implementation
 from meshloom.plan.layout import Layout
-from meshloom.plan.memory import EAGER_CE_PEAK_BYTES, logits_bytes
+from meshloom.plan.memory import EAGER_CE_PEAK_BYTES, LOSS_PARALLEL_PEAK_BYTES, logits_bytes
 from meshloom.plan.models import from_dims
 
 B, S, H, V = 2, 64, 8, 4096  # a narrow hidden size: the weights' bytes are a rounding error
@@ -59,7 +60,8 @@ def _high_water(events) -> int:
     return top
 
 
-def _peak_per_logit(loss_fn, free_logits: bool = True) -> float:
+def _peak_per_logit(loss_fn, free_logits: bool = True, context=contextlib.nullcontext) -> float:
+    """Bytes a logit at the high-water mark of head, loss and backward, all run in `context`."""
     torch.manual_seed(0)
     x = torch.randn(B, S, H, dtype=torch.bfloat16, requires_grad=True)
     head = torch.randn(V, H, dtype=torch.bfloat16, requires_grad=True)
@@ -67,7 +69,7 @@ def _peak_per_logit(loss_fn, free_logits: bool = True) -> float:
     gc.collect()
     gc.disable()  # a collection inside the profile would free blocks allocated before it
     try:
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, context():
             pred = x @ head.t()
             if loss_fn in MODEL_UPCASTS:  # the 16-bit output dies with the cast
                 pred = pred.float()
@@ -148,6 +150,44 @@ def test_meshloom_vocab_parallel_loss_peaks_at_what_the_planner_counts():
         lay = Layout(tp=2, micro_batch=B)
         counted = logits_bytes(shape, S, B, lay, "bf16", Implementation(compile=compiled))
         assert counted == 6 * B * S * V / 2
+
+
+def _loss_parallel_job() -> float:
+    """torchtitan's eager loss under TP: `F.cross_entropy` inside PyTorch's `loss_parallel` on
+    logits split over the vocabulary (one rank's slice: a one-rank mesh runs the handlers'
+    every pass; their collectives act on [N]-sized tensors)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+
+    def loss_fn(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return _titan_loss(DTensor.from_local(pred, mesh, [Shard(-1)], run_check=False), labels)
+
+    try:
+        return _peak_per_logit(loss_fn, context=loss_parallel)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_loss_parallel_peaks_at_what_the_planner_counts():
+    """PyTorch's `loss_parallel` (torchtitan with TP, loss not compiled): its NLL backward
+    computes `(zeros with the targets' -1 + exp(log-softmax)) * gradient` beside the kept
+    log-softmax, five fp32 tensors of the slice, 20 bytes a logit; the planner counts that for
+    an eager cross entropy under tp > 1 and prices its passes apart (38 bytes each way)."""
+    from dist_harness import run_ranks
+
+    got = run_ranks(_loss_parallel_job, 1)[0]
+    assert got == pytest.approx(LOSS_PARALLEL_PEAK_BYTES, rel=2e-3)
+    assert got >= LOSS_PARALLEL_PEAK_BYTES
+    shape = from_dims("llama", H, 1, 1, V)
+    titan = Implementation(cross_entropy="eager", meshloom_block=False)
+    lay = Layout(tp=2, micro_batch=B)
+    assert logits_bytes(shape, S, B, lay, "bf16", titan) == \
+        LOSS_PARALLEL_PEAK_BYTES * B * S * V / 2
 
 
 def test_one_kernel_and_megatron_losses_keep_their_counts():

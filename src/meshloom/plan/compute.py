@@ -76,11 +76,16 @@ from meshloom.plan.step_kernels import (
 # `vocab_parallel`) makes one fp32 copy (read 2, write 4) and takes the max (read 4), subtracts
 # it and exponentiates in place (4, 4 each), sums (4) and divides in place (4, 4): Megatron's
 # 38; its backward writes the 16-bit gradient straight from the softmax (read 4, write 2).
+# PyTorch's `loss_parallel` (torch/distributed/tensor/parallel/loss.py; torchtitan's TP):
+# forward up-casts (2, 4), takes the max (4), subtracts it (4, 4), exponentiates (4, 4), sums
+# (4) and subtracts the log-sum (4, 4); backward writes zeros and the targets' -1 (4),
+# exponentiates the kept log-softmax (4, 4), adds (4 + 4, 4), multiplies by the gradient
+# (4, 4) and down-casts (4, 2).
 CE_BYTES_PER_LOGIT = {"fused": (2.0, 4.0), "eager": (18.0, 22.0), "megatron": (38.0, 14.0),
                       "megatron_fused": (22.0, 6.0), "xentropy": (4.0, 4.0),
-                      "vocab_parallel": (38.0, 6.0)}
+                      "vocab_parallel": (38.0, 6.0), "loss_parallel": (38.0, 38.0)}
 CE_KERNELS = {"fused": (1, 1), "eager": (4, 5), "megatron": (6, 2), "megatron_fused": (3, 1),
-              "xentropy": (1, 1), "vocab_parallel": (6, 1)}
+              "xentropy": (1, 1), "vocab_parallel": (6, 1), "loss_parallel": (6, 5)}
 # AdamW (fused, fp32 state) reads and writes the master weight, m and v and reads the gradient
 # (28 bytes). A training loop's gradient bookkeeping (Implementation.grad_clip): the global
 # norm reads every gradient (4 bytes) and clipping scales it in place (read, write: 8), or,

@@ -442,9 +442,14 @@ def zero3_no_sync(impl: Implementation, lay, m: int) -> bool:
 def loss_kind(impl: Implementation, lay) -> str:
     """The cross entropy the step runs (a key of compute.CE_BYTES_PER_LOGIT): meshloom under
     tp > 1 runs its own vocabulary-parallel loss whatever `compile` says (`vocab_parallel`,
-    parallel/tensor.py's `vocab_parallel_cross_entropy`); otherwise `impl.loss`."""
+    parallel/tensor.py's `vocab_parallel_cross_entropy`); an eager `F.cross_entropy` over
+    vocabulary-split logits is PyTorch's `loss_parallel` (torchtitan's TP), whose DTensor
+    handlers run the log-softmax and the NLL's backward as separate passes
+    (`loss_parallel`); otherwise `impl.loss`."""
     if impl.cross_entropy == "auto" and impl.meshloom_block and lay.tp > 1:
         return "vocab_parallel"
+    if impl.loss == "eager" and lay.tp > 1:
+        return "loss_parallel"
     return impl.loss
 
 

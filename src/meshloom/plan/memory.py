@@ -518,6 +518,9 @@ def residual_bytes(impl: Implementation | None, e: int) -> int:
 # F.cross_entropy over fp32 logits, at its backward's peak: the saved log-softmax, the NLL's
 # gradient and log-softmax's (4 bytes each per logit; logits_bytes).
 EAGER_CE_PEAK_BYTES = 12
+# The same under PyTorch's `loss_parallel` on a vocabulary slice: the saved log-softmax, the
+# zeros with the targets' -1, its exponential, their sum and its product with the gradient.
+LOSS_PARALLEL_PEAK_BYTES = 20
 
 
 def logits_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype: str,
@@ -535,12 +538,14 @@ def logits_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype: str,
       backward (torchtitan's `del pred`): the backward holds the fp32 log-softmax it saved,
       the fp32 gradient the NLL's backward writes and the one log-softmax's backward writes,
       `EAGER_CE_PEAK_BYTES` (the forward's peak, logits + copy + log-softmax, is 2e + 4 less
-      or equal). tests/test_plan_loss_memory.py measures it on CPU. Under tp > 1 torchtitan's
-      `loss_parallel` runs DTensor's log-softmax and NLL handlers on the slice instead, which
-      hold at least those three tensors; their further temporaries are not counted."""
+      or equal). Under tp > 1 (`loss_parallel`, torchtitan's TP) DTensor's handlers run the
+      NLL's backward as `(zeros with the targets' -1 + exp(log-softmax)) * gradient`, holding
+      five such tensors, `LOSS_PARALLEL_PEAK_BYTES`. tests/test_plan_loss_memory.py measures
+      both on CPU."""
     e = act_elem_bytes(dtype)
     kind = loss_kind(impl, lay) if impl is not None else "megatron"
-    per = {"fused": 2 * e, "xentropy": 2 * e, "eager": EAGER_CE_PEAK_BYTES}.get(kind, e + 4)
+    per = {"fused": 2 * e, "xentropy": 2 * e, "eager": EAGER_CE_PEAK_BYTES,
+           "loss_parallel": LOSS_PARALLEL_PEAK_BYTES}.get(kind, e + 4)
     return s * b * shape.vocab / lay.tp * per
 
 
