@@ -142,6 +142,14 @@ def provenance() -> dict:
     return {"torch": torch.__version__, "git": git_state()}
 
 
+def cpu_unless_gpus(args: argparse.Namespace, needed: int) -> None:
+    """Run on the CPU with Gloo, saying so, when `--device cuda` asks for more GPUs than there
+    are."""
+    if args.device == "cuda" and torch.cuda.device_count() < needed:
+        print(f"note: {needed} CUDA devices not available, running on cpu with gloo")
+        args.device = "cpu"
+
+
 def init_rank(args: argparse.Namespace, rank: int, world: int) -> torch.device:
     """This rank's device with its process group up: NCCL and one GPU per rank on CUDA, Gloo on
     the CPU."""

@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import (  # noqa: E402
     batch,
     check_common,
+    cpu_unless_gpus,
     init_rank,
     launch,
     parser,
@@ -177,9 +178,7 @@ def _gathered(args: argparse.Namespace, rank: int, world: int) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     """Run every cp degree, print a table, write the JSON to --out and return the same dict."""
     args = parse_args(argv)
-    if args.device == "cuda" and torch.cuda.device_count() < max(args.cps):
-        print(f"note: {max(args.cps)} CUDA devices not available, running on cpu with gloo")
-        args.device = "cpu"
+    cpu_unless_gpus(args, max(args.cps))
     runs = {}
     for cp in args.cps:
         a = copy.copy(args)

@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import (  # noqa: E402
     batch,
     comm_since,
+    cpu_unless_gpus,
     init_rank,
     launch,
     loss_of,
@@ -220,9 +221,7 @@ def dp_bytes_per_step(replicas: int, global_batch: int, seq: int, vocab: int, pa
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark, print a table, write the JSON to --out and return the same dict."""
     args = parse_args(argv)
-    if args.device == "cuda" and torch.cuda.device_count() < args.nproc:
-        print(f"note: {args.nproc} CUDA devices not available, running on cpu with gloo")
-        args.device = "cpu"
+    cpu_unless_gpus(args, args.nproc)
     raw = launch(_rank_main, args)
     v = raw["variants"]
     for s in v.values():

@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import (  # noqa: E402
     check_common,
     comm_since,
+    cpu_unless_gpus,
     init_rank,
     launch,
     paired,
@@ -241,9 +242,7 @@ def formula(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark, print a table, write the JSON to --out and return the same dict."""
     args = parse_args(argv)
-    if args.device == "cuda" and torch.cuda.device_count() < args.nproc:
-        print(f"note: {args.nproc} CUDA devices not available, running on cpu with gloo")
-        args.device = "cpu"
+    cpu_unless_gpus(args, args.nproc)
     raw = launch(_rank_main, args)
     expected = formula(args)
     variants = {n: {**summary(ts)} for n, ts in raw["times"].items()}

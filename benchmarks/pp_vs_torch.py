@@ -74,6 +74,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import (  # noqa: E402
     batch,
     comm_since,
+    cpu_unless_gpus,
     init_rank,
     launch,
     paired,
@@ -515,9 +516,7 @@ def bubbles(name: str, lists: list[list[Action]], ranks: list[dict], steps: int)
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark, print a table, write the JSON to --out and return the same dict."""
     args = parse_args(argv)
-    if args.device == "cuda" and torch.cuda.device_count() < args.nproc:
-        print(f"note: {args.nproc} CUDA devices not available, running on cpu with gloo")
-        args.device = "cpu"
+    cpu_unless_gpus(args, args.nproc)
     raw = launch(_rank_main, args)
     ranks, pp, m = raw["ranks"], args.nproc, args.microbatches
     # Each step's time is its slowest rank's.

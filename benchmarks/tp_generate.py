@@ -46,6 +46,7 @@ from meshloom.parallel.tensor_plan import TensorParallel, check_tp_dims
 # this file was loaded (as a script, or by path from a test).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import (  # noqa: E402
+    cpu_unless_gpus,
     init_rank,
     launch,
     paired,
@@ -210,9 +211,7 @@ def _one_launch(args: argparse.Namespace, tp: int) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     """Run every tp degree, print a table, write the JSON to --out and return the same dict."""
     args = parse_args(argv)
-    if args.device == "cuda" and torch.cuda.device_count() < max(args.tps):
-        print(f"note: {max(args.tps)} CUDA devices not available, running on cpu with gloo")
-        args.device = "cpu"
+    cpu_unless_gpus(args, max(args.tps))
     cfg = model_config(args)
     prompt_tokens = args.batch * args.prompt_len
     load_start = list(os.getloadavg())  # the machine's load: others' jobs slow every rendezvous

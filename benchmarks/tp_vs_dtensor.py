@@ -65,6 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import (  # noqa: E402
     batch,
     comm_since,
+    cpu_unless_gpus,
     init_rank,
     launch,
     loss_of,
@@ -338,9 +339,7 @@ def _rank_main(args: argparse.Namespace, rank: int, world: int) -> dict | None:
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark, print a table, write the JSON to --out and return the same dict."""
     args = parse_args(argv)
-    if args.device == "cuda" and torch.cuda.device_count() < args.nproc:
-        print(f"note: {args.nproc} CUDA devices not available, running on cpu with gloo")
-        args.device = "cpu"
+    cpu_unless_gpus(args, args.nproc)
     raw = launch(_rank_main, args)
     param_bytes = raw["params"] * 4  # fp32
     variants = {}
