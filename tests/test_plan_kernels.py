@@ -386,6 +386,23 @@ def test_a_bad_table_is_one_line_naming_the_problem(tmp_path, edit, needle):
     assert needle in str(err.value) and "\n" not in str(err.value) and str(path) in str(err.value)
 
 
+def test_a_table_is_parsed_once_and_read_afresh_when_its_file_changes(tmp_path):
+    """A search prices every evaluation with its table, so the parsed table is kept; it is
+    kept by the file's bytes, so a table rewritten in place (a new measurement) is read anew
+    and answers with its own rates, not the old table's remembered ones."""
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(TABLE))
+    first = load(path)
+    assert load(path) is first and first.gemm_tflops(4096, 4096, 4096) == 400.0
+    faster = json.loads(json.dumps(TABLE))
+    faster["gemm"][1]["tflops"] = 500.0
+    path.write_text(json.dumps(faster))
+    again = load(path)
+    assert again is not first and again.gemm_tflops(4096, 4096, 4096) == 500.0
+    cluster = make_cluster("h100", 8, kernels=str(path))
+    assert rates_for(cluster).table is again
+
+
 def test_committed_tables_load_and_every_preset_gpu_with_one_is_priced_from_it():
     for name in available():
         table = for_gpu(name)

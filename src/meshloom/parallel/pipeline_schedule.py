@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
+from operator import itemgetter
 from typing import NamedTuple
 
 from meshloom.config import Config, ModelDims, closest
@@ -372,51 +373,70 @@ def simulate(lists: list[list[Action]], cost: Cost = unit_cost, latency: float =
     free = [0.0] * pp
     pos = [0] * pp
     spans: list[list[tuple[float, float, Action]]] = [[] for _ in range(pp)]
-    n_stages = 1 + max((a.stage for acts in lists for a in acts), default=0)
-    split = any(a.kind == "I" for acts in lists for a in acts)
+    n_stages = 1 + max((max(map(itemgetter(1), acts)) for acts in lists if acts), default=0)
+    backward = "I" if any("I" in set(map(itemgetter(0), acts)) for acts in lists) else "B"
     hop = 0.0 if blocking_sends else latency  # a blocking send has already spent it
-    remaining = sum(len(acts) for acts in lists)
-    deps_of: dict[Action, list[Action]] = {}
-    while remaining:
-        progressed = False
-        for r in range(pp):
-            while pos[r] < len(lists[r]):
-                a = lists[r][pos[r]]
-                deps = deps_of.get(a)
-                if deps is None:  # a blocked action is looked at again on every pass
-                    deps = deps_of[a] = _deps(a, n_stages, split)
-                if not all(d in done for d in deps):
+    send_cost = latency if blocking_sends else 0.0
+    # A rank runs on until an action waits on one not yet finished, and is woken when that one
+    # finishes: each action is looked at a bounded number of times, however the ranks
+    # interleave. Every start is the max over the same finished times whatever the order, so
+    # the clock is the order's no matter which rank runs first.
+    waiting: dict[tuple, list[int]] = {}
+    runnable = list(range(pp - 1, -1, -1))
+    while runnable:
+        r = runnable.pop()
+        acts, p, clock, rank_spans = lists[r], pos[r], free[r], spans[r]
+        while p < len(acts):
+            a = acts[p]
+            start, blocked = clock, None
+            for d in _dep_keys(a, n_stages, backward):
+                end = done.get(d)
+                if end is None:
+                    blocked = d
                     break
-                start = max([free[r]] + [done[d] + (hop if d.kind.startswith("SEND")
-                                                    else 0.0) for d in deps])
-                end = start + (cost(a) if a.kind in COMPUTE else
-                               latency if blocking_sends and a.kind.startswith("SEND") else 0.0)
-                done[a] = end
-                free[r] = end
-                if a.kind in COMPUTE:
-                    spans[r].append((start, end, a))
-                pos[r] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            stuck = [str(lists[r][pos[r]]) for r in range(pp) if pos[r] < len(lists[r])]
-            raise ValueError(f"pipeline schedule deadlocks: ranks wait on {', '.join(stuck)}")
+                if d[0] in _SENDS:
+                    end += hop
+                if end > start:
+                    start = end
+            if blocked is not None:
+                waiting.setdefault(blocked, []).append(r)
+                break
+            kind = a[0]
+            if kind in COMPUTE:
+                clock = start + cost(a)
+                rank_spans.append((start, clock, a))
+            else:
+                clock = start + (send_cost if kind in _SENDS else 0.0)
+            done[a] = clock
+            p += 1
+            woken = waiting.pop(a, None)
+            if woken:
+                runnable.extend(woken)
+        pos[r], free[r] = p, clock
+    if any(pos[r] < len(lists[r]) for r in range(pp)):
+        stuck = [str(lists[r][pos[r]]) for r in range(pp) if pos[r] < len(lists[r])]
+        raise ValueError(f"pipeline schedule deadlocks: ranks wait on {', '.join(stuck)}")
     return Timeline(spans)
 
 
-def _deps(a: Action, n_stages: int, split: bool) -> list[Action]:
-    """What must have finished before `a` can start (on any rank)."""
-    s, k = a.stage, a.mb
-    if a.kind == "RECV_F":
-        return [Action("SEND_F", s - 1, k)]
-    if a.kind == "RECV_B":
-        return [Action("SEND_B", s + 1, k)]
-    if a.kind == "SEND_F":
-        return [Action("F", s, k)]
-    if a.kind == "SEND_B":
-        return [Action("I" if split else "B", s, k)]
-    if a.kind == "F":
-        return [Action("RECV_F", s, k)] if s > 0 else []
-    if a.kind in ("B", "I"):
-        return [Action("F", s, k)] + ([Action("RECV_B", s, k)] if s < n_stages - 1 else [])
-    return [Action("I", s, k)]  # W
+_SENDS = frozenset({"SEND_F", "SEND_B"})
+
+
+def _dep_keys(a: Action, n_stages: int, backward: str) -> tuple[tuple, ...]:
+    """What must have finished before `a` can start (on any rank), as plain tuples: they equal
+    and hash as the Actions they name, and cost no Python constructor (`backward`: the kind
+    that ends a micro-batch's backward on a stage, "I" when it is split, else "B")."""
+    kind, s, k = a
+    if kind == "F":
+        return (("RECV_F", s, k),) if s > 0 else ()
+    if kind == "B" or kind == "I":
+        return (("F", s, k), ("RECV_B", s, k)) if s < n_stages - 1 else (("F", s, k),)
+    if kind == "RECV_F":
+        return (("SEND_F", s - 1, k),)
+    if kind == "RECV_B":
+        return (("SEND_B", s + 1, k),)
+    if kind == "SEND_F":
+        return (("F", s, k),)
+    if kind == "SEND_B":
+        return ((backward, s, k),)
+    return (("I", s, k),)  # W

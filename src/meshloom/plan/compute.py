@@ -23,7 +23,6 @@ upper bound on speed, and said so (`Rates.source`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
 
 from meshloom.plan.cp_ring import RingCost, ring_cost
 from meshloom.plan.hardware import GB, GPUS, Cluster
@@ -196,17 +195,12 @@ class Rates:
         return max(nbytes / (self.hbm_gbps * GB), kernels * self.launch_s)
 
 
-@cache
-def _load(path: str) -> KernelTable:
-    return load(path)
-
-
 def rates_for(cluster: Cluster) -> Rates:
     gpu = cluster.gpu
     if cluster.kernels == "datasheet":
         table = None
     elif cluster.kernels is not None:
-        table = _load(cluster.kernels)
+        table = load(cluster.kernels)
     else:
         table = for_gpu(gpu.name)
     if table is None:

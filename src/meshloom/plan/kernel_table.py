@@ -46,7 +46,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 from meshloom.plan import PlanError
@@ -295,12 +295,24 @@ def load(path: str | Path) -> KernelTable:
     """Read and check a kernel table; any defect is a one-line PlanError naming the file."""
     path = Path(path)
     try:
-        raw = json.loads(path.read_text())
+        text = path.read_bytes()
     except FileNotFoundError:
         raise PlanError(f"kernel table {path}: no such file") from None
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
         raise PlanError(f"kernel table {path}: not readable JSON ({exc})") from None
-    return parse(raw, str(path))
+    return _parsed(str(path), text)
+
+
+# Keyed by the file's bytes, not its name or time stamp: a search reads the same few tables
+# hundreds of times (every evaluation prices with one), and a file rewritten in place is read
+# afresh. The table's memo of answered shapes lives on with it.
+@lru_cache(maxsize=64)
+def _parsed(where: str, text: bytes) -> KernelTable:
+    try:
+        raw = json.loads(text)
+    except ValueError as exc:
+        raise PlanError(f"kernel table {where}: not readable JSON ({exc})") from None
+    return parse(raw, where)
 
 
 def parse(raw: dict, where: str = "<table>") -> KernelTable:
