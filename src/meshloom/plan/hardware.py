@@ -155,6 +155,11 @@ class Cluster:
         return 1e-6 * nccl.send_start_us(link)
 
 
+# The command-line flag of each figure make_cluster overrides, for its errors.
+OVERRIDE_FLAGS = {"peak_tflops": "--peak-tflops", "memory_gb": "--gpu-memory-gb",
+                  "intra_gbps": "--intra-node-gbps", "inter_gbps": "--inter-node-gbps"}
+
+
 def make_cluster(gpu: str, n_gpus: int, gpus_per_node: int = 8, *,
                  peak_tflops: float | None = None, memory_gb: float | None = None,
                  intra_gbps: float | None = None, inter_gbps: float | None = None,
@@ -181,7 +186,7 @@ def make_cluster(gpu: str, n_gpus: int, gpus_per_node: int = 8, *,
                  if v is not None}
     for key, value in overrides.items():
         if not value > 0:
-            raise PlanError(f"--{key.replace('_', '-')}={value} must be positive")
+            raise PlanError(f"{OVERRIDE_FLAGS[key]}={value} must be positive")
     if not 0.0 <= action_cv < 1.0:
         raise PlanError(f"--action-cv={action_cv} must be in [0, 1)")
     if kernels not in (None, "datasheet"):
