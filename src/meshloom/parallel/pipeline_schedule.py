@@ -378,9 +378,8 @@ def simulate(lists: list[list[Action]], cost: Cost = unit_cost, latency: float =
     hop = 0.0 if blocking_sends else latency  # a blocking send has already spent it
     send_cost = latency if blocking_sends else 0.0
     # A rank runs on until an action waits on one not yet finished, and is woken when that one
-    # finishes: each action is looked at a bounded number of times, however the ranks
-    # interleave. Every start is the max over the same finished times whatever the order, so
-    # the clock is the order's no matter which rank runs first.
+    # finishes, so a blocked rank is not looked at again on every pass. An action's start is
+    # the max of the same finish times whichever rank runs first, so no clock depends on it.
     waiting: dict[tuple, list[int]] = {}
     runnable = list(range(pp - 1, -1, -1))
     while runnable:
