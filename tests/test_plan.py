@@ -441,6 +441,8 @@ def test_cli_hf_config_and_explicit_dims(tmp_path):
     (["--model", "tiny", "--intra-node-gbps", "0"], "--intra-node-gbps=0.0 must be positive"),
     (["--model", "tiny", "--inter-node-gbps", "-1"], "--inter-node-gbps=-1.0 must be positive"),
     (["--model", "tiny", "--peak-tflops", "0"], "--peak-tflops=0.0 must be positive"),
+    (["--model", "tiny", "--hbm-gbps", "-3"], "--hbm-gbps=-3.0 must be positive"),
+    (["--model", "tiny", "--gpu", "b200"], "the nearest preset with its figures given"),
     (["--model", "gpt2", "--write-config", "/nonexistent/x.toml"], "does not exist"),
     (["--model", "tiny", "--write-config", "/nonexistent/x.toml"], "does not exist"),
     (["--model", "tiny", "--head-dim", "16"], "(--head-dim with --model tiny)"),

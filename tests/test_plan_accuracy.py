@@ -128,7 +128,8 @@ def test_plan_for_a_trainer_quotes_that_trainers_runs(capsys):
 
 
 @pytest.mark.parametrize("flag", [["--peak-tflops", "900"], ["--gpu-memory-gb", "40"],
-                                  ["--inter-node-gbps", "25"], ["--kernels", "datasheet"]])
+                                  ["--inter-node-gbps", "25"], ["--hbm-gbps", "4000"],
+                                  ["--kernels", "datasheet"]])
 def test_plan_says_when_the_preset_was_changed(flag, capsys):
     from meshloom.commands import main
     assert main([*PLAN, "--gpu", "h100", *flag]) == 0

@@ -403,6 +403,19 @@ def test_a_table_is_parsed_once_and_read_afresh_when_its_file_changes(tmp_path):
     assert rates_for(cluster).table is again
 
 
+def test_a_memory_bandwidth_override_scales_the_tables_achieved_rates():
+    """`--hbm-gbps` (a GPU variant, or a GPU with no preset of its own) scales what the
+    committed table achieved, streaming and the optimizer's kernel alike, by the override
+    over the preset's datasheet figure; the GEMM rates stay."""
+    base = rates_for(make_cluster("h100", 8))
+    faster = rates_for(make_cluster("h100", 8, hbm_gbps=2 * 3350.0))
+    assert faster.hbm_gbps == pytest.approx(2 * base.hbm_gbps)
+    assert faster.optimizer_gbps == pytest.approx(2 * base.optimizer_gbps)
+    assert faster.table is base.table and faster.scale == base.scale
+    nbytes = 8e9
+    assert faster.stream(nbytes) == pytest.approx(base.stream(nbytes) / 2)
+
+
 def test_committed_tables_load_and_every_preset_gpu_with_one_is_priced_from_it():
     for name in available():
         table = for_gpu(name)

@@ -69,6 +69,9 @@ def add_parser(sub) -> None:
     c.add_argument("--gpu-memory-gb", type=float, help="override the GPU's memory")
     c.add_argument("--intra-node-gbps", type=float, help="override NVLink GB/s (one way)")
     c.add_argument("--inter-node-gbps", type=float, help="override network GB/s per GPU")
+    c.add_argument("--hbm-gbps", type=float,
+                   help="override the GPU's memory bandwidth, GB/s (the kernel table's "
+                        "achieved rates scale with it)")
     c.add_argument("--kernels", metavar="TABLE",
                    help="kernel rates: a table from `meshloom bench kernels` (JSON), or "
                         "'datasheet' for peak and bandwidth only (default: the GPU's committed "
@@ -142,7 +145,8 @@ def plan(args) -> tuple[ModelShape, list[Candidate], dict]:
     cluster = make_cluster(args.gpu, args.gpus, args.gpus_per_node,
                            peak_tflops=args.peak_tflops, memory_gb=args.gpu_memory_gb,
                            intra_gbps=args.intra_node_gbps, inter_gbps=args.inter_node_gbps,
-                           action_cv=args.action_cv, kernels=args.kernels)
+                           hbm_gbps=args.hbm_gbps, action_cv=args.action_cv,
+                           kernels=args.kernels)
     batch = args.global_batch or args.gpus
     if args.seq < 1 or batch < 1:
         raise PlanError(f"--seq={args.seq} and --global-batch={batch} must be positive")
@@ -176,7 +180,7 @@ def _accuracy(args) -> dict:
     from meshloom.plan import accuracy
     adjusted = any(v is not None for v in (args.peak_tflops, args.gpu_memory_gb,
                                             args.intra_node_gbps, args.inter_node_gbps,
-                                            args.kernels))
+                                            args.hbm_gbps, args.kernels))
     return {"gpu": args.gpu, "trainer": args.trainer, "adjusted": adjusted,
             **accuracy.for_gpu(args.gpu)}
 

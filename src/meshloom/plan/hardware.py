@@ -157,19 +157,23 @@ class Cluster:
 
 # The command-line flag of each figure make_cluster overrides, for its errors.
 OVERRIDE_FLAGS = {"peak_tflops": "--peak-tflops", "memory_gb": "--gpu-memory-gb",
-                  "intra_gbps": "--intra-node-gbps", "inter_gbps": "--inter-node-gbps"}
+                  "intra_gbps": "--intra-node-gbps", "inter_gbps": "--inter-node-gbps",
+                  "hbm_gbps": "--hbm-gbps"}
 
 
 def make_cluster(gpu: str, n_gpus: int, gpus_per_node: int = 8, *,
                  peak_tflops: float | None = None, memory_gb: float | None = None,
                  intra_gbps: float | None = None, inter_gbps: float | None = None,
-                 action_cv: float = 0.0, kernels: str | None = None) -> Cluster:
+                 hbm_gbps: float | None = None, action_cv: float = 0.0,
+                 kernels: str | None = None) -> Cluster:
     """A cluster from a GPU preset, with any figure overridden."""
     if gpu not in GPUS:
         import difflib
         near = difflib.get_close_matches(gpu, list(GPUS), n=1)
         hint = f" (did you mean '{near[0]}'?)" if near else ""
-        raise PlanError(f"--gpu: unknown GPU '{gpu}'{hint}; one of {', '.join(GPUS)}")
+        raise PlanError(f"--gpu: unknown GPU '{gpu}'{hint}; one of {', '.join(GPUS)} (another "
+                        "GPU: the nearest preset with its figures given, --peak-tflops, "
+                        "--gpu-memory-gb, --hbm-gbps and the link rates)")
     if n_gpus < 1:
         raise PlanError(f"--gpus={n_gpus} must be at least 1")
     if gpus_per_node < 1:
@@ -182,7 +186,8 @@ def make_cluster(gpu: str, n_gpus: int, gpus_per_node: int = 8, *,
                         f"and {rest} over; the planner prices equal nodes: plan --gpus "
                         f"{full * gpus_per_node} or {(full + 1) * gpus_per_node}")
     overrides = {k: v for k, v in dict(peak_tflops=peak_tflops, memory_gb=memory_gb,
-                                       intra_gbps=intra_gbps, inter_gbps=inter_gbps).items()
+                                       intra_gbps=intra_gbps, inter_gbps=inter_gbps,
+                                       hbm_gbps=hbm_gbps).items()
                  if v is not None}
     for key, value in overrides.items():
         if not value > 0:
