@@ -62,7 +62,8 @@ def add_parser(sub) -> None:
     m.add_argument("--moe-imbalance", type=float, help="experts: the busiest expert rank's "
                    "tokens over the mean (default 1.25, or the model's capacity factor)")
     c = p.add_argument_group("cluster")
-    c.add_argument("--gpus", type=int, default=8)
+    c.add_argument("--gpus", type=int,
+                   help="GPUs in all (default 8, or what a --config's parallel degrees make)")
     c.add_argument("--gpu", default="h100", help=f"one of {', '.join(GPUS)}")
     c.add_argument("--gpus-per-node", type=int, default=8)
     c.add_argument("--peak-tflops", type=float, help="override the GPU's dense bf16 peak")
@@ -80,10 +81,10 @@ def add_parser(sub) -> None:
                    help="measured coefficient of variation of single pipeline actions' times "
                         "(default 0: deterministic)")
     b = p.add_argument_group("batch and run")
-    b.add_argument("--seq", type=int, default=2048, help="sequence length (tokens)")
+    b.add_argument("--seq", type=int, help="sequence length (tokens; default 2048)")
     b.add_argument("--global-batch", type=int, default=0,
                    help="sequences per optimizer step (default: one per GPU)")
-    b.add_argument("--dtype", choices=DTYPES, default="bf16")
+    b.add_argument("--dtype", choices=DTYPES, help="default bf16")
     b.add_argument("--attention", choices=("flash", "eager"), default="flash")
     p.add_argument("--trainer", default="meshloom", choices=("meshloom", *TRAINERS),
                    help="plan the step as this trainer runs it (its --fix keys, cited in "
@@ -98,6 +99,11 @@ def add_parser(sub) -> None:
                    help="after the table, the best layout's step time and memory term by term "
                         "(pin a layout with --fix to explain that one)")
     p.add_argument("--write-config", metavar="FILE", help="write the best layout as TOML")
+    p.add_argument("--config", metavar="FILE",
+                   help="price the layout a meshloom training config sets, as it stands: its "
+                        "model, sequence, batch, dtype and parallel keys (docs/plan.md)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --config: override a config key, as `meshloom train --set` does")
     p.set_defaults(func=run)
 
 
@@ -136,23 +142,32 @@ def plan(args) -> tuple[ModelShape, list[Candidate], dict]:
     if args.write_config and args.trainer != "meshloom":
         raise PlanError(f"--write-config writes a meshloom config, but --trainer {args.trainer} "
                         f"plans {args.trainer}'s step; drop one of them")
-    shape = _model(args)
+    from_config = _config_plan(args) if args.config else None
+    if args.set and not from_config:
+        raise PlanError("--set overrides a --config's keys; give --config FILE")
+    shape = from_config.shape if from_config else _model(args)
+    gpus = from_config.gpus if from_config else (8 if args.gpus is None else args.gpus)
+    seq = from_config.seq if from_config else (2048 if args.seq is None else args.seq)
+    dtype = from_config.dtype if from_config else args.dtype or "bf16"
     if args.moe_imbalance is not None:
         import dataclasses
         if not shape.is_moe:
             raise PlanError(f"--moe-imbalance: {shape.name} has no experts")
         shape = dataclasses.replace(shape, moe_imbalance=args.moe_imbalance)
-    cluster = make_cluster(args.gpu, args.gpus, args.gpus_per_node,
+    cluster = make_cluster(args.gpu, gpus, args.gpus_per_node,
                            peak_tflops=args.peak_tflops, memory_gb=args.gpu_memory_gb,
                            intra_gbps=args.intra_node_gbps, inter_gbps=args.inter_node_gbps,
                            hbm_gbps=args.hbm_gbps, action_cv=args.action_cv,
                            kernels=args.kernels)
-    batch = args.global_batch or args.gpus
-    if args.seq < 1 or batch < 1:
-        raise PlanError(f"--seq={args.seq} and --global-batch={batch} must be positive")
+    batch = from_config.global_batch if from_config else args.global_batch or gpus
+    if seq < 1 or batch < 1:
+        raise PlanError(f"--seq={seq} and --global-batch={batch} must be positive")
     if args.top < 1:
         raise PlanError(f"--top={args.top} must be at least 1")
     pinned = parse_fix(args.fix)
+    if from_config:
+        _no_fix_over_config(pinned, from_config.fixed)
+        pinned = {**from_config.fixed, **pinned}
     fixed = {**trainer_impl(args.trainer), **pinned}
     refuses = None
     if args.trainer != "meshloom":  # only the layouts its code runs, bar what --fix pins
@@ -160,18 +175,48 @@ def plan(args) -> tuple[ModelShape, list[Candidate], dict]:
     # meshloom's ZeRO-3 runs either way (parallel.reshard_after_forward, parallel.reduce_once):
     # try each unless pinned; other trainers' versions run as their entries say.
     own = args.trainer == "meshloom"
-    found = search(shape, cluster, args.seq, batch, fixed, args.dtype,
+    found = search(shape, cluster, seq, batch, fixed, dtype,
                    args.attention == "flash", args.top, refuses,
                    try_held=own and "reshard_after_forward" not in pinned,
                    try_once=own and "fsdp_no_sync" not in pinned)
     setup = {"model": shape.to_dict(), "cluster": {"gpu": cluster.gpu.__dict__,
                                                     "gpus": cluster.n_gpus,
                                                     "gpus_per_node": cluster.gpus_per_node},
-             "seq": args.seq, "global_batch": batch, "dtype": args.dtype,
+             "seq": seq, "global_batch": batch, "dtype": dtype,
              "attention": args.attention, "trainer": args.trainer, "fix": fixed,
              "rates": found[0].timing.detail.get("rates") if found else None,
              "accuracy": _accuracy(args)}
     return shape, found, setup
+
+
+def _config_plan(args):
+    """The model, batch and layout a `--config` sets (plan/from_config.py); the flags that
+    would say them too are refused, each naming the config key to change instead."""
+    from meshloom.config import ConfigError, load_config
+    from meshloom.plan.from_config import plan_from_config
+    told = {"--model": args.model, "--arch": args.arch, "--seq": args.seq,
+            "--global-batch": args.global_batch or None, "--dtype": args.dtype,
+            "--trainer": None if args.trainer == "meshloom" else args.trainer}
+    told |= {"--" + k.replace("_", "-"): getattr(args, k)
+             for k in ("hidden", "layers", "heads", "kv_heads", "ffn_hidden", "vocab",
+                       *_SHAPE_OPTIONS) if getattr(args, k) not in (None, False)}
+    given = [flag for flag, value in told.items() if value is not None]
+    if given:
+        raise PlanError(f"--config sets the model, batch and layout; drop {', '.join(given)} "
+                        "(change the config's keys with --set)")
+    try:
+        cfg = load_config(args.config, args.set)
+    except (ConfigError, OSError) as e:
+        raise PlanError(f"--config {args.config}: {e}") from None
+    return plan_from_config(cfg, args.gpus)
+
+
+def _no_fix_over_config(pinned: dict, from_config: dict) -> None:
+    from meshloom.plan.from_config import LAYOUT_KEYS
+    clash = [k for k in pinned if k in from_config or k in LAYOUT_KEYS]
+    if clash:
+        raise PlanError(f"--fix {', '.join(clash)}: the --config sets the layout and run "
+                        "options; change them with --set (e.g. --set parallel.tp=2)")
 
 
 def _accuracy(args) -> dict:

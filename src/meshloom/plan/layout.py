@@ -137,16 +137,19 @@ def config_toml(layout: Layout, shape, seq: int, global_batch: int, dtype: str,
     """A meshloom training config for this layout, with the run options the plan was priced
     with (`compile`, ZeRO-3's `reshard_after_forward` and `reduce_once` (`fsdp_no_sync`), the
     gradients' `reduce_dtype`) where they are not the defaults. A
-    preset of meshloom's own is named (a GPT shape with its vocabulary, which the tokenizer
-    would otherwise set); any other shape is written out: a Llama shape as such, a GPT shape on
-    the gpt2 preset."""
+    preset of meshloom's own is named, with its vocabulary, which the tokenizer would otherwise
+    set; any other shape is written out: a Llama shape as such, a GPT shape on the gpt2
+    preset. `meshloom plan --config` reads it back to the same plan."""
     if shape.arch == "gpt":
         model = _gpt_model(shape, seq)
     else:
         from meshloom.models.families import presets as family_presets
         from meshloom.models.llama import PRESETS as LLAMA_PRESETS
         if shape.name in LLAMA_PRESETS or shape.is_moe and shape.name in family_presets():
-            model = [f'preset = "{shape.name}"', f"max_seq_len = {seq}"]
+            # The vocabulary too: unset, the run takes the tokenizer's (257 bytes for the
+            # default tokenizer), a smaller model than the one planned.
+            model = [f'preset = "{shape.name}"', f"vocab_size = {shape.vocab}",
+                     f"max_seq_len = {seq}"]
         else:
             model = [f"dim = {shape.hidden}", f"n_layers = {shape.layers}",
                      f"n_heads = {shape.heads}", f"n_kv_heads = {shape.kv_heads}",
