@@ -89,7 +89,11 @@ def test_zero3_run_options_are_planned_as_set():
     (["--set", "parallel.pp_layers=[1,1]", "--set", "parallel.pp=2",
       "--set", "parallel.dp_shard=1"], "parallel.pp_layers: the planner does not price"),
     (["--set", "parallel.dp_shard=-1"], "parallel.dp_shard=-1 takes whatever the GPUs leave"),
-    (["--set", "train.global_batch=3"], "train.global_batch=3 does not divide over the 2"),
+    (["--set", "train.global_batch=3"], "train.global_batch=3 must be divisible by the "
+                                        "data-parallel degree 2"),
+    (["--set", "train.micro_batch=3"], "train.micro_batch=3 must divide the per-rank batch"),
+    (["--set", "parallel.pp=2", "--set", "parallel.dp_shard=1", "--set",
+      "parallel.pp_microbatches=3"], "parallel.pp_microbatches=3 must divide"),
     (["--set", "parallel.nosuch=1"], "parallel.nosuch"),
 ])
 def test_a_config_plan_refuses_in_one_line(args, msg, capsys):

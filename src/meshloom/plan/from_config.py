@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshloom.config import Config, ConfigError, ParallelConfig
+from meshloom.data import check_batch_config
+from meshloom.parallel.pipeline_schedule import check_pp_config, pipeline_microbatches
 from meshloom.plan import PlanError
 from meshloom.plan.models import ModelShape, from_dims, from_llama_config
 
@@ -51,25 +53,28 @@ def plan_from_config(cfg: Config, gpus: int | None) -> ConfigPlan:
             raise PlanError(f"parallel.{key}: the planner does not price {what}; plan the "
                             "config without it")
     dims = _dims(p, gpus)
-    shape = _shape(cfg)
-    dp = dims.dp_replicate * dims.dp_shard
-    t = cfg.train
-    if t.global_batch % dp:
-        raise PlanError(f"train.global_batch={t.global_batch} does not divide over the "
-                        f"{dp} data-parallel ranks")
+    mcfg = _model_config(cfg)
+    problem = check_batch_config(cfg, dims)  # the run's own batch and pipeline rules
+    if problem is None and dims.pp > 1:
+        problem = check_pp_config(cfg, dims, mcfg)
+    if problem:
+        raise PlanError(problem)
+    t, dp = cfg.train, dims.dp
     local = t.global_batch // dp
-    micro = _micro_batch(cfg, local, dims.pp)
     fixed = {"tp": dims.tp, "pp": dims.pp, "dp": dp, "cp": dims.cp, "ep": dims.ep,
              "dp_replicate": dims.dp_replicate, "zero": p.zero_stage,
              "recompute": t.activation_checkpointing, "sp": p.sequence_parallel,
-             "micro_batch": micro, "compile": t.compile, "grad_reduce_dtype": p.reduce_dtype}
-    if dims.pp > 1:
-        fixed |= {"schedule": p.pp_schedule, "v": p.pp_virtual_stages}
+             "micro_batch": t.micro_batch or local, "compile": t.compile,
+             "grad_reduce_dtype": p.reduce_dtype}
+    if dims.pp > 1:  # the run's micro-batch count
+        fixed |= {"micro_batch": local // pipeline_microbatches(cfg, dims),
+                  "schedule": p.pp_schedule, "v": p.pp_virtual_stages}
     if p.zero_stage == 3:
         fixed |= {"reshard_after_forward": p.reshard_after_forward,
                   "fsdp_no_sync": p.reduce_once}
     dtype = "fp32" if t.dtype == "fp32" else "bf16"
-    return ConfigPlan(shape, cfg.data.seq_len, t.global_batch, dtype, dims.world_size, fixed)
+    return ConfigPlan(_shape(mcfg, cfg.model.preset), cfg.data.seq_len, t.global_batch,
+                      dtype, dims.world_size, fixed)
 
 
 def _dims(p: ParallelConfig, gpus: int | None):
@@ -91,26 +96,8 @@ def _dims(p: ParallelConfig, gpus: int | None):
         raise PlanError(str(e)) from None
 
 
-def _micro_batch(cfg: Config, local: int, pp: int) -> int:
-    """Sequences a forward pass takes on one rank, as the run decides it
-    (pipeline_schedule.pipeline_microbatches for a pipeline)."""
-    t, p = cfg.train, cfg.parallel
-    if pp > 1 and p.pp_microbatches:
-        count = p.pp_microbatches
-    elif t.micro_batch:
-        return t.micro_batch
-    elif pp > 1:
-        count = pp * p.pp_virtual_stages
-    else:
-        return local
-    if local % count:
-        raise PlanError(f"{count} micro-batches do not divide the {local} sequences a "
-                        "pipeline takes a step")
-    return local // count
-
-
-def _shape(cfg: Config) -> ModelShape:
-    """The model the run would build, as the planner sees it."""
+def _model_config(cfg: Config):
+    """The model config (of its family) the run would build."""
     from meshloom.data import DataError, load_tokenizer
     from meshloom.validation import model_config
 
@@ -121,10 +108,13 @@ def _shape(cfg: Config) -> ModelShape:
         except DataError as e:
             raise PlanError(str(e)) from None
     try:
-        mcfg = model_config(cfg, vocab)
+        return model_config(cfg, vocab)
     except ConfigError as e:
         raise PlanError(str(e)) from None
-    name = cfg.model.preset
+
+
+def _shape(mcfg, name: str) -> ModelShape:
+    """That model as the planner sees it."""
     if getattr(mcfg, "family", None) == "gpt2":
         return from_dims("gpt", mcfg.dim, mcfg.n_layers, mcfg.n_heads, mcfg.vocab_size,
                          ffn_hidden=mcfg.hidden, name=name, tied=mcfg.tie_embeddings,
