@@ -58,8 +58,9 @@ def filled(table: dict, measured: dict) -> dict:
 
 
 def dumps(table: dict) -> str:
-    """The committed layout: two-space indents, one GEMM or attention row per line."""
-    rows = {key: table[key] for key in ("gemm", "attention")}
+    """The committed layout: two-space indents, one GEMM (fp8 too) or attention row per
+    line."""
+    rows = {key: table[key] for key in ("gemm", "gemm_fp8", "attention") if key in table}
     text = json.dumps({**table, **{k: f"@@{k}@@" for k in rows}}, indent=2)
     for key, items in rows.items():
         lines = ",\n".join(f"    {json.dumps(r)}" for r in items)

@@ -312,6 +312,11 @@ def published_rows(path: Path = RUNS) -> list[dict]:
             key = "error_fsdp_overlap" if other else "error_fsdp_no_overlap"
             row[key] = _published_row(run, shape, {**fixed, "fsdp_prefetch": other},
                                       {})["error"]
+        if fixed.get("float8", "none") != "none":  # its weights gathered the other way
+            other = not fixed.get("float8_all_gather", False)
+            key = f"error_float8_all_gather_{'on' if other else 'off'}"
+            row[key] = _published_row(run, shape, {**fixed, "float8_all_gather": other},
+                                      {})["error"]
         if fixed.get("expert_tp"):  # with meshloom's whole experts on every tp rank
             whole = _published_row(run, shape, {**fixed, "expert_tp": False}, {})
             row["error_whole_experts"] = whole["error"]
@@ -467,6 +472,9 @@ def render_readme(result: dict) -> str:
                   key=lambda r: abs(r["error"]))
     foundry = [r for r in rows if r["set"] == "published-h100" and r["trainer"] == "llm-foundry"]
     titan = [r for r in rows if r["set"] == "published-h100-96gb-500w"]
+    float8 = [r for r in rows if r["set"].endswith("-float8")]
+    f8_500w = [r for r in float8 if r["gpu"] == "h100-96gb"]
+    f8_h200 = [r for r in float8 if r["gpu"] == "h200"]
     fit = all(v["all_fit"] for k, v in summ.items() if not k.startswith("meshloom-"))
 
     def bias(sel: list[dict]) -> str:
@@ -491,7 +499,9 @@ def render_readme(result: dict) -> str:
         f"published H100 FSDP runs from 2023 (llm-foundry, their Triton attention priced as "
         f"FlashAttention 1 at its A100 ratio) mean {_mean_abs(foundry):.1%}, worst "
         f"{_max_abs(foundry):.1%}, "
-        f"torchtitan's runs on 500 W H100s {bias(titan)} on average (see "
+        f"torchtitan's runs on 500 W H100s {bias(titan)} on average; its Float8 runs "
+        f"(fp8 GEMMs priced at a published fp8/bf16 ratio) {bias(f8_h200)} on H200s, "
+        f"{bias(f8_500w)} on the 500 W H100s, worst {_max_abs(float8):.1%} (see "
         "[docs/plan-validation.md](docs/plan-validation.md), \"Known gaps\").")
     text = textwrap.fill(text, width=100, break_long_words=False, break_on_hyphens=False)
     return f"{README_BEGIN}\n{text}\n{README_END}"

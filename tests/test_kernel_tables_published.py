@@ -83,7 +83,10 @@ def check_table(table: object, stem: str) -> list[str]:
         base = json.loads(base_path.read_text())
         if "compute_from" in base:
             return [f"compute_from {table['compute_from']!r} takes its compute from a third"]
+        if "gemm_fp8" in table:
+            return ["compute_from and its own gemm_fp8 rows"]
         table = {**table, "gemm": base["gemm"], "attention": base["attention"],
+                 "gemm_fp8": base.get("gemm_fp8", []),
                  "sources": {**base.get("sources", {}), **table.get("sources", {})}}
     missing = [key for key in TOP_KEYS if key not in table]
     if missing:
@@ -142,6 +145,22 @@ def check_table(table: object, stem: str) -> list[str]:
             problems.append(f"{where}: direction {row.get('direction')!r} not in {DIRECTIONS}")
         _check_rate(problems, where, row, gpu.peak_tflops)
         _check_source(problems, where, row, table)
+    fp8_rows = table.get("gemm_fp8", [])
+    if fp8_rows and gpu.generation != "hopper":
+        problems.append(f"gemm_fp8: {table['gpu']} has no fp8 tensor cores")
+    for i, row in enumerate(fp8_rows if isinstance(fp8_rows, list) else [None]):
+        where = f"gemm_fp8[{i}]"
+        if not isinstance(row, dict):
+            problems.append(f"{where}: must be an object")
+            continue
+        if not all(_positive_int(row.get(dim)) for dim in "mnk"):
+            problems.append(f"{where}: m, n, k must be positive integers")
+        # Hopper's dense fp8 peak is twice its bf16 peak; the 16-bit rate is the bf16 one's.
+        _check_rate(problems, where, row, 2 * gpu.peak_tflops)
+        _check_rate(problems, f"{where} bf16", {"tflops": row.get("bf16_tflops")},
+                    gpu.peak_tflops)
+        _check_source(problems, where, row, table)
+        _check_source(problems, f"{where} bf16", {"source": row.get("bf16_source")}, table)
     _check_scalar(problems, "hbm_gbps", table, gpu.hbm_gbps)
     _check_scalar(problems, "launch_us", table, None)
     return problems
@@ -166,6 +185,8 @@ def _valid_published() -> dict:
         "gemm": [{"m": 8192, "n": 8192, "k": 8192, "tflops": 700.0, "source": "s"}],
         "attention": [{"seq": 8192, "head_dim": 128, "causal": True, "direction": "fwd",
                        "tflops": 500.0, "batch": 2, "heads": 16, "source": "s"}],
+        "gemm_fp8": [{"m": 8192, "n": 8192, "k": 8192, "tflops": 1400.0, "bf16_tflops": 700.0,
+                      "source": "s", "bf16_source": "s"}],
         "hbm_gbps": {"value": 2900.0, "what": "copy", "source": "s"},
         "launch_us": None,
     }
@@ -201,6 +222,11 @@ BREAKS = {
     "bandwidth above the datasheet": _set("hbm_gbps.value", 3350.0),
     "bandwidth source missing": _set("hbm_gbps.source", "nowhere"),
     "fp8 table": _set("dtype", "fp8"),
+    "fp8 gemm above the fp8 peak": _set("gemm_fp8.0.tflops", 1979.0),
+    "fp8 gemm's 16-bit rate above the bf16 peak": _set("gemm_fp8.0.bf16_tflops", 989.0),
+    "fp8 gemm without its 16-bit source": _set("gemm_fp8.0.bf16_source", _DELETE),
+    "fp8 gemm source missing from sources": _set("gemm_fp8.0.source", "nowhere"),
+    "fp8 gemm shape not an integer": _set("gemm_fp8.0.m", "8192"),
     "gpu not a preset": _set("gpu", "h100-pcie"),
     "published without sources": _set("sources", {}),
     "launch overhead negative": _set("launch_us", {"value": -1.0, "what": "gap", "source": "s"}),

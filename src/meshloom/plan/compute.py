@@ -24,12 +24,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshloom.plan import PlanError
 from meshloom.plan.cp_ring import RingCost, ring_cost
 from meshloom.plan.hardware import GB, GPUS, Cluster
 from meshloom.plan.implementation import (
     TRAIN_METRIC_PASSES,
     Implementation,
     autocast_weights,
+    float8_gathers,
     loss_kind,
     residual_stream,
 )
@@ -154,6 +156,7 @@ def overlap_pieces(gemms: list[Gemm], tp: int) -> tuple[list[Gemm], list[Gemm]]:
 
 
 GEMM_BYTES = 2  # bf16 operands and output, as the GEMM tables are measured
+FP8_BYTES = 1  # an e4m3 operand (`Implementation.float8`)
 
 
 @dataclass(frozen=True)
@@ -171,16 +174,24 @@ class Rates:
         if not self.optimizer_gbps:
             object.__setattr__(self, "optimizer_gbps", self.hbm_gbps)
 
-    def gemm(self, g: Gemm) -> float:
-        """Seconds of one GEMM (all its `count` instances, as one grouped launch)."""
+    def gemm(self, g: Gemm, fp8: bool = False) -> float:
+        """Seconds of one GEMM (all its `count` instances, as one grouped launch); `fp8`: with
+        e4m3 operands and a 16-bit output (`Implementation.float8`)."""
         if g.m <= 0 or g.n <= 0 or g.k <= 0 or g.count <= 0:
             return 0.0
         if self.table is None:  # the datasheet's peak: an upper bound on speed
+            if fp8:
+                raise PlanError("float8 is priced from a kernel table's fp8 GEMM rows; the "
+                                "datasheet (--kernels datasheet) has none")
             return max(g.flops / (self.peak_tflops * 1e12), self.launch_s)
         rate = self.table.gemm_tflops(g.m, g.n, g.k) * self.scale
+        operand = GEMM_BYTES
+        if fp8:
+            rate *= self.table.fp8_speedup(g.m, g.n, g.k)
+            operand = FP8_BYTES
         # The table's rows are its shapes; one far from them (a GQA projection of 128 columns
         # under tp 8) may be interpolated faster than reading its operands once allows.
-        moved = GEMM_BYTES * (g.m * g.k + g.k * g.n + g.m * g.n) * g.count
+        moved = (operand * (g.m * g.k + g.k * g.n) + GEMM_BYTES * g.m * g.n) * g.count
         return max(g.flops / (rate * 1e12), moved / (self.hbm_gbps * GB), self.launch_s)
 
     def attention(self, flops: float, seq: int, head_dim: int, causal: bool,
@@ -256,6 +267,15 @@ def loss_source(impl: Implementation, lay: Layout) -> str:
     return f"loss: {kind}, {fwd + bwd:g} bytes per logit"
 
 
+def float8_source(impl: Implementation, lay: Layout) -> str:
+    """What `float8` prices, for the rates line (empty without it)."""
+    if impl.float8 == "none":
+        return ""
+    gathered = ", weights gathered in fp8" if float8_gathers(impl, lay) else ""
+    return (f"float8: {impl.float8}, the blocks' linears at the table's fp8/bf16 GEMM ratio "
+            f"(gemm_fp8) with torchao's casts{gathered}")
+
+
 @dataclass
 class PassCost:
     """Seconds of one pass of one block, by kind of kernel."""
@@ -311,8 +331,9 @@ def block_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, e: int, f
         pieces_fwd, pieces_bwd = overlap_pieces(launched, t)
         run_fwd = pieces_fwd  # the backward's in pieces only where its collectives overlap
         run_bwd = pieces_bwd if impl.tp_overlap_backward else run_bwd
-    fwd = PassCost(gemm=sum(rates.gemm(g) for g in run_fwd))
-    bwd = PassCost(gemm=sum(rates.gemm(b) for b in run_bwd))
+    fp8 = impl.float8 != "none"
+    fwd = PassCost(gemm=sum(rates.gemm(g, fp8) for g in run_fwd))
+    bwd = PassCost(gemm=sum(rates.gemm(b, fp8) for b in run_bwd))
 
     # Attention core: heads over tp; this rank's s queries against the keys they see.
     bh = lay.micro_batch * shape.heads / t
@@ -360,6 +381,10 @@ def block_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, e: int, f
         weights = sum(g.n * g.k * g.count for g in gemms)
         fwd.elementwise += rates.stream(weights * (4 + e), len(launched))
         bwd.elementwise += rates.stream(weights * (4 + e), len(launched))
+    if fp8:  # recompute reruns the forward's casts too (below)
+        cast_f, cast_b, kernels = float8_cast_bytes(gemms, impl, lay)
+        fwd.elementwise += rates.stream(cast_f, 2 * kernels)
+        bwd.elementwise += rates.stream(cast_b, kernels)
     if not flash:  # softmax (and dropout) belong to the attention core: selective reruns them
         att.elementwise = rates.stream(score_bytes)
 
@@ -367,7 +392,7 @@ def block_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, e: int, f
         bwd = bwd + fwd
     elif lay.recompute == "selective" and impl.op_sac and not shape.is_moe:
         # every second matmul and every elementwise op; attention's outputs were kept
-        bwd = bwd + PassCost(gemm=sum(rates.gemm(g) for g in run_fwd[1::2]),
+        bwd = bwd + PassCost(gemm=sum(rates.gemm(g, fp8) for g in run_fwd[1::2]),
                              elementwise=fwd.elementwise - att.elementwise)
     elif lay.recompute == "selective":
         bwd = bwd + att
@@ -379,6 +404,25 @@ def block_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, e: int, f
         fwd.elementwise += copies_f * one
         bwd.elementwise += copies_b * one
     return BlockCost(fwd, bwd, att, ring)
+
+
+def float8_cast_bytes(gemms: list[Gemm], impl: Implementation, lay: Layout
+                      ) -> tuple[float, float, int]:
+    """(forward bytes, backward bytes, linears) of the fp8 casts around a block's linears,
+    one micro-batch (`Implementation.float8`, torchao's traffic model): forward, the input
+    (m x k) and the weight (n x k); backward, the output gradient (m x n). Each is read twice,
+    for its abs-max (unless fused into the kernel that made it: the input and the gradient
+    under `compile`) and by the cast, which writes it in fp8 row- and column-major. Under
+    `float8_all_gather` the weight is cast on its 1/dp shard before the gather, and the
+    backward transposes the gathered fp8 weight (a byte read, a byte written)."""
+    act = 4 if impl.compile else 6
+    gathered = float8_gathers(impl, lay)
+    fwd = bwd = 0.0
+    for g in gemms:
+        weight = g.n * g.k * g.count
+        fwd += act * g.m * g.k * g.count + 6 * weight / (lay.dp_shard if gathered else 1)
+        bwd += act * g.m * g.n * g.count + (2 * weight if gathered else 0)
+    return fwd, bwd, len(gemms)
 
 
 # Under SP each all-reduce's worth of a block's tp traffic is an all-gather and a

@@ -317,6 +317,26 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   rearranges even at one sequence, as meshloom did before 2026-11-29) or `none` (Megatron's
   sequence-first [s, b, h] tensors, gathered along the leading dimension). The embedding's
   and the head's own pairs copy likewise (`compute.end_sp_copies`).
+- `float8`: the blocks' linear layers compute in fp8 (`none|tensorwise`). `tensorwise` is
+  torchao's `Float8Linear` with dynamic tensor-wise scaling, torchtitan's float8 converter and
+  its default recipe: each of a linear's three GEMMs runs with e4m3 operands at the kernel
+  table's fp8 speed for its shape (`kernel_table.fp8_speedup`, the `gemm_fp8` rows); the
+  attention core, the norms, the output head (torchtitan's `filter_fqns = ["output"]`) and the
+  optimizer stay as they were. Each forward casts the linear's input and weight, each backward
+  its output gradient, at the traffic torchao's own float8 roofline model counts
+  (torchao/float8/roofline_utils.py, `get_tensor_memory_traffic_bytes`): an abs-max pass that
+  reads the bf16 tensor (2 bytes an element; fused into the kernel that produced the input or
+  the gradient under `compile`, never for the weight) and a cast that reads it again (2) and
+  writes it in fp8 twice, row- and column-major (2), so 4 or 6 bytes an element; full
+  recompute casts again. Refused with tp > 1 (torchao's float8 tensor-parallel styles cast
+  before their collectives: not priced), for a mixture of experts, outside bf16 training, and
+  on a GPU whose kernel table has no fp8 rows (the A100s). Memory is counted as in bf16.
+- `float8_all_gather`: with `float8` under ZeRO-3, the blocks' linear weights are cast to fp8 on
+  their shards and gathered in fp8, one byte a parameter (torchao's
+  `enable_fsdp_float8_all_gather`, torchtitan's flag of that name): the gathers and FSDP2's
+  copy-out move half the linears' bytes, the weight's cast runs on the 1/dp shard, and each
+  backward transposes the gathered fp8 weight for its input-gradient GEMM (a read and a write
+  of a byte an element). A no-op otherwise.
 """
 
 from __future__ import annotations
@@ -376,6 +396,8 @@ class Implementation:
     residual_stream: str = "16bit"
     nccl_protocols: str = "auto"
     sp_copies: str = "batch"
+    float8: str = "none"
+    float8_all_gather: bool = False
 
     @property
     def elementwise(self) -> str:
@@ -506,6 +528,12 @@ def whole_fp32_states(impl: Implementation, lay, dtype: str) -> bool:
     return impl.deepspeed_bf16_optimizer and lay.zero == 1 and dtype == "bf16"
 
 
+def float8_gathers(impl: Implementation, lay) -> bool:
+    """Whether ZeRO-3 gathers the blocks' linear weights in fp8 (`float8_all_gather`)."""
+    return (impl.float8 != "none" and impl.float8_all_gather and lay.zero == 3
+            and lay.dp_shard > 1)
+
+
 IMPL_KEYS = tuple(f.name for f in fields(Implementation))
 TRUE, FALSE = ("true", "1", "on", "yes"), ("false", "0", "off", "no")
 
@@ -520,7 +548,7 @@ def parse_bool(key: str, value: str) -> bool:
 STR_IMPL_KEYS = ("attention_kernel", "pp_split", "optimizer_state", "optimizer_impl",
                  "grad_reduce_dtype", "dp_buckets", "cross_entropy", "train_metrics", "cp_ring",
                  "nccl_protocols", "sp_copies", "residual_stream", "fsdp_root", "pp_fsdp",
-                 "pp_w_order")
+                 "pp_w_order", "float8")
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 OPTIMIZER_IMPLS = ("fused", "foreach", "for_loop")
 # Bytes per parameter beside the bf16 parameter and gradient: (master copy, Adam moments).
@@ -531,6 +559,7 @@ SP_COPIES = ("always", "batch", "none")
 RESIDUAL_STREAMS = ("16bit", "fp32", "fp32_cast")
 FSDP_ROOTS = ("head", "outer")
 PP_FSDP = ("meshloom", "pytorch")
+FLOAT8_RECIPES = ("none", "tensorwise")
 CROSS_ENTROPY = ("auto", "fused", "eager", "xentropy", "megatron", "megatron_fused")
 # Eager cross-entropy forwards over the logits a loop's training metrics run per micro-batch.
 TRAIN_METRIC_PASSES = {"none": 0, "composer": 2}

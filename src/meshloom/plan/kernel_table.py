@@ -35,6 +35,14 @@ A shape measured by several sources is one point, their mean. Lookups between po
   at their A100 ratios to FlashAttention-2 (neither uses Hopper's instructions). Derived, not
   measured: the table says why, the rates line names the table the ratio came from, and no
   ratio is borrowed twice (the lending table must publish the kernel itself).
+- fp8 GEMMs (`gemm_fp8`, Hopper tables): rows of one benchmark that ran the same shapes in fp8
+  (e4m3 operands, 16-bit output) and in 16-bit. The planner prices an fp8 GEMM at the table's
+  16-bit rate for its shape times the fp8/16-bit speed ratio that benchmark measured at the
+  same arithmetic intensity, 1 / (1/m + 1/n + 1/k) (flops per operand element moved): fp8
+  halves the bytes a flop needs and doubles the tensor cores' peak, so how much of that a shape
+  gains follows how compute-bound it is, and the ratio is linear in log2 of the intensity
+  between the benchmark's points, clamped at its ends. A ratio of one kernel family against
+  itself on one GPU, applied to the table's own 16-bit shapes (`fp8_speedup`).
 - Head width: each kernel is compiled for a few head widths and runs a model's head padded up to
   the next one, doing that width's FLOPs (`padded_head_dim`). A width the table measured is
   answered as measured; any other is looked up at its padded width, and the rate in the model's
@@ -126,6 +134,9 @@ class KernelTable:
     # Kernels priced at their ratio to FlashAttention-2 in another GPU's table: kernel -> the
     # lending table's name (`attention_ratio_from`).
     ratio_from: dict = field(default_factory=dict, compare=False, hash=False)
+    # fp8 over 16-bit GEMM speed by arithmetic intensity (`gemm_fp8`): ((intensity, ratio), ...)
+    # in increasing intensity; empty where no fp8 benchmark was published (no fp8 pricing).
+    fp8_ratio: tuple = field(default=(), compare=False, hash=False)
     # Answers already worked out: a search asks about the same few dozen shapes thousands of
     # times.
     _memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
@@ -142,6 +153,22 @@ class KernelTable:
         if m <= 0 or n <= 0 or k <= 0:
             return 0.0
         return count * 2.0 * m * n * k / (self.gemm_tflops(m, n, k) * 1e12)
+
+    def fp8_speedup(self, m: int, n: int, k: int) -> float:
+        """How many times faster this GPU runs C[m, n] = A[m, k] B[k, n] with fp8 operands
+        than in bf16 (`gemm_fp8`); a PlanError where the table has no fp8 rows."""
+        if not self.fp8_ratio:
+            raise PlanError(f"kernel table {self.gpu}: no fp8 GEMM rows (gemm_fp8), so float8 "
+                            "cannot be priced on it (fp8 tensor cores: Hopper and later)")
+        x = math.log2(gemm_intensity(m, n, k))
+        pts = self.fp8_ratio
+        if x <= math.log2(pts[0][0]):
+            return pts[0][1]
+        for (i0, r0), (i1, r1) in zip(pts, pts[1:], strict=False):
+            x0, x1 = math.log2(i0), math.log2(i1)
+            if x <= x1:
+                return r0 + (r1 - r0) * (x - x0) / (x1 - x0)
+        return pts[-1][1]
 
     def attention_tflops(self, seq: int, head_dim: int, causal: bool, direction: str,
                          kernel: str = "fa2") -> float:
@@ -215,6 +242,11 @@ def attention_flops(batch_heads: float, q_len: float, kv_len: float, head_dim: i
     (QK^T and PV), halved when causal, x2.5 backward."""
     f = 4.0 * batch_heads * q_len * kv_len * head_dim * (0.5 if causal else 1.0)
     return f * ATTENTION_FLOP_FACTOR[direction]
+
+
+def gemm_intensity(m: float, n: float, k: float) -> float:
+    """A GEMM's flops per operand element moved, up to a constant: 2mnk / 2(mk + kn + mn)."""
+    return 1.0 / (1.0 / max(1.0, m) + 1.0 / max(1.0, n) + 1.0 / max(1.0, k))
 
 
 def _gemm_rate(points: tuple, m: int, n: int, k: int) -> float:
@@ -378,11 +410,36 @@ def parse(raw: dict, where: str = "<table>") -> KernelTable:
             _check_source(raw, entry, sources, key, bad)
         scalars[key] = float(value) if value is not None else None
     ratio_from = _ratio_from(raw, other, sources, bad)
+    fp8 = _fp8_ratio(raw, sources, bad)
     return KernelTable(str(raw["gpu"]), raw["kind"], str(raw.get("device", raw["gpu"])), where,
                        _mean_duplicates(gemm, 3), _mean_duplicates(attention, 4),
                        scalars["hbm_gbps"], scalars["launch_us"],
                        {k: _mean_duplicates(v, 4) for k, v in other.items()},
-                       scalars["optimizer_gbps"], ratio_from)
+                       scalars["optimizer_gbps"], ratio_from, fp8)
+
+
+def _fp8_ratio(raw: dict, sources: dict, bad) -> tuple:
+    """The `gemm_fp8` rows as ((intensity, fp8 / 16-bit speed), ...) by intensity. Each row
+    gives one shape's fp8 `tflops` and the same benchmark's 16-bit `bf16_tflops`, each cited
+    (`source`, `bf16_source`)."""
+    points = []
+    for i, row in enumerate(raw.get("gemm_fp8") or []):
+        try:
+            m, n, k = int(row["m"]), int(row["n"]), int(row["k"])
+            fp8, half = float(row["tflops"]), float(row["bf16_tflops"])
+        except (KeyError, TypeError, ValueError):
+            raise bad(f"gemm_fp8 row {i} needs integer m, n, k and numbers tflops, "
+                      "bf16_tflops") from None
+        if min(m, n, k) < 1 or not fp8 > 0 or not half > 0:
+            raise bad(f"gemm_fp8 row {i}: sizes must be positive and both rates > 0")
+        _check_source(raw, row, sources, f"gemm_fp8 row {i}", bad)
+        _check_source(raw, {"source": row.get("bf16_source")}, sources,
+                      f"gemm_fp8 row {i} (bf16_source)", bad)
+        points.append((gemm_intensity(m, n, k), fp8 / half))
+    points.sort()
+    if len({p[0] for p in points}) != len(points):
+        raise bad("gemm_fp8: two rows of the same arithmetic intensity")
+    return tuple(points)
 
 
 def _ratio_from(raw: dict, other: dict, sources: dict, bad) -> dict:
@@ -425,12 +482,12 @@ def _ratio_from(raw: dict, other: dict, sources: dict, bad) -> dict:
 
 def _with_compute_of(raw: dict, bad) -> dict:
     """A table whose GPU has the compute of another's (`"compute_from": "<committed table>"`: the
-    same die, SMs and clocks, e.g. the H200 and the H100) takes that table's GEMM and attention
-    rows (and the attention ratios it borrows), with their sources, and keeps its own bandwidth
-    and launch figures."""
+    same die, SMs and clocks, e.g. the H200 and the H100) takes that table's GEMM (fp8 too) and
+    attention rows (and the attention ratios it borrows), with their sources, and keeps its own
+    bandwidth and launch figures."""
     name = raw["compute_from"]
-    if "gemm" in raw or "attention" in raw:
-        raise bad("has both compute_from and its own gemm or attention rows")
+    if "gemm" in raw or "attention" in raw or "gemm_fp8" in raw:
+        raise bad("has both compute_from and its own gemm, gemm_fp8 or attention rows")
     path = TABLE_DIR / f"{name}.json"
     try:
         base = json.loads(path.read_text())
@@ -440,6 +497,7 @@ def _with_compute_of(raw: dict, bad) -> dict:
         raise bad(f"compute_from={name!r} takes its compute from another table itself")
     sources = {**(base.get("sources") or {}), **(raw.get("sources") or {})}
     return {**raw, "gemm": base.get("gemm", []), "attention": base.get("attention") or [],
+            "gemm_fp8": base.get("gemm_fp8") or [],
             "attention_ratio_from": base.get("attention_ratio_from") or {},
             "sources": sources}
 

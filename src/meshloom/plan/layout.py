@@ -11,6 +11,7 @@ from meshloom.plan.cp_ring import CP_RINGS
 from meshloom.plan.implementation import (
     CROSS_ENTROPY,
     DP_BUCKETS,
+    FLOAT8_RECIPES,
     FSDP_ROOTS,
     GRAD_REDUCE_DTYPES,
     IMPL_KEYS,
@@ -118,7 +119,8 @@ def parse_fix(text: str) -> dict:
                        "residual_stream": RESIDUAL_STREAMS,
                        "fsdp_root": FSDP_ROOTS,
                        "pp_fsdp": PP_FSDP,
-                       "pp_w_order": W_ORDERS}.get(key, SCHEDULES)
+                       "pp_w_order": W_ORDERS,
+                       "float8": FLOAT8_RECIPES}.get(key, SCHEDULES)
             if value not in options:
                 raise PlanError(f"--fix: {key}={value} must be one of {', '.join(options)}")
             out[key] = value

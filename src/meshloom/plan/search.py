@@ -214,8 +214,8 @@ def _model(shape: ModelShape) -> LlamaConfig:
 def evaluate(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global_batch: int,
              dtype: str = "bf16", flash: bool = True, exact: bool = True,
              memory: Memory | None = None, impl: Implementation = MESHLOOM) -> Candidate:
-    why = check_layout(shape, lay, cluster, seq, global_batch) or _expert_tp_problem(
-        shape, lay, impl)
+    why = (check_layout(shape, lay, cluster, seq, global_batch)
+           or _expert_tp_problem(shape, lay, impl) or _float8_problem(shape, lay, impl, dtype))
     if why:
         raise PlanError(f"layout {lay.short()}: {why}")
     mem = memory or memory_per_gpu(shape, lay, seq, global_batch, dtype, flash, impl)
@@ -340,6 +340,22 @@ def _collector_paused() -> Iterator[None]:
             gc.enable()
 
 
+def _float8_problem(shape: ModelShape, lay: Layout, impl: Implementation,
+                    dtype: str) -> str | None:
+    """What `float8` is not priced for (implementation.py): bf16 training of dense blocks,
+    without tensor parallelism."""
+    if impl.float8 == "none":
+        return None
+    if dtype != "bf16":
+        return f"float8={impl.float8} trains in bf16 around its fp8 GEMMs: use --dtype bf16"
+    if shape.is_moe:
+        return f"float8={impl.float8} is priced for dense blocks; {shape.name} has experts"
+    if lay.tp > 1:
+        return (f"float8={impl.float8} is priced without tensor parallelism (torchao's float8 "
+                "tp styles cast before their collectives): fix tp=1")
+    return None
+
+
 def _search(shape: ModelShape, cluster: Cluster, seq: int, global_batch: int, fixed: dict,
             impl: Implementation, dtype: str, flash: bool, top: int,
             refuses: Callable[[Layout], str | None] | None = None,
@@ -358,7 +374,8 @@ def _search(shape: ModelShape, cluster: Cluster, seq: int, global_batch: int, fi
         if why:
             refused = why
             continue
-        skipped = _expert_tp_problem(shape, lay, impl)
+        skipped = _expert_tp_problem(shape, lay, impl) or _float8_problem(shape, lay, impl,
+                                                                          dtype)
         if skipped:
             continue
         count += 1
@@ -392,7 +409,8 @@ def _search(shape: ModelShape, cluster: Cluster, seq: int, global_batch: int, fi
             raise PlanError(f"no layout{' with --fix ' + _fmt(fixed) if fixed else ''} that "
                             f"the trainer runs: {refused}")
         if skipped:
-            raise PlanError(f"no valid layout with --fix {_fmt(fixed)}: {skipped}")
+            raise PlanError(f"no valid layout{' with --fix ' + _fmt(fixed) if fixed else ''}: "
+                            f"{skipped}")
         raise PlanError(_no_layout(shape, cluster, seq, global_batch, fixed))
     if not fitting:
         smallest.sort(key=lambda x: x[0])

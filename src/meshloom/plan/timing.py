@@ -38,11 +38,13 @@ from meshloom.parallel.pipeline_schedule import (
 from meshloom.plan import nccl
 from meshloom.plan.compute import (
     ACCUMULATE_BF16_TO_FP32,
+    FP8_BYTES,
     Rates,
     accumulate_seconds,
     attention_source,
     block_cost,
     embedding_cost,
+    float8_source,
     head_cost,
     loss_source,
     optimizer_seconds,
@@ -53,6 +55,7 @@ from meshloom.plan.implementation import (
     MESHLOOM,
     Implementation,
     dp_calls,
+    float8_gathers,
     fp32_working_params,
     keeps_grads,
     pytorch_pipelined,
@@ -320,7 +323,7 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     detail = {
         "rates": "; ".join(filter(None, (rates.source, attention_source(
             rates, impl.attention_kernel, flash, impl.cp_ring if lay.cp > 1 else None),
-            loss_source(impl, lay)))),
+            loss_source(impl, lay), float8_source(impl, lay)))),
         "implementation": impl.to_dict(),
         "compute_s": {"gemm": per_step * (blk.fwd.gemm + blk.bwd.gemm),
                       "attention": per_step * (blk.fwd.attention + blk.bwd.attention),
@@ -466,6 +469,10 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     param_bytes = gathered_param_bytes(impl, lay, dtype)
     grad_bytes = _grad_bytes(impl, lay, dtype)
     grad_b, param_b = dense * wire, dense * param_bytes
+    if float8_gathers(impl, lay):  # the blocks' linear weights travel in fp8, a byte each
+        blocks = dense - outer_params(shape, lay, rank)
+        param_b -= (blocks * shape.layer_matmul_params / shape.layer_params
+                    * (param_bytes - FP8_BYTES))
     if lay.dp <= 1:  # only expert groups to reduce (ep < cp); the dense part as before: none
         grad_b = param_b = 0.0
     xn = expert_shard(lay)
