@@ -154,16 +154,13 @@ def test_float8_is_faster_on_hopper_and_says_so_in_the_rates_line():
 
 
 @pytest.mark.parametrize("case, match", [
-    ("tp", "without tensor parallelism"),
     ("fp32", "trains in bf16"),
     ("moe", "has experts"),
 ])
 def test_what_float8_is_not_priced_for_is_refused_in_one_line(case, match):
     cluster = make_cluster("h100", 8)
     shape, lay, dtype = LLAMA8B, LAY, "bf16"
-    if case == "tp":
-        lay = Layout(tp=2, dp=4, micro_batch=2, zero=3, recompute="selective")
-    elif case == "fp32":
+    if case == "fp32":
         dtype = "fp32"
     else:
         shape = PRESETS["mixtral-8x7b"]
@@ -171,33 +168,82 @@ def test_what_float8_is_not_priced_for_is_refused_in_one_line(case, match):
         evaluate(shape, lay, cluster, 8192, 16, dtype=dtype, impl=F8)
 
 
-def test_the_search_keeps_float8_to_what_it_prices():
+def test_the_search_prices_float8_and_refuses_what_it_cannot():
     cluster = make_cluster("h100", 16)
     fixed = {**parse_fix("float8=tensorwise,compile=true"), "micro_batch": 1}
     best = search(LLAMA8B, cluster, 4096, 32, fixed, top=5)
-    assert best and all(c.layout.tp == 1 for c in best)
-    with pytest.raises(PlanError, match="without tensor parallelism"):
-        search(LLAMA8B, cluster, 4096, 32, {**fixed, "tp": 2}, top=1)
+    assert best and all("float8: tensorwise" in c.timing.detail["rates"] for c in best)
+    tp = search(LLAMA8B, cluster, 4096, 32, {**fixed, "tp": 2, "sp": True}, top=1)[0]
+    assert tp.layout.tp == 2
+    with pytest.raises(PlanError, match="has experts"):
+        search(PRESETS["mixtral-8x7b"], cluster, 4096, 32, fixed, top=1)
     with pytest.raises(PlanError, match="no fp8 GEMM rows"):
         search(LLAMA8B, make_cluster("a100-80g", 16), 4096, 32, fixed, top=1)
     with pytest.raises(PlanError, match="float8=rowwise must be one of none, tensorwise"):
         parse_fix("float8=rowwise")
 
 
-def test_the_planned_float8_gain_is_within_4_percent_of_torchtitans_paired_runs():
-    """torchtitan's Tables 1 and 3 ran the same 8B layout with and without Float8 (compiled, 8
-    and 128 GPUs): the committed validation's planned gain (predicted Float8 over predicted
-    bf16 throughput) sits within 4% of the published gain, below it, as the step-time page
-    says."""
-    root = ROOT
+# torchtitan's runs with and without Float8 on the same layout, and how far the planned gain
+# (predicted Float8 over predicted bf16 throughput) may sit from the published one, as
+# docs/plan-step-time.md says: (bf16 row, lowest, highest planned / published gain).
+PAIRS = (
+    ("torchtitan-h100-llama3.1-8b-8192-8gpu-compile", 0.96, 1.0),
+    ("torchtitan-h100-llama3.1-8b-8192-128gpu-compile", 0.96, 1.0),
+    ("torchtitan-h100-llama3.1-70b-8192-256gpu-fsdp32-tp8-compile", 1.0, 1.07),
+    ("torchtitan-h100-llama3.1-70b-8192-256gpu-fsdp32-asynctp8-compile", 0.99, 1.01),
+    ("torchtitan-h100-llama3.1-8b-8192-64gpu-fsdp8-tp8-compile", 1.08, 1.11),
+    ("torchtitan-h100-llama3.1-8b-8192-64gpu-fsdp8-asynctp8-compile", 1.08, 1.11),
+)
+
+
+@pytest.mark.parametrize("bf16_id, low, high", PAIRS, ids=[p[0][27:] for p in PAIRS])
+def test_the_planned_float8_gain_against_torchtitans_paired_runs(bf16_id, low, high):
     rows = {r["id"]: r for r in json.loads(
-        (root / "benchmarks/results/planner/validation.json").read_text())["rows"]}
-    for n in (8, 128):
-        bf16 = rows[f"torchtitan-h100-llama3.1-8b-8192-{n}gpu-compile"]
-        f8 = rows[f"torchtitan-h100-llama3.1-8b-8192-{n}gpu-compile-float8"]
-        planned = f8["predicted_tokens_per_s_per_gpu"] / bf16["predicted_tokens_per_s_per_gpu"]
-        published = f8["published_tokens_per_s_per_gpu"] / bf16["published_tokens_per_s_per_gpu"]
-        assert 0.96 < planned / published < 1.0, (n, planned, published)
-    doc = (root / "docs" / "plan-step-time.md").read_text()
-    assert "the planned Float8 gain is within 4% of the published one, below it" in \
-        " ".join(doc.split())
+        (ROOT / "benchmarks/results/planner/validation.json").read_text())["rows"]}
+    bf16, f8 = rows[bf16_id], rows[bf16_id + "-float8"]
+    planned = f8["predicted_tokens_per_s_per_gpu"] / bf16["predicted_tokens_per_s_per_gpu"]
+    published = f8["published_tokens_per_s_per_gpu"] / bf16["published_tokens_per_s_per_gpu"]
+    assert low < planned / published < high, (planned, published)
+
+
+def test_the_step_time_page_quotes_the_paired_gains():
+    doc = " ".join((ROOT / "docs" / "plan-step-time.md").read_text().split())
+    for text in ("the planned Float8 gain is within 4% of the published one, below it",
+                 "it is 7% above with vanilla TP and within 1% with async TP",
+                 "FSDP 8 × TP 8 it is 8–11% above"):
+        assert text in doc
+
+
+def test_under_tp_the_module_inputs_are_cast_once_on_the_sequence_slice():
+    """torchao's float8 tp styles: `PrepareFloat8ModuleInput` casts attention's and the
+    feed-forward's input once, on the rank's SP slice, before the gather; wo and w2 cast
+    their own inputs, and their output gradients on the slice before the backward's gather."""
+    tokens, t, h = 2 * 8192, 8, LLAMA8B.hidden
+    lay = Layout(tp=t, dp=8, sp=True, micro_batch=2, zero=3, recompute="none")
+    gemms = block_gemms(LLAMA8B, tokens, t)
+    cast_f, cast_b, _ = float8_cast_bytes(gemms, F8, lay)
+    weights = sum(g.n * g.k for g in gemms)
+    by = {g.name: g for g in gemms}
+    inputs = 2 * tokens * h / t + tokens * (by["wo"].k + by["w2"].k)
+    grads = tokens * sum(by[n].n for n in ("wq", "wk", "wv", "w1", "w3")) + 2 * tokens * h / t
+    assert cast_f == pytest.approx(4 * inputs + 6 * weights, rel=1e-12)
+    assert cast_b == pytest.approx(4 * grads, rel=1e-12)
+    # without SP the module inputs are whole on every rank, cast once all the same
+    whole = float8_cast_bytes(gemms, F8, replace(lay, sp=False))[0]
+    assert whole == pytest.approx(cast_f + 4 * 2 * tokens * h * (1 - 1 / t), rel=1e-12)
+
+
+def test_under_sp_the_gathers_carry_fp8_and_the_reductions_bf16():
+    cluster = make_cluster("h100-96gb", 64)
+    lay = Layout(tp=8, dp=8, sp=True, micro_batch=1, zero=3, recompute="selective")
+    tp = {k: step_time(LLAMA8B, lay, cluster, 8192, 8, impl=v).detail["comm_s"]["tp"]
+          for k, v in (("bf16", TITAN), ("fp8", F8))}
+    act = 8192 * LLAMA8B.hidden
+    ag2, ag1, rs = (cluster.collective(op, act * e, 8, 1, "auto").seconds
+                    for op, e in (("all_gather", 2), ("all_gather", 1), ("reduce_scatter", 2)))
+    ratio = (ag1 + rs) / (ag2 + rs)
+    assert ratio < 1
+    # the blocks' collectives; the head's (bf16, not a Float8Linear) as before
+    assert tp["fp8"]["ops"]["collectives"] == pytest.approx(
+        tp["bf16"]["ops"]["collectives"] * ratio, rel=1e-9)
+    assert tp["fp8"]["ops"]["embedding_and_head"] == tp["bf16"]["ops"]["embedding_and_head"]

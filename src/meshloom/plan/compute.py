@@ -400,7 +400,8 @@ def block_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, e: int, f
             bwd = bwd + PassCost(elementwise=fwd.elementwise - att.elementwise)
     copies_f, copies_b = sp_copies(shape, lay, impl)  # after the recompute: tp_reruns has it
     if copies_f or copies_b:
-        one = sp_copy_seconds(rates, tokens, shape.hidden, e)
+        # each all-gather's worth is a gather and a reduce-scatter; float8 gathers in fp8
+        one = sp_copy_seconds(rates, tokens, shape.hidden, (FP8_BYTES + e) / 2 if fp8 else e)
         fwd.elementwise += copies_f * one
         bwd.elementwise += copies_b * one
     return BlockCost(fwd, bwd, att, ring)
@@ -408,21 +409,45 @@ def block_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, e: int, f
 
 def float8_cast_bytes(gemms: list[Gemm], impl: Implementation, lay: Layout
                       ) -> tuple[float, float, int]:
-    """(forward bytes, backward bytes, linears) of the fp8 casts around a block's linears,
-    one micro-batch (`Implementation.float8`, torchao's traffic model): forward, the input
-    (m x k) and the weight (n x k); backward, the output gradient (m x n). Each is read twice,
-    for its abs-max (unless fused into the kernel that made it: the input and the gradient
-    under `compile`) and by the cast, which writes it in fp8 row- and column-major. Under
+    """(forward bytes, backward bytes, casts) of the fp8 casts around a block's linears, one
+    micro-batch (`Implementation.float8`, torchao's traffic model): forward, the input (m x k)
+    and the weight (n x k); backward, the output gradient (m x n). Each is read twice, for its
+    abs-max (unless fused into the kernel that made it: the input and the gradient under
+    `compile`) and by the cast, which writes it in fp8 row- and column-major. Under
     `float8_all_gather` the weight is cast on its 1/dp shard before the gather, and the
-    backward transposes the gathered fp8 weight (a byte read, a byte written)."""
+    backward transposes the gathered fp8 weight (a byte read, a byte written).
+    Under tp > 1, torchao's float8 tensor-parallel styles (torchtitan's TP plan with float8):
+    `PrepareFloat8ModuleInput` casts each module's input once, on the rank's sequence slice
+    under SP, before the projections that read it gather it (the column-parallel linears
+    then take it as cast); a row-parallel linear casts its own input, and its output gradient
+    on the sequence slice before the backward's gather (`Float8RowwiseParallel`)."""
     act = 4 if impl.compile else 6
     gathered = float8_gathers(impl, lay)
+    t = lay.tp
+    slice_ = t if lay.sp else 1  # a [tokens, h] activation on this rank: its SP slice
     fwd = bwd = 0.0
+    casts = 0
+    module_cast = False  # this module's input (attention's, the feed-forward's) is cast
     for g in gemms:
         weight = g.n * g.k * g.count
-        fwd += act * g.m * g.k * g.count + 6 * weight / (lay.dp_shard if gathered else 1)
-        bwd += act * g.m * g.n * g.count + (2 * weight if gathered else 0)
-    return fwd, bwd, len(gemms)
+        fwd += 6 * weight / (lay.dp_shard if gathered else 1)
+        bwd += 2 * weight if gathered else 0
+        casts += 3
+        if t > 1 and g.name in _GATHERED:
+            if not module_cast:  # once, before the gather; its column-parallel readers share it
+                module_cast = True
+                fwd += act * g.m * g.k * g.count / slice_
+            else:
+                casts -= 1
+            bwd += act * g.m * g.n * g.count
+        elif t > 1 and g.name in _ROW_PARALLEL:  # the module ends with it
+            module_cast = False
+            fwd += act * g.m * g.k * g.count
+            bwd += act * g.m * g.n * g.count / slice_
+        else:
+            fwd += act * g.m * g.k * g.count
+            bwd += act * g.m * g.n * g.count
+    return fwd, bwd, casts
 
 
 # Under SP each all-reduce's worth of a block's tp traffic is an all-gather and a
@@ -475,7 +500,7 @@ def _fused_into_gemms(impl: Implementation) -> bool:
     return impl.sp_copies == "batch" and impl.tp_overlap and impl.tp_overlap_chunks
 
 
-def sp_copy_seconds(rates: Rates, tokens: int, hidden: int, e: int) -> float:
+def sp_copy_seconds(rates: Rates, tokens: int, hidden: int, e: float) -> float:
     """One sequence-parallel copy: a read and a write of the micro-batch's whole [tokens, h]."""
     return rates.stream(2 * tokens * hidden * e, 1)
 

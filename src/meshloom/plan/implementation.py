@@ -328,9 +328,11 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   reads the bf16 tensor (2 bytes an element; fused into the kernel that produced the input or
   the gradient under `compile`, never for the weight) and a cast that reads it again (2) and
   writes it in fp8 twice, row- and column-major (2), so 4 or 6 bytes an element; full
-  recompute casts again. Refused with tp > 1 (torchao's float8 tensor-parallel styles cast
-  before their collectives: not priced), for a mixture of experts, outside bf16 training, and
-  on a GPU whose kernel table has no fp8 rows (the A100s). Memory is counted as in bf16.
+  recompute casts again. Under tp > 1, torchao's float8 tensor-parallel styles
+  (`compute.float8_cast_bytes`): each module's input cast once on the rank's sequence slice
+  and the sequence-parallel gathers in fp8, the reductions in 16 bits. Refused for a mixture
+  of experts, outside bf16 training, and on a GPU whose kernel table has no fp8 rows (the
+  A100s). Memory is counted as in bf16.
 - `float8_all_gather`: with `float8` under ZeRO-3, the blocks' linear weights are cast to fp8 on
   their shards and gathered in fp8, one byte a parameter (torchao's
   `enable_fsdp_float8_all_gather`, torchtitan's flag of that name): the gathers and FSDP2's

@@ -342,17 +342,13 @@ def _collector_paused() -> Iterator[None]:
 
 def _float8_problem(shape: ModelShape, lay: Layout, impl: Implementation,
                     dtype: str) -> str | None:
-    """What `float8` is not priced for (implementation.py): bf16 training of dense blocks,
-    without tensor parallelism."""
+    """What `float8` is not priced for (implementation.py): bf16 training of dense blocks."""
     if impl.float8 == "none":
         return None
     if dtype != "bf16":
         return f"float8={impl.float8} trains in bf16 around its fp8 GEMMs: use --dtype bf16"
     if shape.is_moe:
         return f"float8={impl.float8} is priced for dense blocks; {shape.name} has experts"
-    if lay.tp > 1:
-        return (f"float8={impl.float8} is priced without tensor parallelism (torchao's float8 "
-                "tp styles cast before their collectives): fix tp=1")
     return None
 
 

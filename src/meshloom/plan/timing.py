@@ -170,11 +170,18 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     # reduce-scatter pairs with SP: the same bus time), and what recompute reruns of the
     # forward's (plan/reruns.py). With tp_overlap they run under the neighbouring GEMMs; only
     # the excess waits.
+    # Under float8 the gathers carry fp8 (torchao's float8 tp styles cast before them, the
+    # forward's inputs and the backward's output gradients); the reductions stay 16-bit.
     proto = impl.nccl_protocols
-    tp_calls = ([cluster.collective(op, tokens * shape.hidden * e, t, 1, proto)
-                 for op in ("all_gather", "reduce_scatter")] if lay.sp
+    def pair(gather_e: float) -> list:
+        return ([cluster.collective(op, tokens * shape.hidden * width, t, 1, proto)
+                 for op, width in (("all_gather", gather_e), ("reduce_scatter", e))] if lay.sp
                 else [cluster.collective("all_reduce", tokens * shape.hidden * e, t, 1, proto)])
+
+    tp_calls = pair(FP8_BYTES if impl.float8 != "none" else e)
     tp_one = sum(c.seconds for c in tp_calls)  # one all-reduce's worth
+    # the embedding's and the head's are 16-bit: neither is a float8 linear
+    end_one = sum(c.seconds for c in pair(e)) if impl.float8 != "none" else tp_one
     tp_start = sum(c.start for c in tp_calls)
     tp_pairs = ", ".join(sorted({c.name for c in tp_calls}))
     tp_f_all, tp_b_all = 2 * tp_one, (2 + tp_reruns(shape, lay, impl)) * tp_one
@@ -228,7 +235,7 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     head_f, head_b = head_cost(shape, lay, rates, seq, impl, e)
     emb_f, emb_b = embedding_cost(shape, lay, rates, seq, impl, e)
     head_wgrad = head_gemm(shape, tokens, t).backward()[1]
-    ends = end_collectives(lay, tp_one, tp_start / (2 if lay.sp else 1), rates.gemm(head_wgrad),
+    ends = end_collectives(lay, end_one, tp_start / (2 if lay.sp else 1), rates.gemm(head_wgrad),
                            impl)
     n_stages = p * v
 
