@@ -247,3 +247,19 @@ def test_under_sp_the_gathers_carry_fp8_and_the_reductions_bf16():
     assert tp["fp8"]["ops"]["collectives"] == pytest.approx(
         tp["bf16"]["ops"]["collectives"] * ratio, rel=1e-9)
     assert tp["fp8"]["ops"]["embedding_and_head"] == tp["bf16"]["ops"]["embedding_and_head"]
+
+
+def test_the_float8_rows_are_quoted_and_planned_with_their_recipe():
+    runs = [r for r in json.loads((ROOT / "benchmarks/published/runs.json").read_text())["runs"]
+            if r["precision"] == "bf16+float8"]
+    rows = {r["id"]: r for r in json.loads(
+        (ROOT / "benchmarks/results/planner/validation.json").read_text())["rows"]}
+    assert len(runs) == 11
+    for run in runs:
+        tps = run["published"]["tokens_per_s_per_gpu"]
+        assert f"{tps:,.0f}" in run["quote"] or f"{tps:g}" in run["quote"], run["id"]
+        row = rows[run["id"]]
+        assert "float8=tensorwise" in row["fix"] and row["fits"], run["id"]
+        assert row["set"].endswith("-float8")
+        gathered = run["implementation"].get("float8_all_gather", False)
+        assert ("weights gathered in fp8" in row["rates"]) == gathered, run["id"]

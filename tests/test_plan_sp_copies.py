@@ -135,7 +135,8 @@ def test_the_new_keys_parse_and_refuse_bad_values():
 
 def _runs() -> dict:
     data = json.loads(RUNS.read_text())
-    return {r["id"]: r for r in data["runs"] if r["source"] == "torchtitan-asynctp-h100"}
+    return {r["id"]: r for r in data["runs"]
+            if r["source"] == "torchtitan-asynctp-h100" and r["precision"] == "bf16"}
 
 
 def _rows() -> dict:
