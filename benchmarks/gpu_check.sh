@@ -7,7 +7,8 @@
 #   bash benchmarks/gpu_check.sh mfu MODELS [gpu_mfu.py args]   # the MFU benchmark
 #   bash benchmarks/gpu_check.sh lib NAME [--set ...]   # meshloom train on the 1B Llama
 #   bash benchmarks/gpu_check.sh tests      # tests/test_gpu.py
-#   bash benchmarks/gpu_check.sh kernels [bench args]   # kernel table (docs/kernel-tables.md)
+#   bash benchmarks/gpu_check.sh kernels [bench args]   # kernel table (docs/kernel-tables.md);
+#                                   # on an H100/H200 its GEMMs in fp8 too (--no-fp8: bf16 only)
 #   bash benchmarks/gpu_check.sh power [--seconds S]    # GEMM rate against GEMM duty cycle
 #   bash benchmarks/gpu_check.sh probe [probe args]     # one MPT-30B FSDP1 rank, 4096/8192
 set -uo pipefail

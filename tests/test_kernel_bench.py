@@ -169,7 +169,7 @@ def test_cpu_without_out_is_refused(capsys):
     assert "--out" in err and len(err.strip().splitlines()) == 1
 
 
-def _fake_measure(plan, device, dtype, log=None):
+def _fake_measure(plan, device, dtype, log=None, fp8=None):
     return {"gemm": [{"m": 2, "n": 2, "k": 2, "tflops": 1.0}], "attention": [],
             "copy_gbps": 1.0, "add_gbps": 1.0, "launch_us": 1.0, "skipped": []}
 
@@ -216,3 +216,12 @@ def test_on_a_gpu_the_table_is_named_by_its_preset(tmp_path, capsys, monkeypatch
     raw = json.loads((tmp_path / "h100.json").read_text())
     assert (raw["gpu"], raw["dtype"], raw["device"]) == ("h100", "bf16", "NVIDIA H100 80GB HBM3")
     assert "--gpu-name h100" in raw["provenance"]["command"]
+
+
+def test_fp8_is_refused_in_one_line_where_there_are_no_fp8_tensor_cores(tmp_path, capsys):
+    out = tmp_path / "k.json"
+    assert main(["bench", "kernels", "--quick", "--out", str(out), "--fp8"]) == 2
+    assert not out.exists()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("has no fp8 tensor cores (compute capability 8.9 and up, on CUDA)")
+    assert not any("measuring" in line for line in err)  # refused before anything ran

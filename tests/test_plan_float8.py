@@ -74,10 +74,20 @@ def test_fp8_rows_are_checked_on_load():
     bad["gemm_fp8"][1]["bf16_tflops"] = 0
     with pytest.raises(PlanError, match="gemm_fp8 row 1: sizes must be positive"):
         parse(bad)
-    bad = json.loads(json.dumps(raw))
-    bad["gemm_fp8"].append(dict(bad["gemm_fp8"][0]))
-    with pytest.raises(PlanError, match="same arithmetic intensity"):
-        parse(bad)
+    # a shape given twice is their mean; its transposes share its intensity and the point
+    two = json.loads(json.dumps(raw))
+    first = two["gemm_fp8"][0]
+    two["gemm_fp8"].append({**first, "tflops": first["tflops"] / 2})
+    two["gemm_fp8"].append({**first, "m": first["k"], "k": first["m"], "tflops": 1.0,
+                            "bf16_tflops": 1.0})
+    table = parse(two)
+    m, n, k = first["m"], first["n"], first["k"]
+    ratio = first["tflops"] / first["bf16_tflops"]
+    assert table.fp8_speedup(m, n, k) == pytest.approx(0.75 * ratio)
+    assert table.fp8_speedup(k, n, m) == 1.0
+    assert table.fp8_ratio[0] == (pytest.approx(gemm_intensity(m, n, k)),
+                                  pytest.approx((0.75 * ratio + 1.0) / 2))
+    assert len(table.fp8_ratio) == len(raw["gemm_fp8"])
 
 
 def test_an_fp8_gemm_runs_at_the_bf16_rate_times_the_ratio_and_reads_bytes_operands():
@@ -263,3 +273,33 @@ def test_the_float8_rows_are_quoted_and_planned_with_their_recipe():
         assert row["set"].endswith("-float8")
         gathered = run["implementation"].get("float8_all_gather", False)
         assert ("weights gathered in fp8" in row["rates"]) == gathered, run["id"]
+
+
+def test_bench_kernels_measures_fp8_gemms_beside_the_bf16_ones(tmp_path):
+    """`meshloom bench kernels` on a GPU with fp8 tensor cores writes `gemm_fp8` rows, each
+    with the bf16 rate of the same shape; here on the CPU (whose rates mean nothing) the
+    pipeline runs through `torch._scaled_mm` and the table it writes prices Float8 by shape."""
+    import torch
+
+    from meshloom.plan import kernel_bench as kb
+    from meshloom.plan.kernel_table import load
+
+    cpu = torch.device("cpu")
+    assert not kb.fp8_supported(cpu)
+    bf16 = [{"m": 64, "n": 32, "k": 48, "tflops": 0.5}, {"m": 64, "n": 30, "k": 48, "tflops": 0.5}]
+    rows, skipped = kb.bench_fp8_gemms(bf16, cpu, warmup=1, reps=2)
+    assert [(r["m"], r["n"], r["k"], r["bf16_tflops"]) for r in rows] == [(64, 32, 48, 0.5)]
+    assert rows[0]["tflops"] > 0 and skipped == ["fp8 gemm 64x30x48: a dimension is not a "
+                                                 "multiple of 16"]
+    plan = kb.BenchPlan(gemms=((64, 32, 48),), attention=(), stream_bytes=1 << 16, launches=10,
+                        warmup=1, reps=2)
+    results = kb.measure(plan, cpu, torch.float32, fp8=True)
+    table = kb.make_table("h100", "cpu", "fp32", results, {"note": "test"})
+    path = tmp_path / "t.json"
+    kb.write_table(path, table)
+    loaded = load(path)
+    row = table["gemm_fp8"][0]
+    assert loaded.fp8_speedup(64, 32, 48) == pytest.approx(row["tflops"] / row["bf16_tflops"])
+    assert "fp8 GEMM: 1 shapes" in kb.format_summary(table)
+    assert "gemm_fp8" not in kb.make_table("h100", "cpu", "fp32",
+                                           kb.measure(plan, cpu, torch.float32), {"note": "t"})

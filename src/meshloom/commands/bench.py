@@ -52,6 +52,9 @@ def add_parser(sub) -> None:
     k.add_argument("--gpu-name", help="the GPU preset the table is for (default: from the "
                    "device name, e.g. h100, h200, a100-80g)")
     k.add_argument("--force", action="store_true", help="replace a published table")
+    k.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=None,
+                   help="also time each GEMM shape in fp8 (torch._scaled_mm) for the table's "
+                        "gemm_fp8 rows (default: on for bf16 on a GPU with fp8 tensor cores)")
     k.add_argument("--quick", action="store_true",
                    help="a reduced set in seconds (CI); on CPU the tiny preset at seq 32")
     k.set_defaults(func=run_kernels)
@@ -96,6 +99,8 @@ def _command(args, models: list[str], seq: int, mbs: list[int], tps: list[int],
             words += [flag, value]
     if args.reps:
         words += ["--reps", str(args.reps)]
+    if args.fp8 is not None:
+        words.append("--fp8" if args.fp8 else "--no-fp8")
     return " ".join(words + (["--quick"] if args.quick else []))
 
 
@@ -140,6 +145,9 @@ def kernels(args) -> int:
     else:
         out = kb.default_out(gpu)
     kb.check_out(out, args.force)
+    if args.fp8 and not kb.fp8_supported(device):
+        raise PlanError(f"--fp8: {name} has no fp8 tensor cores (compute capability 8.9 and "
+                        "up, on CUDA)")
 
     dtype_name = args.dtype if device.type == "cuda" else "fp32"
     note = ("" if device.type == "cuda" else
@@ -154,7 +162,7 @@ def kernels(args) -> int:
         print(line, file=sys.stderr, flush=True)
 
     log(f"measuring {name} ({device.type}, {dtype_name}) into {out}")
-    results = kb.measure(plan, device, kb.DTYPES[dtype_name], log)
+    results = kb.measure(plan, device, kb.DTYPES[dtype_name], log, fp8=args.fp8)
     if not results["gemm"]:
         raise PlanError("no GEMM shape fitted in the device's memory; nothing to write")
     command = _command(args, [n.strip() for n in names], seq, mbs, tps, gpu)

@@ -5,6 +5,10 @@ plan/kernel_table.py, docs/kernel-tables.md): what `meshloom bench kernels` writ
   micro-batches and tensor-parallel degrees, plus a grid of square sizes, timed as
   `torch.matmul(A[m, k], B[k, n])` on contiguous tensors. A measured table answers the
   planner's own shapes exactly instead of interpolating.
+- fp8 GEMMs (bf16 runs on a GPU with fp8 tensor cores, compute capability 8.9 and up): the
+  same shapes as `torch._scaled_mm` of e4m3 operands with tensor-wise scales and a bf16
+  output (what torchao's Float8Linear calls), each written with the bf16 rate of the same
+  shape in the same run (`gemm_fp8` rows: the planner prices Float8 by their ratio).
 - Attention: `scaled_dot_product_attention` forward, and backward alone (the forward runs
   outside the timed call), FLOPs counted as `kernel_table.attention_flops` counts them.
 - HBM: a large `copy_` (bytes read + written over time) and an elementwise add.
@@ -198,6 +202,56 @@ def bench_gemms(shapes: Iterable[tuple[int, int, int]], device: torch.device, dt
     return rows, skipped
 
 
+# fp8 tensor cores: Ada (8.9) and Hopper (9.0) on; `torch._scaled_mm` wants every dimension a
+# multiple of 16.
+FP8_CAPABILITY = (8, 9)
+FP8_ALIGN = 16
+
+
+def fp8_supported(device: torch.device) -> bool:
+    """Whether this device runs fp8 GEMMs on tensor cores (a CPU's `_scaled_mm` is no guide)."""
+    return (device.type == "cuda" and hasattr(torch, "_scaled_mm")
+            and torch.cuda.get_device_capability(device) >= FP8_CAPABILITY)
+
+
+def _fp8_gemm_seconds(m: int, n: int, k: int, device: torch.device, warmup: int,
+                      reps: int) -> float:
+    a = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, k, device=device).to(torch.float8_e4m3fn).t()  # column-major [k, n]
+    one = torch.ones((), device=device)
+    return measure_seconds(
+        lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+        device, warmup, reps, GEMM_BUDGET_S, flush_l2=True)
+
+
+def bench_fp8_gemms(bf16_rows: Iterable[dict], device: torch.device, warmup: int, reps: int,
+                    log: Callable[[str], None] = lambda s: None
+                    ) -> tuple[list[dict], list[str]]:
+    """fp8 TFLOP/s of each bf16 row's shape (`gemm_fp8` rows, each with that row's rate as
+    `bf16_tflops`); shapes `_scaled_mm` cannot take, or that do not fit, are skipped and
+    named."""
+    rows, skipped = [], []
+    for i, r in enumerate(bf16_rows):
+        m, n, k = r["m"], r["n"], r["k"]
+        if m % FP8_ALIGN or n % FP8_ALIGN or k % FP8_ALIGN:
+            skipped.append(f"fp8 gemm {m}x{n}x{k}: a dimension is not a multiple of "
+                           f"{FP8_ALIGN}")
+            continue
+        try:
+            seconds = _fp8_gemm_seconds(m, n, k, device, warmup, reps)
+        except torch.OutOfMemoryError:
+            skipped.append(f"fp8 gemm {m}x{n}x{k}: out of memory")
+            continue
+        finally:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        rows.append({"m": m, "n": n, "k": k, "tflops": 2.0 * m * n * k / seconds / 1e12,
+                     "bf16_tflops": r["tflops"]})
+        if (i + 1) % 50 == 0:
+            log(f"  {i + 1} fp8 GEMM shapes measured")
+    return rows, skipped
+
+
 # SDPA backends a GPU table measures, and the table's name for each kernel: "fa2" (the
 # FlashAttention-2 kernels PyTorch ships) is every table's base series; the others are priced
 # by their ratio to it (kernel_table.py). PyTorch 2.11 on an H100 picks cuDNN's when free to.
@@ -336,9 +390,16 @@ def bench_optimizer(nbytes: int, device: torch.device, warmup: int, reps: int) -
 
 
 def measure(plan: BenchPlan, device: torch.device, dtype: torch.dtype,
-            log: Callable[[str], None] = lambda s: None) -> dict:
+            log: Callable[[str], None] = lambda s: None, fp8: bool | None = None) -> dict:
+    """Every rate of the plan; `fp8` (default: a bf16 run on fp8 tensor cores) adds the
+    GEMMs' fp8 rates."""
     log(f"GEMM: {len(plan.gemms)} shapes")
     gemm, skipped = bench_gemms(plan.gemms, device, dtype, plan.warmup, plan.reps, log)
+    gemm_fp8 = []
+    if fp8 if fp8 is not None else dtype == torch.bfloat16 and fp8_supported(device):
+        log(f"fp8 GEMM: {len(gemm)} shapes")
+        gemm_fp8, missed = bench_fp8_gemms(gemm, device, plan.warmup, plan.reps, log)
+        skipped += missed
     log(f"attention: {len(plan.attention)} cases, forward and backward")
     attention, unavailable = bench_attention_backends(plan.attention, device, dtype,
                                                       plan.warmup, plan.reps)
@@ -348,7 +409,7 @@ def measure(plan: BenchPlan, device: torch.device, dtype: torch.dtype,
     launch_us = bench_launch(device, plan.launches, max(MIN_REPS, plan.reps // 4))
     log("AdamW step")
     adam_gbps = bench_optimizer(plan.stream_bytes, device, plan.warmup, plan.reps)
-    return {"gemm": gemm, "attention": attention, "copy_gbps": copy_gbps,
+    return {"gemm": gemm, "gemm_fp8": gemm_fp8, "attention": attention, "copy_gbps": copy_gbps,
             "add_gbps": add_gbps, "launch_us": launch_us, "optimizer_gbps": adam_gbps,
             "skipped": skipped,
             "attention_kernels": attention_kernel_names(device, dtype)}
@@ -394,10 +455,12 @@ def check_out(path: Path, force: bool) -> None:
 
 
 def make_table(gpu: str, name: str, dtype: str, results: dict, provenance: dict) -> dict:
+    fp8 = {"gemm_fp8": results["gemm_fp8"]} if results.get("gemm_fp8") else {}
     return {
         "gpu": gpu, "device": name, "dtype": dtype, "kind": "measured",
         "provenance": provenance,
         "gemm": results["gemm"],
+        **fp8,
         "attention": results["attention"],
         "hbm_gbps": {"value": results["copy_gbps"],
                      "what": "achieved streaming copy bandwidth, read+write bytes / time",
@@ -452,6 +515,11 @@ def format_summary(table: dict) -> str:
     squares = [r for r in gemm if r["m"] == r["n"] == r["k"]]
     if squares:
         lines.append("  square " + ", ".join(f"{r['m']}: {r['tflops']:.4g}" for r in squares))
+    fp8 = table.get("gemm_fp8") or []
+    if fp8:
+        ratios = sorted(r["tflops"] / r["bf16_tflops"] for r in fp8)
+        lines.append(f"  fp8 GEMM: {len(fp8)} shapes, over bf16 min {ratios[0]:.3g}, median "
+                     f"{statistics.median(ratios):.3g}, max {ratios[-1]:.3g}")
     if table["attention"]:
         lines.append(f"  {'attention':<10}{'seq':>7}{'d':>5}{'causal':>8}{'TFLOP/s':>10}")
         for r in table["attention"]:

@@ -41,8 +41,10 @@ A shape measured by several sources is one point, their mean. Lookups between po
   same arithmetic intensity, 1 / (1/m + 1/n + 1/k) (flops per operand element moved): fp8
   halves the bytes a flop needs and doubles the tensor cores' peak, so how much of that a shape
   gains follows how compute-bound it is, and the ratio is linear in log2 of the intensity
-  between the benchmark's points, clamped at its ends. A ratio of one kernel family against
-  itself on one GPU, applied to the table's own 16-bit shapes (`fp8_speedup`).
+  between the benchmark's points, clamped at its ends (shapes of one intensity, a GEMM and its
+  transposes, are one point, their mean); a shape the rows have is answered as measured. A
+  ratio of one kernel family against itself on one GPU, applied to the table's own 16-bit
+  shapes (`fp8_speedup`).
 - Head width: each kernel is compiled for a few head widths and runs a model's head padded up to
   the next one, doing that width's FLOPs (`padded_head_dim`). A width the table measured is
   answered as measured; any other is looked up at its padded width, and the rate in the model's
@@ -137,6 +139,8 @@ class KernelTable:
     # fp8 over 16-bit GEMM speed by arithmetic intensity (`gemm_fp8`): ((intensity, ratio), ...)
     # in increasing intensity; empty where no fp8 benchmark was published (no fp8 pricing).
     fp8_ratio: tuple = field(default=(), compare=False, hash=False)
+    # The same ratios by shape, (m, n, k) -> ratio: a shape the table has is answered as is.
+    fp8_shapes: dict = field(default_factory=dict, compare=False, hash=False)
     # Answers already worked out: a search asks about the same few dozen shapes thousands of
     # times.
     _memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
@@ -160,6 +164,9 @@ class KernelTable:
         if not self.fp8_ratio:
             raise PlanError(f"kernel table {self.gpu}: no fp8 GEMM rows (gemm_fp8), so float8 "
                             "cannot be priced on it (fp8 tensor cores: Hopper and later)")
+        exact = self.fp8_shapes.get((int(m), int(n), int(k)))
+        if exact is not None:
+            return exact
         x = math.log2(gemm_intensity(m, n, k))
         pts = self.fp8_ratio
         if x <= math.log2(pts[0][0]):
@@ -167,7 +174,7 @@ class KernelTable:
         for (i0, r0), (i1, r1) in zip(pts, pts[1:], strict=False):
             x0, x1 = math.log2(i0), math.log2(i1)
             if x <= x1:
-                return r0 + (r1 - r0) * (x - x0) / (x1 - x0)
+                return r0 + (r1 - r0) * (x - x0) / (x1 - x0) if x1 > x0 else (r0 + r1) / 2
         return pts[-1][1]
 
     def attention_tflops(self, seq: int, head_dim: int, causal: bool, direction: str,
@@ -410,19 +417,21 @@ def parse(raw: dict, where: str = "<table>") -> KernelTable:
             _check_source(raw, entry, sources, key, bad)
         scalars[key] = float(value) if value is not None else None
     ratio_from = _ratio_from(raw, other, sources, bad)
-    fp8 = _fp8_ratio(raw, sources, bad)
+    fp8, fp8_shapes = _fp8_ratio(raw, sources, bad)
     return KernelTable(str(raw["gpu"]), raw["kind"], str(raw.get("device", raw["gpu"])), where,
                        _mean_duplicates(gemm, 3), _mean_duplicates(attention, 4),
                        scalars["hbm_gbps"], scalars["launch_us"],
                        {k: _mean_duplicates(v, 4) for k, v in other.items()},
-                       scalars["optimizer_gbps"], ratio_from, fp8)
+                       scalars["optimizer_gbps"], ratio_from, fp8, fp8_shapes)
 
 
-def _fp8_ratio(raw: dict, sources: dict, bad) -> tuple:
-    """The `gemm_fp8` rows as ((intensity, fp8 / 16-bit speed), ...) by intensity. Each row
-    gives one shape's fp8 `tflops` and the same benchmark's 16-bit `bf16_tflops`, each cited
-    (`source`, `bf16_source`)."""
-    points = []
+def _fp8_ratio(raw: dict, sources: dict, bad) -> tuple[tuple, dict]:
+    """The `gemm_fp8` rows as ((intensity, fp8 / 16-bit speed), ...) by intensity, and the
+    same ratios by shape. Each row gives one shape's fp8 `tflops` and the same benchmark's
+    16-bit `bf16_tflops`, each cited in a published table (`source`, `bf16_source`). Shapes
+    of one intensity (a GEMM and its transposes: a measured table's forward and input
+    gradient) are one point, their mean."""
+    by_shape: dict[tuple, list[float]] = {}
     for i, row in enumerate(raw.get("gemm_fp8") or []):
         try:
             m, n, k = int(row["m"]), int(row["n"]), int(row["k"])
@@ -435,11 +444,13 @@ def _fp8_ratio(raw: dict, sources: dict, bad) -> tuple:
         _check_source(raw, row, sources, f"gemm_fp8 row {i}", bad)
         _check_source(raw, {"source": row.get("bf16_source")}, sources,
                       f"gemm_fp8 row {i} (bf16_source)", bad)
-        points.append((gemm_intensity(m, n, k), fp8 / half))
-    points.sort()
-    if len({p[0] for p in points}) != len(points):
-        raise bad("gemm_fp8: two rows of the same arithmetic intensity")
-    return tuple(points)
+        by_shape.setdefault((m, n, k), []).append(fp8 / half)
+    shapes = {key: sum(v) / len(v) for key, v in by_shape.items()}
+    by_dims: dict[tuple, list[float]] = {}
+    for key, ratio in shapes.items():
+        by_dims.setdefault(tuple(sorted(key)), []).append(ratio)
+    points = sorted((gemm_intensity(*dims), sum(v) / len(v)) for dims, v in by_dims.items())
+    return tuple(points), shapes
 
 
 def _ratio_from(raw: dict, other: dict, sources: dict, bad) -> dict:
