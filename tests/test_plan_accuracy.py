@@ -137,3 +137,28 @@ def test_plan_says_when_the_preset_was_changed(flag, capsys):
     assert out.rstrip().endswith("committed kernel table, which you changed.")
     assert main([*PLAN, "--gpu", "h100", *flag, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["accuracy"]["adjusted"] is True
+
+
+def test_a_float8_plan_quotes_the_float8_runs_first(monkeypatch):
+    rows = [_row("published-h100-96gb-500w", "h100-96gb", 8, 0.16, "torchtitan"),
+            _row("published-h100-96gb-500w-float8", "h100-96gb", 8, 0.12, "torchtitan"),
+            _row("published-h100-96gb-500w-float8", "h100-96gb", 128, 0.16, "torchtitan"),
+            _row("published-h200-float8", "h200", 32, 0.10, "torchtitan"),
+            _row("meshloom-h100", "h100", 1, 0.01)]
+    summary = accuracy.summarise(rows)
+    assert summary["gpus"]["h100-96gb"]["float8"]["runs"] == 2
+    assert "float8" not in summary["gpus"]["h100"]
+    monkeypatch.setattr(accuracy, "load", lambda: summary)
+    lines = accuracy.describe("h100-96gb", trainer="torchtitan", float8=True)
+    assert lines[1:] == [
+        "  2 published Float8 runs of torchtitan (8\u2013128 GPUs) 14.0% off on average, "
+        "+12.0% to +16.0%, planned 14.0% fast on average",
+        "  3 published runs of torchtitan (8\u2013128 GPUs) 14.7% off on average, "
+        "+12.0% to +16.0%, planned 14.7% fast on average"]
+    # every run on the GPU is a Float8 one: said once
+    assert accuracy.describe("h200", trainer="torchtitan", float8=True)[1:] == [
+        "  1 published Float8 run of torchtitan (32 GPUs) +10.0% off, planned 10.0% fast on "
+        "average"]
+    assert accuracy.describe("h100", float8=True)[1] == (
+        "  no published Float8 run on h100 was planned")
+    assert "Float8" not in "".join(accuracy.describe("h100-96gb", trainer="torchtitan"))

@@ -324,5 +324,5 @@ def format_table(shape: ModelShape, found: list[Candidate], setup: dict) -> str:
         from meshloom.plan.accuracy import describe
         acc = setup["accuracy"]
         lines += describe(acc["gpu"], acc["adjusted"], acc.get("trainer", "meshloom"),
-                          cl["gpus"])
+                          cl["gpus"], float8=best.impl.float8 != "none")
     return "\n".join(lines)

@@ -44,15 +44,17 @@ def _group(rows: list[dict]) -> dict:
 
 
 def summarise(rows: list[dict]) -> dict:
-    """Per GPU preset, meshloom's own runs (sets `meshloom-*`) and the published runs of
-    other trainers, each summarised (`_group`)."""
+    """Per GPU preset, meshloom's own runs (sets `meshloom-*`), the published runs of other
+    trainers and, of those, the ones that trained in Float8 (sets `*-float8`), each
+    summarised (`_group`)."""
     out: dict[str, dict] = {}
     for gpu in sorted({r["gpu"] for r in rows}):
         on_gpu = [r for r in rows if r["gpu"] == gpu]
         own = [r for r in on_gpu if r["set"].startswith("meshloom-")]
         others = [r for r in on_gpu if not r["set"].startswith("meshloom-")]
-        out[gpu] = {k: _group(sel) for k, sel in (("meshloom", own), ("published", others))
-                    if sel}
+        float8 = [r for r in others if r["set"].endswith("-float8")]
+        out[gpu] = {k: _group(sel) for k, sel in (("meshloom", own), ("published", others),
+                                                  ("float8", float8)) if sel}
         keys = sorted({k for r in others if (k := trainer_key(r.get("trainer") or ""))})
         if keys:  # the published runs of each trainer `--trainer` names
             out[gpu]["by_trainer"] = {
@@ -104,23 +106,34 @@ def _published(g: dict, who: str) -> str:
 
 
 def describe(gpu: str, adjusted: bool = False, trainer: str = "meshloom",
-             gpus: int = 1) -> list[str]:
+             gpus: int = 1, float8: bool = False) -> list[str]:
     """Lines for `meshloom plan`'s output: how far plans on `gpu` have been from measured runs,
-    those of `trainer` first when it is another trainer's plan. `adjusted`: the user changed
-    the preset's figures or its kernel table, which the validation did not use; `gpus`: the
-    plan's GPU count, beyond which meshloom's own runs were never measured."""
+    those of `trainer` first when it is another trainer's plan, and the Float8 runs first of
+    all for a plan priced in Float8 (`float8`). `adjusted`: the user changed the preset's
+    figures or its kernel table, which the validation did not use; `gpus`: the plan's GPU
+    count, beyond which meshloom's own runs were never measured."""
     acc = for_gpu(gpu)
     if not acc:
         return [f"accuracy on {gpu}: no measured run on this GPU has been compared with a plan "
                 "(docs/plan-validation.md)"]
     parts = []
+    f8 = acc.get("float8") if float8 else None
+    if float8:
+        parts.append(_published(f8, ", ".join(f8["trainers"])).replace(
+            " published run", " published Float8 run", 1) if f8 else
+            f"no published Float8 run on {gpu} was planned")
+
+    def said(g: dict | None) -> bool:  # the Float8 line already covers these runs
+        return bool(f8 and g and g["runs"] == f8["runs"])
+
     own = acc.get("meshloom")
     if trainer != "meshloom":
         mine = acc.get("by_trainer", {}).get(trainer)
         elsewhere = [g for g, a in load()["gpus"].items() if trainer in a.get("by_trainer", {})]
-        parts.append(_published(mine, trainer) if mine else
-                     f"no published run of {trainer} on {gpu} was planned"
-                     + (f" (its runs were on {', '.join(elsewhere)})" if elsewhere else ""))
+        if not said(mine):
+            parts.append(_published(mine, trainer) if mine else
+                         f"no published run of {trainer} on {gpu} was planned"
+                         + (f" (its runs were on {', '.join(elsewhere)})" if elsewhere else ""))
     elif own:
         most = own["gpus"][1]
         beyond = (f"; none on more than {most} GPU{'s' if most > 1 else ''} yet"
@@ -128,7 +141,7 @@ def describe(gpu: str, adjusted: bool = False, trainer: str = "meshloom",
         parts.append(f"meshloom's own {own['runs']} run{'s' if own['runs'] > 1 else ''} "
                      f"({_gpus(own)}) {_spread(own)}{beyond}")
     pub = acc.get("published")
-    if pub and (trainer == "meshloom" or pub["trainers"] != [trainer]):
+    if pub and not said(pub) and (trainer == "meshloom" or pub["trainers"] != [trainer]):
         parts.append(("all " if trainer != "meshloom" else "")
                      + _published(pub, ", ".join(pub["trainers"])))
     note = (" Measured with the preset's figures and committed kernel table, which you "
