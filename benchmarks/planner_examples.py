@@ -49,6 +49,12 @@ _TT_PP = ("--model llama3-70b --gpus 64 --gpu h100 --seq 8192 --global-batch 128
 
 _CARRY_FULL = _CARRY.replace("recompute=none", "recompute=full")
 
+# torchtitan's Llama 3 8B on 8 H100 SXMs, compiled, bf16 and with torchao's Float8 (its
+# weights gathered in fp8): what Float8 buys on that layout ("Step time", Float8).
+_TT_8B = ("--model llama3-8b --gpus 8 --gpu h100 --seq 8192 --global-batch 16 --top 1 "
+          "--trainer torchtitan --fix tp=1,pp=1,cp=1,micro_batch=2,zero=3,recompute=selective,"
+          "compile=true,cross_entropy=fused")
+
 EXAMPLES: dict[str, str] = {
     "moe_mixtral_8x7b_64xh100": f"{_MOE} --model mixtral-8x7b --gpus 64 --top 5",
     "moe_mixtral_8x7b_64xh100_balanced":
@@ -90,6 +96,8 @@ EXAMPLES: dict[str, str] = {
     "torchtitan_llama3_70b_64xh100_pp4": _TT_PP,
     "torchtitan_llama3_70b_64xh100_pp4_meshloom": f"{_TT_PP},pp_fsdp=meshloom",
     "torchtitan_llama3_70b_64xh100_pp4_zero2": _TT_PP.replace("zero=3", "zero=2"),
+    "torchtitan_llama3_8b_8xh100": _TT_8B,
+    "torchtitan_llama3_8b_8xh100_float8": f"{_TT_8B},float8=tensorwise,float8_all_gather=true",
     "llama3_70b_64xh100": f"{_L70} --top 5",
     "llama3_70b_64xh100_compile": f"{_L70} --top 1 --fix {_BEST},compile=true",
     "llama3_70b_64xh100_tp_overlap": f"{_L70} --top 1 --fix {_BEST},tp_overlap=true",

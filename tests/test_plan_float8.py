@@ -303,3 +303,19 @@ def test_bench_kernels_measures_fp8_gemms_beside_the_bf16_ones(tmp_path):
     assert "fp8 GEMM: 1 shapes" in kb.format_summary(table)
     assert "gemm_fp8" not in kb.make_table("h100", "cpu", "fp32",
                                            kb.measure(plan, cpu, torch.float32), {"note": "t"})
+
+
+def test_the_step_time_page_quotes_the_float8_example_files():
+    files = {k: json.loads((ROOT / f"benchmarks/results/planner/torchtitan_llama3_8b_8xh100{k}"
+                                   ".json").read_text())["candidates"][0]
+             for k in ("", "_float8")}
+    bf16, f8 = files[""], files["_float8"]
+    gemm = [c["time_detail_s"]["compute_s"]["gemm"] * 1e3 for c in (bf16, f8)]
+    ew = [c["time_detail_s"]["compute_s"]["elementwise"] * 1e3 for c in (bf16, f8)]
+    gain = f8["tokens_per_s_per_gpu"] / bf16["tokens_per_s_per_gpu"]
+    doc = " ".join((ROOT / "docs" / "plan-step-time.md").read_text().split())
+    assert (f"plans {bf16['step_time_s']:.2f} s a step in bf16 and {f8['step_time_s']:.2f} s "
+            f"with Float8 and its weights gathered in fp8, {gain:.2f}× the throughput: the GEMMs "
+            f"take {gemm[0]:.0f} ms in bf16 and {gemm[1]:.0f} ms in fp8, the elementwise kernels "
+            f"{ew[0]:.0f} ms and {ew[1]:.0f} ms with the casts") in doc
+    assert "float8: tensorwise" in f8["time_detail_s"]["rates"]
