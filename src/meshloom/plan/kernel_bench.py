@@ -396,7 +396,9 @@ def measure(plan: BenchPlan, device: torch.device, dtype: torch.dtype,
     log(f"GEMM: {len(plan.gemms)} shapes")
     gemm, skipped = bench_gemms(plan.gemms, device, dtype, plan.warmup, plan.reps, log)
     gemm_fp8 = []
-    if fp8 if fp8 is not None else dtype == torch.bfloat16 and fp8_supported(device):
+    if fp8 is None:
+        fp8 = dtype == torch.bfloat16 and fp8_supported(device)
+    if fp8:
         log(f"fp8 GEMM: {len(gemm)} shapes")
         gemm_fp8, missed = bench_fp8_gemms(gemm, device, plan.warmup, plan.reps, log)
         skipped += missed

@@ -164,18 +164,12 @@ class KernelTable:
         if not self.fp8_ratio:
             raise PlanError(f"kernel table {self.gpu}: no fp8 GEMM rows (gemm_fp8), so float8 "
                             "cannot be priced on it (fp8 tensor cores: Hopper and later)")
-        exact = self.fp8_shapes.get((int(m), int(n), int(k)))
-        if exact is not None:
-            return exact
-        x = math.log2(gemm_intensity(m, n, k))
-        pts = self.fp8_ratio
-        if x <= math.log2(pts[0][0]):
-            return pts[0][1]
-        for (i0, r0), (i1, r1) in zip(pts, pts[1:], strict=False):
-            x0, x1 = math.log2(i0), math.log2(i1)
-            if x <= x1:
-                return r0 + (r1 - r0) * (x - x0) / (x1 - x0) if x1 > x0 else (r0 + r1) / 2
-        return pts[-1][1]
+        key = ("fp8", int(m), int(n), int(k))
+        ratio = self._memo.get(key)
+        if ratio is None:
+            ratio = self._memo[key] = self.fp8_shapes.get(key[1:]) or _fp8_rate(
+                self.fp8_ratio, m, n, k)
+        return ratio
 
     def attention_tflops(self, seq: int, head_dim: int, causal: bool, direction: str,
                          kernel: str = "fa2") -> float:
@@ -254,6 +248,18 @@ def attention_flops(batch_heads: float, q_len: float, kv_len: float, head_dim: i
 def gemm_intensity(m: float, n: float, k: float) -> float:
     """A GEMM's flops per operand element moved, up to a constant: 2mnk / 2(mk + kn + mn)."""
     return 1.0 / (1.0 / max(1.0, m) + 1.0 / max(1.0, n) + 1.0 / max(1.0, k))
+
+
+def _fp8_rate(points: tuple, m: float, n: float, k: float) -> float:
+    """The fp8/16-bit ratio at a shape's intensity: linear in log2 between `points`, clamped."""
+    x = math.log2(gemm_intensity(m, n, k))
+    if x <= math.log2(points[0][0]):
+        return points[0][1]
+    for (i0, r0), (i1, r1) in zip(points, points[1:], strict=False):
+        x0, x1 = math.log2(i0), math.log2(i1)
+        if x <= x1:
+            return r0 + (r1 - r0) * (x - x0) / (x1 - x0) if x1 > x0 else (r0 + r1) / 2
+    return points[-1][1]
 
 
 def _gemm_rate(points: tuple, m: int, n: int, k: int) -> float:
