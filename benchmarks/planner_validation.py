@@ -91,6 +91,21 @@ def scaled_h100_table(factor: float) -> str:
     return str(path)
 
 
+@cache
+def attention_full_clock_table(gpu: str) -> str | None:
+    """A committed table that scales its borrowed attention rates to a power limit
+    (`at_power_limit`), with the attention rates left at the lender's clock, written to a
+    temporary file; None for a table without one."""
+    raw = json.loads((kernel_table.TABLE_DIR / f"{gpu}.json").read_text())
+    limit = raw.get("at_power_limit")
+    if not limit or not limit.get("attention", True):
+        return None
+    raw["at_power_limit"] = {**limit, "attention": False}
+    path = _scratch() / f"{gpu}-attention-full-clock.json"
+    path.write_text(json.dumps(raw))
+    return str(path)
+
+
 def sustained_h100_table() -> str:
     """The committed H100 table with every GEMM at the sustained floor (sustained_ratio)."""
     return scaled_h100_table(sustained_ratio())
@@ -136,6 +151,13 @@ def _row(set_name: str, rid: str, gpu: str, gpus: int, shape, seq: int, batch: i
                                 kernels=str(MEASURED_H100))
         alt = search(shape, measured, seq, batch, fixed, flash=flash, top=1)[0]
         extra = {**(extra or {}), "error_measured_kernels": round(
+            alt.tokens_per_s_per_gpu / published_tps - 1, 4)}
+    if (full_clock := attention_full_clock_table(gpu)) is not None:
+        # The other reading of the power limit: only the GEMMs slowed by it.
+        cl = make_cluster(gpu, gpus, gpus_per_node, memory_gb=memory_gb, inter_gbps=inter_gbps,
+                          kernels=full_clock)
+        alt = search(shape, cl, seq, batch, fixed, flash=flash, top=1)[0]
+        extra = {**(extra or {}), "error_attention_full_clock": round(
             alt.tokens_per_s_per_gpu / published_tps - 1, 4)}
     if gpu == "h100" and GEMM_SUSTAINED.exists():
         def priced(factor: float):

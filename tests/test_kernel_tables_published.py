@@ -74,6 +74,8 @@ def check_table(table: object, stem: str) -> list[str]:
     of the committed table it names, which must not take them from a third."""
     if not isinstance(table, dict):
         return ["top level must be an object"]
+    if "at_power_limit" in table and "compute_from" not in table:
+        return ["at_power_limit without compute_from"]
     if "compute_from" in table:
         if "gemm" in table or "attention" in table:
             return ["compute_from and its own gemm or attention rows"]
@@ -161,9 +163,33 @@ def check_table(table: object, stem: str) -> list[str]:
                     gpu.peak_tflops)
         _check_source(problems, where, row, table)
         _check_source(problems, f"{where} bf16", {"source": row.get("bf16_source")}, table)
+    _check_power_limit(problems, table, gpu.peak_tflops)
     _check_scalar(problems, "hbm_gbps", table, gpu.hbm_gbps)
     _check_scalar(problems, "launch_us", table, None)
     return problems
+
+
+def _check_power_limit(problems: list[str], table: dict, peak: float) -> None:
+    """`at_power_limit`: the watts, whether attention is scaled, and GEMM rows measured on
+    the GPU at that limit, each cited like any other row."""
+    limit = table.get("at_power_limit")
+    if limit is None:
+        return
+    if not isinstance(limit, dict) or not isinstance(limit.get("gemm"), list) or \
+            not limit["gemm"]:
+        problems.append("at_power_limit: an object with a non-empty gemm list")
+        return
+    if not _number(limit.get("watts")) or not limit["watts"] > 0:
+        problems.append(f"at_power_limit: watts {limit.get('watts')!r} must be positive")
+    if not isinstance(limit.get("attention", True), bool) or not _text(limit.get("what")):
+        problems.append("at_power_limit: attention must be a bool and 'what' must say what "
+                        "the rows are")
+    for i, row in enumerate(limit["gemm"]):
+        where = f"at_power_limit.gemm[{i}]"
+        if not all(_positive_int(row.get(dim)) for dim in "mnk"):
+            problems.append(f"{where}: m, n, k must be positive integers")
+        _check_rate(problems, where, row, peak)
+        _check_source(problems, where, row, table)
 
 
 def test_kernel_tables_exist():
@@ -258,6 +284,43 @@ def test_checker_rejects_broken_table(name):
     table = copy.deepcopy(_valid_published())
     BREAKS[name](table)
     assert check_table(table, "h100"), f"{name} was not caught"
+
+
+def _valid_borrowing() -> dict:
+    return {
+        "gpu": "h100-96gb", "device": "H100 96GB at 500 W", "dtype": "bf16",
+        "kind": "published", "provenance": {"note": "test fixture"}, "compute_from": "h100",
+        "sources": {"p": {"title": "t", "url": "https://example.org/p", "where": "PR",
+                          "quote": "585 TFLOPS"}},
+        "at_power_limit": {"watts": 500, "what": "bf16 GEMMs at 500 W", "attention": True,
+                           "gemm": [{"m": 8192, "n": 8192, "k": 8192, "tflops": 585.0,
+                                     "source": "p"}]},
+        "hbm_gbps": {"value": 2000.0, "what": "copy", "source": "p"},
+        "launch_us": None,
+    }
+
+
+POWER_BREAKS = {
+    "power limit without compute_from": _set("compute_from", _DELETE),
+    "power limit row source missing": _set("at_power_limit.gemm.0.source", "nowhere"),
+    "power limit row above the peak": _set("at_power_limit.gemm.0.tflops", 990.0),
+    "power limit row shape not an integer": _set("at_power_limit.gemm.0.m", 8192.0),
+    "power limit without rows": _set("at_power_limit.gemm", []),
+    "power limit watts zero": _set("at_power_limit.watts", 0),
+    "power limit attention not a bool": _set("at_power_limit.attention", "yes"),
+    "power limit without what": _set("at_power_limit.what", _DELETE),
+}
+
+
+def test_checker_accepts_a_valid_power_limit():
+    assert check_table(_valid_borrowing(), "h100-96gb") == []
+
+
+@pytest.mark.parametrize("name", list(POWER_BREAKS))
+def test_checker_rejects_a_broken_power_limit(name):
+    table = _valid_borrowing()
+    POWER_BREAKS[name](table)
+    assert check_table(table, "h100-96gb"), f"{name} was not caught"
 
 
 def test_h200_measurement_supports_taking_the_h100_compute():

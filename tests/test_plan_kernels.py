@@ -1111,29 +1111,93 @@ def test_h200_table_is_the_h100_compute_with_its_own_bandwidth():
     assert on["h200"].mfu < 0.6 < datasheet.mfu
 
 
-def test_grand_teton_h100_is_the_sxm_compute_on_slower_memory():
+def test_grand_teton_h100_is_the_sxm_compute_at_500_w_on_slower_memory():
     """torchtitan's H100s (Meta's Grand Teton: 96GB HBM2e at 2.4 TB/s peak, 500 W): the SXM
-    table's compute rows, and a copy bandwidth derived from the published peak at the SXM
-    part's BabelStream efficiency (2.90 of 3.35 TB/s). An eager step's memory-bound kernels
-    take 3350 / 2400 as long; its GEMMs, attention and links are the SXM part's."""
+    table's compute rows at the clock a 500 W cap leaves them (`at_power_limit`: FBGEMM's
+    bf16 GEMMs on an H100 at 500 W over the SXM table's rates at the same shapes, 0.822), and
+    a copy bandwidth derived from the published peak at the SXM part's BabelStream efficiency
+    (2.90 of 3.35 TB/s). A step's GEMMs and attention take 1 / 0.822 as long, its
+    memory-bound kernels 3350 / 2400 as long; its fp8 ratio and links are the SXM part's."""
     h100, teton = for_gpu("h100"), for_gpu("h100-96gb")
-    assert teton.gemm == h100.gemm and teton.attention == h100.attention
-    assert teton.other_attention == h100.other_attention
-    assert teton.hbm_gbps == round(2400 * h100.hbm_gbps / 3350)
     raw = json.loads(Path(teton.path).read_text())
+    limit = raw["at_power_limit"]
+    cited = [(r["m"], r["n"], r["k"], r["tflops"]) for r in limit["gemm"]]
+    assert cited == [(8192, 8192, 8192, 585.23), (65536, 8192, 7168, 575.12),
+                     (65536, 3584, 8192, 546.31)]
+    assert {r["source"] for r in limit["gemm"]} == {"fbgemm_h100_500w"}
+    assert "tflops 585.23" in raw["sources"]["fbgemm_h100_500w"]["quote"]
+    factor = math.prod(t / h100.gemm_tflops(m, n, k) for m, n, k, t in cited) ** (1 / 3)
+    assert round(factor, 3) == 0.822 and "0.822" in raw["provenance"]["note"]
+    assert teton.power_limit == (500.0, pytest.approx(factor, rel=1e-12), True, "h100")
+    assert [g[:3] for g in teton.gemm] == [g[:3] for g in h100.gemm]
+    assert [g[3] for g in teton.gemm] == pytest.approx([g[3] * factor for g in h100.gemm])
+    assert [a[4] for a in teton.attention] == pytest.approx(
+        [a[4] * factor for a in h100.attention])
+    cudnn = teton.other_attention["cudnn"], h100.other_attention["cudnn"]
+    assert [a[:4] for a in cudnn[0]] == [a[:4] for a in cudnn[1]]
+    assert [a[4] for a in cudnn[0]] == pytest.approx([a[4] * factor for a in cudnn[1]])
+    assert teton.fp8_speedup(8192, 1024, 4096) == h100.fp8_speedup(8192, 1024, 4096)
+    assert teton.hbm_gbps == round(2400 * h100.hbm_gbps / 3350)
     assert "2.4 TB/sec" in raw["sources"]["torchtitan_grand_teton"]["quote"]
     shape, lay = PRESETS["llama3-8b"], Layout(dp=8, zero=3, micro_batch=2,
                                               recompute="selective")
     on = {g: evaluate(shape, lay, make_cluster(g, 8, memory_gb=96.0), 8192, 16)
           for g in ("h100", "h100-96gb")}
-    assert "h100-96gb.json" in on["h100-96gb"].timing.detail["rates"]
+    rates = on["h100-96gb"].timing.detail["rates"]
+    assert "h100-96gb.json" in rates and "at its 500 W limit" in rates and "0.822" in rates
     part = {g: c.timing.detail["compute_s"] for g, c in on.items()}
-    assert part["h100-96gb"]["gemm"] == pytest.approx(part["h100"]["gemm"], rel=1e-12)
-    assert part["h100-96gb"]["attention"] == pytest.approx(part["h100"]["attention"],
-                                                           rel=1e-12)
+    for term in ("gemm", "attention"):
+        assert part["h100-96gb"][term] == pytest.approx(part["h100"][term] / factor, rel=1e-9)
     assert part["h100-96gb"]["elementwise"] == pytest.approx(
         part["h100"]["elementwise"] * h100.hbm_gbps / teton.hbm_gbps, rel=1e-9)
     assert make_cluster("h100-96gb", 8).gpu.hbm_gbps == 2400.0
+
+
+def _borrowing_table(**limit) -> dict:
+    rows = [{"m": 8192, "n": 8192, "k": 8192, "tflops": 600.0}]
+    return {"gpu": "h100-96gb", "kind": "measured", "compute_from": "h100", "hbm_gbps": 2000.0,
+            "at_power_limit": {"watts": 500, "gemm": rows, **limit}}
+
+
+def test_a_power_limit_scales_the_borrowed_gemms_and_optionally_attention():
+    """The factor is the cited rates over the lender's at the same shapes; `attention: false`
+    leaves the attention rows at the lender's clock (validation.json's
+    error_attention_full_clock prices the Grand Teton rows so)."""
+    h100 = for_gpu("h100")
+    factor = 600.0 / h100.gemm_tflops(8192, 8192, 8192)
+    both = parse(_borrowing_table())
+    gemm_only = parse(_borrowing_table(attention=False))
+    assert both.gemm_tflops(8192, 8192, 8192) == pytest.approx(600.0)
+    assert gemm_only.gemm_tflops(4096, 14336, 8192) == pytest.approx(
+        h100.gemm_tflops(4096, 14336, 8192) * factor)
+    assert both.attention_tflops(4096, 128, True, "bwd") == pytest.approx(
+        h100.attention_tflops(4096, 128, True, "bwd") * factor)
+    assert gemm_only.attention_tflops(4096, 128, True, "bwd") == pytest.approx(
+        h100.attention_tflops(4096, 128, True, "bwd"))
+    assert both.power_limit == (500.0, pytest.approx(factor), True, "h100")
+    assert gemm_only.power_limit[2] is False
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda d: (d.pop("compute_from"), d.update(gemm=TABLE["gemm"])),
+     "at_power_limit scales rates taken with compute_from"),
+    (lambda d: d.update(at_power_limit=[500]), "at_power_limit must be an object"),
+    (lambda d: d["at_power_limit"].update(watts=0), "watts must be a positive number"),
+    (lambda d: d["at_power_limit"].update(watts=True), "watts must be a positive number"),
+    (lambda d: d["at_power_limit"].update(attention="yes"), "attention must be true or false"),
+    (lambda d: d["at_power_limit"].update(gemm=[]), "needs gemm rows measured at the limit"),
+    (lambda d: d["at_power_limit"]["gemm"][0].pop("k"), "gemm row 0 needs integer m, n, k"),
+    (lambda d: d["at_power_limit"]["gemm"][0].update(tflops=-5.0), "tflops > 0"),
+    (lambda d: d.update(kind="published", sources={}), "at_power_limit gemm row 0: a published"),
+])
+def test_a_bad_power_limit_is_one_line_naming_the_problem(tmp_path, edit, needle):
+    raw = _borrowing_table()
+    edit(raw)
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(PlanError) as err:
+        load(path)
+    assert needle in str(err.value) and "\n" not in str(err.value) and str(path) in str(err.value)
 
 
 def test_a_shape_measured_twice_is_their_mean():

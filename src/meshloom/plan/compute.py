@@ -226,9 +226,13 @@ def rates_for(cluster: Cluster) -> Rates:
         adam *= gpu.hbm_gbps / base.hbm_gbps
         hbm *= gpu.hbm_gbps / base.hbm_gbps
     launch = (table.launch_us or 0.0) * 1e-6
-    return Rates(table, gpu.peak_tflops, hbm, launch, scale,
-                 f"kernel table {table.path.rsplit('/', 1)[-1]} ({table.kind}: {table.device})",
-                 adam)
+    where = f"kernel table {table.path.rsplit('/', 1)[-1]} ({table.kind}: {table.device})"
+    if table.power_limit is not None:
+        watts, factor, attention, lender = table.power_limit
+        what = "GEMM and attention" if attention else "GEMM"
+        where += (f"; at its {watts:.0f} W limit: {lender}'s {what} rates x {factor:.3f} "
+                  "(at_power_limit)")
+    return Rates(table, gpu.peak_tflops, hbm, launch, scale, where, adam)
 
 
 def attention_source(rates: Rates, kernel: str, flash: bool, cp_ring: str | None = None

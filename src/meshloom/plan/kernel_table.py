@@ -45,6 +45,12 @@ A shape measured by several sources is one point, their mean. Lookups between po
   transposes, are one point, their mean); a shape the rows have is answered as measured. A
   ratio of one kernel family against itself on one GPU, applied to the table's own 16-bit
   shapes (`fp8_speedup`).
+- A power limit (`"at_power_limit"`, with `compute_from` only): a GPU run below the power its
+  lender was measured at runs its tensor cores at a lower clock. The table cites bf16 GEMM
+  rates measured on the GPU itself at its limit; the lender's GEMM rows (and, unless
+  `"attention": false`, its attention rows: the same tensor cores under the same cap) are
+  scaled by the geometric mean of those rates over the lender's at the same shapes. One
+  factor, measured, not fitted to a training run; fp8 GEMMs follow through their ratio.
 - Head width: each kernel is compiled for a few head widths and runs a model's head padded up to
   the next one, doing that width's FLOPs (`padded_head_dim`). A width the table measured is
   answered as measured; any other is looked up at its padded width, and the rate in the model's
@@ -141,6 +147,8 @@ class KernelTable:
     fp8_ratio: tuple = field(default=(), compare=False, hash=False)
     # The same ratios by shape, (m, n, k) -> ratio: a shape the table has is answered as is.
     fp8_shapes: dict = field(default_factory=dict, compare=False, hash=False)
+    # `at_power_limit`: (watts, factor on the lender's rates, attention scaled too, lender).
+    power_limit: tuple | None = field(default=None, compare=False, hash=False)
     # Answers already worked out: a search asks about the same few dozen shapes thousands of
     # times.
     _memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
@@ -424,11 +432,56 @@ def parse(raw: dict, where: str = "<table>") -> KernelTable:
         scalars[key] = float(value) if value is not None else None
     ratio_from = _ratio_from(raw, other, sources, bad)
     fp8, fp8_shapes = _fp8_ratio(raw, sources, bad)
+    gemm = _mean_duplicates(gemm, 3)
+    power = _power_limit(raw, gemm, sources, bad)
+    if power is not None:
+        factor, scale_attention = power[1], power[2]
+        gemm = tuple((*row[:3], row[3] * factor) for row in gemm)
+        if scale_attention:
+            attention = [(*row[:4], row[4] * factor) for row in attention]
+            other = {k: [(*row[:4], row[4] * factor) for row in v] for k, v in other.items()}
     return KernelTable(str(raw["gpu"]), raw["kind"], str(raw.get("device", raw["gpu"])), where,
-                       _mean_duplicates(gemm, 3), _mean_duplicates(attention, 4),
+                       gemm, _mean_duplicates(attention, 4),
                        scalars["hbm_gbps"], scalars["launch_us"],
                        {k: _mean_duplicates(v, 4) for k, v in other.items()},
-                       scalars["optimizer_gbps"], ratio_from, fp8, fp8_shapes)
+                       scalars["optimizer_gbps"], ratio_from, fp8, fp8_shapes, power)
+
+
+def _power_limit(raw: dict, lender_gemm: tuple, sources: dict, bad) -> tuple | None:
+    """`at_power_limit` as (watts, factor, attention scaled too, lender), or None. The factor
+    is the geometric mean, over the cited GEMMs measured on this GPU at its limit, of each
+    rate over the lender's rate for the same shape: the clock the cap leaves, as the GEMMs
+    felt it. Only a table that borrows its compute (`compute_from`) takes one: a table
+    measured on its own GPU was measured at that GPU's limit."""
+    given = raw.get("at_power_limit")
+    if given is None:
+        return None
+    if raw.get("compute_from") is None:
+        raise bad("at_power_limit scales rates taken with compute_from; a table with its own "
+                  "rows was measured at its own limit")
+    if not isinstance(given, dict):
+        raise bad("at_power_limit must be an object: {watts, gemm: [rows], attention}")
+    watts, rows = given.get("watts"), given.get("gemm")
+    if isinstance(watts, bool) or not isinstance(watts, (int, float)) or not watts > 0:
+        raise bad(f"at_power_limit: watts must be a positive number (got {watts!r})")
+    scale_attention = given.get("attention", True)
+    if not isinstance(scale_attention, bool):
+        raise bad("at_power_limit: attention must be true or false")
+    if not isinstance(rows, list) or not rows:
+        raise bad("at_power_limit needs gemm rows measured at the limit")
+    logs = []
+    for i, row in enumerate(rows):
+        try:
+            m, n, k, rate = int(row["m"]), int(row["n"]), int(row["k"]), float(row["tflops"])
+        except (KeyError, TypeError, ValueError):
+            raise bad(f"at_power_limit gemm row {i} needs integer m, n, k and a number "
+                      "tflops") from None
+        if min(m, n, k) < 1 or not rate > 0:
+            raise bad(f"at_power_limit gemm row {i}: sizes must be positive and tflops > 0")
+        _check_source(raw, row, sources, f"at_power_limit gemm row {i}", bad)
+        logs.append(math.log(rate / _gemm_rate(lender_gemm, m, n, k)))
+    factor = math.exp(sum(logs) / len(logs))
+    return float(watts), factor, scale_attention, str(raw["compute_from"])
 
 
 def _fp8_ratio(raw: dict, sources: dict, bad) -> tuple[tuple, dict]:
