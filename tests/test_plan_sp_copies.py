@@ -169,13 +169,14 @@ def test_async_tp_gain_in_the_docs_is_the_files():
         published = (_step(van) - _step(asy)) / layers * 1e3
         planned = (rows[van["id"]]["step_s"] - rows[asy["id"]]["step_s"]) / layers * 1e3
         assert f"{published:.1f}" in doc and f"{planned:.1f}" in doc
-    m = re.search(r"brought them to \+(\S+)% and \+(\S+)% \(vanilla\), \+(\S+)% and \+(\S+)% "
-                  r"\(async\)", doc)
+    m = re.search(r"brought them to ([+−]\S+)% and ([+−]\S+)% \(vanilla\), ([+−]\S+)% and "
+                  r"([+−]\S+)% \(async\)", doc)
     ids = [next(i for i in runs if m_ in i) for m_ in ("70b-8192-256gpu-fsdp32-tp8",
                                                        "8b-8192-64gpu-fsdp8-tp8",
                                                        "70b-8192-256gpu-fsdp32-async",
                                                        "8b-8192-64gpu-fsdp8-async")]
-    assert [f"{100 * rows[i]['error']:.1f}" for i in ids] == list(m.groups())
+    assert [f"{100 * rows[i]['error']:+.1f}" for i in ids] == [
+        g.replace("−", "-") for g in m.groups()]
 
 
 def test_no_gemm_runs_faster_than_moving_its_operands_once():

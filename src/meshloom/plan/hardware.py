@@ -58,7 +58,8 @@ GPUS: dict[str, GPU] = {
     # Meta's Grand Teton H100 (torchtitan's published H100 runs): "96GB HBM2e with 2.4 TB/sec
     # peak memory bandwidth", 400 Gb/s RDMA per GPU, run at its default 500 W power limit
     # (torchtitan benchmarks/llama3_h100_202412_torchtitan.md). Its compute is priced as the
-    # SXM part's (plan/kernels/h100-96gb.json); its GPUs' exact peak is not published.
+    # SXM part's at the clock a 500 W limit leaves it (plan/kernels/h100-96gb.json,
+    # `at_power_limit`); its GPUs' exact peak is not published, so MFU stays against 989.
     "h100-96gb": GPU("h100-96gb", 989.0, 96.0, 2400.0, 450.0, 50.0, generation="hopper"),
     # Vendor spec (not in published.md): same compute and links as H100, 141 GB at 4.8 TB/s.
     "h200": GPU("h200", 989.0, 141.0, 4800.0, 450.0, 50.0, generation="hopper"),
