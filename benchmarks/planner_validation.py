@@ -392,7 +392,8 @@ def summarise(rows: list[dict]) -> dict:
         for prefix, key in (("sustained_gemm", "error_sustained_gemm"),
                             ("power_duty", "error_power_duty"),
                             ("fsdp_no_overlap", "error_fsdp_no_overlap"),
-                            ("fsdp_overlap", "error_fsdp_overlap")):
+                            ("fsdp_overlap", "error_fsdp_overlap"),
+                            ("attention_full_clock", "error_attention_full_clock")):
             errs = [r[key] for r in sel if key in r]
             if errs:
                 out[name].update({f"{prefix}_rows": len(errs),
