@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_check.sh tests      # tests/test_gpu.py
 #   bash benchmarks/gpu_check.sh kernels [bench args]   # kernel table (docs/kernel-tables.md);
 #                                   # on an H100/H200 its GEMMs in fp8 too (--no-fp8: bf16 only)
+#   bash benchmarks/gpu_check.sh fp8 [bench args]       # the Float8 rows' GEMMs, bf16 and fp8
 #   bash benchmarks/gpu_check.sh power [--seconds S]    # GEMM rate against GEMM duty cycle
 #   bash benchmarks/gpu_check.sh probe [probe args]     # one MPT-30B FSDP1 rank, 4096/8192
 set -uo pipefail
@@ -91,6 +92,16 @@ if [ "$phase" = kernels ]; then  # the planner's kernel table, written into $OUT
   timeout 560 "$PY" -m meshloom bench kernels --out "$OUT/kernels.json" "$@" 2>&1 | tail -n 60
   exit 0
 fi
+if [ "$phase" = fp8 ]; then  # every GEMM the Float8 validation rows price in fp8, both ways (~1 min)
+  # validation_shapes.py lists them (the narrow per-rank shapes under tp 8 among them, whose
+  # fp8/bf16 ratio the planner reads off an 8192-square benchmark); the tiny preset and one
+  # attention point keep the rest of the bench to seconds.
+  "$PY" benchmarks/validation_shapes.py --gpu h100-96gb,h200 --fp8 > "$OUT/fp8_shapes.json"
+  timeout 500 "$PY" -m meshloom bench kernels --model tiny --micro-batch 1 --tp 1 \
+    --shapes "$OUT/fp8_shapes.json" --head-dims 64 --attention-seqs 512 --fp8 \
+    --out "$OUT/fp8_kernels.json" "$@" 2>&1 | tail -n 20
+  exit 0
+fi
 if [ "$phase" = power ]; then  # the power limit's cost to GEMMs by duty cycle (~2 min)
   nvidia-smi --query-gpu=name,clocks.max.sm,power.limit,power.max_limit --format=csv \
     | tee "$OUT/power_env.txt"
@@ -104,5 +115,5 @@ if [ "$phase" = probe ]; then  # one FSDP1 rank of MPT-30B near 80 GB, with room
     2>&1 | tail -n 20
   exit 0
 fi
-echo "usage: gpu_check.sh train | mfu MODELS [args] | lib NAME [--set ...] | tests | kernels | power | probe" >&2
+echo "usage: gpu_check.sh train | mfu MODELS [args] | lib NAME [--set ...] | tests | kernels | fp8 | power | probe" >&2
 exit 2
