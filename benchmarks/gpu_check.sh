@@ -92,7 +92,7 @@ if [ "$phase" = kernels ]; then  # the planner's kernel table, written into $OUT
   timeout 560 "$PY" -m meshloom bench kernels --out "$OUT/kernels.json" "$@" 2>&1 | tail -n 60
   exit 0
 fi
-if [ "$phase" = fp8 ]; then  # every GEMM the Float8 validation rows price in fp8, both ways (~1 min)
+if [ "$phase" = fp8 ]; then  # every GEMM the Float8 validation rows price in fp8, both ways (~1 min, estimated)
   # validation_shapes.py lists them (the narrow per-rank shapes under tp 8 among them, whose
   # fp8/bf16 ratio the planner reads off an 8192-square benchmark); the tiny preset and one
   # attention point keep the rest of the bench to seconds.
