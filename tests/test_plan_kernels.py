@@ -377,7 +377,11 @@ def test_attention_flops_follow_flashattention():
      "takes its compute from another table itself"),
 ])
 def test_a_bad_table_is_one_line_naming_the_problem(tmp_path, edit, needle):
-    raw = json.loads(json.dumps(TABLE))
+    _refused_in_one_line(tmp_path, json.loads(json.dumps(TABLE)), edit, needle)
+
+
+def _refused_in_one_line(tmp_path, raw: dict, edit, needle: str) -> None:
+    """The table `edit` breaks is refused by the loader in one line naming its file."""
     edit(raw)
     path = tmp_path / "t.json"
     path.write_text(json.dumps(raw))
@@ -1191,13 +1195,7 @@ def test_a_power_limit_scales_the_borrowed_gemms_and_optionally_attention():
     (lambda d: d.update(kind="published", sources={}), "at_power_limit gemm row 0: a published"),
 ])
 def test_a_bad_power_limit_is_one_line_naming_the_problem(tmp_path, edit, needle):
-    raw = _borrowing_table()
-    edit(raw)
-    path = tmp_path / "t.json"
-    path.write_text(json.dumps(raw))
-    with pytest.raises(PlanError) as err:
-        load(path)
-    assert needle in str(err.value) and "\n" not in str(err.value) and str(path) in str(err.value)
+    _refused_in_one_line(tmp_path, _borrowing_table(), edit, needle)
 
 
 def test_a_shape_measured_twice_is_their_mean():
