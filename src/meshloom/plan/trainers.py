@@ -141,6 +141,22 @@ from meshloom.plan import PlanError
 # "fused SwiGLU" among its speed-ups; had the op fallen back (xformers' fused autograd op
 # declines bf16 autocast), its silu and product would run as two eager kernels and x be cast
 # twice.
+# KempnerForge (KempnerInstitute/KempnerForge at 01b461a, the commit of its April 2026 H200
+# MFU report) builds the model in bf16 and shards it with FSDP2 (`fully_shard` per block, then
+# the root over the embedding, final norm and head: `fsdp_root=outer`), whose default policy
+# reduces in fp32 (`param_dtype=param_dtype, reduce_dtype=torch.float32`, parallel.py): no fp32
+# master copy, so AdamW's moments are bf16 too (`optimizer_state=bf16`; `--optimizer.fused`
+# in its benchmark script: `optimizer_impl=fused`, priced at fp32 state's 28 bytes a
+# parameter). Earlier micro-batches of a step run under `set_requires_gradient_sync(False)`
+# (training/grad.py: `fsdp_no_sync`). It compiles the whole model (`torch.compile(model)` after
+# activation checkpointing and FSDP) and takes the loss outside it, `F.cross_entropy` on the
+# bf16 logits (scripts/train.py: `cross_entropy=eager`); attention is SDPA with the kv heads
+# repeated (`repeat_interleave`: `expand_kv`), cuDNN's kernel on its H200s (its 13B profile
+# lists `aten::_cudnn_attention_backward`); RoPE is real-valued and q, k, v are three linears.
+# Its tensor parallel is DTensor's with sequence parallel on the norms (`sp_copies=batch`), no
+# async TP, and a column-parallel head whose logits are gathered whole onto every tp rank,
+# each computing the whole loss, which the planner does not price (it splits the loss over
+# the vocabulary): its tp rows are planned optimistic by that much.
 # What every other trainer's loop does unlike meshloom's (implementation.py). Their attention
 # is FlashAttention-2's unless the trainer's entry says otherwise: torchtitan's SDPA on an H100
 # ran it before PyTorch 2.9 put cuDNN first, and which kernel TransformerEngine picked for NeMo
@@ -178,6 +194,10 @@ TRAINERS: dict[str, dict] = {
                     "grad_reduce_dtype": "bf16", "fsdp_flat_param": True,
                     "train_metrics": "composer", "fsdp_prefetch": False,
                     "fsdp_root": "outer"},
+    "kempnerforge": {"compile": True, "cross_entropy": "eager", "optimizer_impl": "fused",
+                     "optimizer_state": "bf16", "fsdp_copy_out": True, "grad_reduce_dtype": "fp32",
+                     "fsdp_no_sync": True, "fsdp_root": "outer", "sp_copies": "batch",
+                     "attention_kernel": "sdpa"},
     "torchtitan": {"compile": False, "op_sac": True, "cross_entropy": "eager",
                    "optimizer_impl": "foreach", "fsdp_copy_out": True, "rope_complex": True,
                    "grad_reduce_dtype": "fp32", "sp_copies": "batch",
@@ -229,6 +249,8 @@ def trainer_impl(trainer: str) -> dict:
 #   unit gathered for the step and reduces whole gradients once (`pp_fsdp=pytorch`: ZeRO-3, not
 #   meshloom's ZeRO-2, which keeps no whole gradients), and runs DDP only as 1-D parallelism
 #   ("DDP has not supported > 1D parallelism").
+# - KempnerForge (01b461a) shards its dp_shard ranks with FSDP2's `fully_shard` and nothing else
+#   (distributed/parallel.py; `dp_replicate` makes HSDP of it): no DDP, no ZeRO-1/2.
 _ONLY_DP = "is data-parallel only"
 _WHOLE_BLOCKS = "recomputes whole blocks only"
 
@@ -273,6 +295,11 @@ def _torchtitan(lay) -> Iterator[tuple[str, str]]:
                        "pipeline held gathered for the step (pp_fsdp=pytorch)")
 
 
+def _kempnerforge(lay) -> Iterator[tuple[str, str]]:
+    if lay.dp_shard > 1 and lay.zero != 3:
+        yield "zero", "shards its data-parallel ranks with FSDP2 only (ZeRO-3)"
+
+
 LAYOUT_RULES = {
     "megatron-lm": _megatron_core,
     "nemo": _megatron_core,
@@ -283,6 +310,7 @@ LAYOUT_RULES = {
     "tinyllama": _data_parallel_only((0, 2, 3), ("none", "full"), _WHOLE_BLOCKS),
     "llm-foundry": _data_parallel_only((0, 2, 3), ("none", "full"), _WHOLE_BLOCKS),
     "torchtitan": _torchtitan,
+    "kempnerforge": _kempnerforge,
 }
 
 
