@@ -495,6 +495,7 @@ def render_readme(result: dict) -> str:
                   key=lambda r: abs(r["error"]))
     foundry = [r for r in rows if r["set"] == "published-h100" and r["trainer"] == "llm-foundry"]
     titan = [r for r in rows if r["set"] == "published-h100-96gb-500w"]
+    kempner = [r for r in rows if r["set"] == "published-h200" and r["trainer"] == "KempnerForge"]
     float8 = [r for r in rows if r["set"].endswith("-float8")]
     f8_500w = [r for r in float8 if r["gpu"] == "h100-96gb"]
     f8_h200 = [r for r in float8 if r["gpu"] == "h200"]
@@ -522,7 +523,9 @@ def render_readme(result: dict) -> str:
         f"published H100 FSDP runs from 2023 (llm-foundry, their Triton attention priced as "
         f"FlashAttention 1 at its A100 ratio) mean {_mean_abs(foundry):.1%}, worst "
         f"{_max_abs(foundry):.1%}, "
-        f"torchtitan's runs on 500 W H100s {bias(titan)} on average; its Float8 runs "
+        f"torchtitan's runs on 500 W H100s {bias(titan)} on average; KempnerForge's "
+        f"single-node H200 runs (2026) {bias(kempner)}, worst {_max_abs(kempner):.1%}; "
+        f"torchtitan's Float8 runs "
         f"(fp8 GEMMs priced at a published fp8/bf16 ratio) {bias(f8_h200)} on H200s, "
         f"{bias(f8_500w)} on the 500 W H100s, worst {_max_abs(float8):.1%} (see "
         "[docs/plan-validation.md](docs/plan-validation.md), \"Known gaps\").")

@@ -107,6 +107,8 @@ def test_every_published_layout_is_one_its_trainer_runs():
     ("torchtitan", dict(tp=2, dp=4, zero=0), "zero", "DDP only as 1-D"),
     ("torchtitan", dict(pp=2, dp=4, zero=2), "zero", "held gathered for the step"),
     ("torchtitan", dict(dp=8, zero=2), "zero", "shards with FSDP2: ZeRO-3"),
+    ("kempnerforge", dict(dp=8, zero=1), "zero", "FSDP2 only"),
+    ("kempnerforge", dict(tp=2, dp=4, zero=0), "zero", "FSDP2 only"),
 ])
 def test_layout_rules_refuse_what_the_trainer_cannot_run(trainer, layout, key, why):
     from meshloom.plan.trainers import layout_problem
@@ -123,6 +125,7 @@ def test_rules_accept_what_the_trainer_runs_and_a_pinned_key_hides_no_other_prob
           ("torchtitan", dict(pp=2, dp=4, zero=3)), ("torchtitan", dict(dp=8, zero=0)),
           ("torchtitan", dict(tp=8, zero=1)),  # one data-parallel rank: no sharding at all
           ("llm-foundry", dict(dp=8, zero=3, recompute="full")),
+          ("kempnerforge", dict(tp=4, dp=2, zero=3)), ("kempnerforge", dict(dp=1)),
           ("meshloom", dict(tp=2, pp=2, dp=2, zero=1))]
     for trainer, layout in ok:
         assert layout_problem(trainer, _lay(**layout)) is None, (trainer, layout)
@@ -218,3 +221,20 @@ def test_a_published_run_is_planned_from_the_command_line_as_the_validation_plan
                 in pv.docs_text()
         done.add(key)
     assert done == set(TRAINERS) - {"megatron-lm", "megatron-deepspeed"}
+
+
+def test_kempnerforge_keeps_bf16_parameters_and_moments_only(capsys):
+    """KempnerForge trains a bf16 model with no fp32 master (its AdamW moments are bf16): on
+    one GPU its model states are 2 + 2 + 4 bytes a parameter, where torchtitan's bf16 FSDP2
+    model keeps an fp32 master and fp32 moments (12 bytes of optimizer state a parameter)."""
+    args = [a for a in PLAN if a not in ("--gpus", "8")]
+    pin = ["--gpus", "1", "--fix", "tp=1,pp=1,cp=1,dp=1,zero=0,recompute=full"]
+    from meshloom.commands import main
+
+    def states(trainer: str) -> dict:
+        assert main([*args, *pin, "--trainer", trainer]) == 0
+        return json.loads(capsys.readouterr().out)["candidates"][0]["memory_per_gpu_bytes"]
+
+    kf, titan = states("kempnerforge"), states("torchtitan")
+    assert kf["params"] > 0 and kf["params"] == kf["grads"] == kf["optimizer"] / 2
+    assert titan["params"] == kf["params"] and titan["optimizer"] == 3 * kf["optimizer"]

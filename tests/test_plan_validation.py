@@ -601,3 +601,28 @@ def test_zero3_rows_carry_the_error_priced_the_other_way(validation_rows):
     assert f"reads {planned} as planned and {waited} waited on" in doc
     titan_rows = [r for r in zero3 if r["gpu"] == "a100-80g" and r["trainer"] == "torchtitan"]
     assert titan_rows and all(r["error_fsdp_no_overlap"] < 0 for r in titan_rows)
+
+
+def test_kempnerforge_rows_are_one_node_without_tp_and_the_docs_quote_them(validation_rows):
+    """KempnerForge's H200 runs are taken only where the planner can price the hardware from
+    published facts: one node, no tensor parallelism (its four-GPU boards' NVLink wiring and
+    InfiniBand rate per GPU are not published). plan-validation.md quotes their errors, planned
+    step times and the one-GPU row's GEMM seconds from the committed rows."""
+    pv = _validation()
+    rows = sorted((r for r in validation_rows if r.get("trainer") == "KempnerForge"),
+                  key=lambda r: r["gpus"])
+    assert [r["gpus"] for r in rows] == [1, 2, 4]
+    assert all(r["set"] == "published-h200" and r["layout"].startswith("tp1 pp1") for r in rows)
+    assert all("zero=3" in r["fix"] for r in rows[1:]) and "zero=0" in rows[0]["fix"]
+    assert all("optimizer_state=bf16" in r["fix"] and "cross_entropy=eager" in r["fix"]
+               for r in rows)
+
+    def pct(x: float) -> str:
+        return f"{x * 100:+.1f}%".replace("-", "−")
+
+    text = " ".join(pv.docs_text().split())
+    errors = [pct(r["error"]) for r in rows]
+    assert f"{errors[0]}, {errors[1]} and {errors[2]}" in text
+    steps = [f"{r['step_s']:.2f}" for r in rows]
+    assert f"planned {steps[0]}, {steps[1]} and {steps[2]} s" in text
+    assert f"GEMMs are {rows[0]['compute_s']['gemm']:.2f} s of its planned step" in text
