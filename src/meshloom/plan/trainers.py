@@ -156,7 +156,10 @@ from meshloom.plan import PlanError
 # Its tensor parallel is DTensor's with sequence parallel on the norms (`sp_copies=batch`), no
 # async TP, and a column-parallel head whose logits are gathered whole onto every tp rank,
 # each computing the whole loss, which the planner does not price (it splits the loss over
-# the vocabulary): its tp rows are planned optimistic by that much.
+# the vocabulary): its tp rows are planned optimistic by that much. Its pipeline
+# (distributed/pipeline_parallel.py) gives each stage an even share of the blocks, the first ones
+# a block more (`pp_split=even`), and runs torch.distributed.pipelining's schedules over FSDP2
+# built with `reshard_after_forward=False` (`pp_fsdp=pytorch`, as torchtitan's).
 # What every other trainer's loop does unlike meshloom's (implementation.py). Their attention
 # is FlashAttention-2's unless the trainer's entry says otherwise: torchtitan's SDPA on an H100
 # ran it before PyTorch 2.9 put cuDNN first, and which kernel TransformerEngine picked for NeMo
@@ -197,7 +200,7 @@ TRAINERS: dict[str, dict] = {
     "kempnerforge": {"compile": True, "cross_entropy": "eager", "optimizer_impl": "fused",
                      "optimizer_state": "bf16", "fsdp_copy_out": True, "grad_reduce_dtype": "fp32",
                      "fsdp_no_sync": True, "fsdp_root": "outer", "sp_copies": "batch",
-                     "attention_kernel": "sdpa"},
+                     "attention_kernel": "sdpa", "pp_split": "even", "pp_fsdp": "pytorch"},
     "torchtitan": {"compile": False, "op_sac": True, "cross_entropy": "eager",
                    "optimizer_impl": "foreach", "fsdp_copy_out": True, "rope_complex": True,
                    "grad_reduce_dtype": "fp32", "sp_copies": "batch",
@@ -250,7 +253,11 @@ def trainer_impl(trainer: str) -> dict:
 #   meshloom's ZeRO-2, which keeps no whole gradients), and runs DDP only as 1-D parallelism
 #   ("DDP has not supported > 1D parallelism").
 # - KempnerForge (01b461a) shards its dp_shard ranks with FSDP2's `fully_shard` and nothing else
-#   (distributed/parallel.py; `dp_replicate` makes HSDP of it): no DDP, no ZeRO-1/2.
+#   (distributed/parallel.py; `dp_replicate` makes HSDP of it): no DDP, no ZeRO-1/2. Its
+#   "selective" checkpointing wraps each whole Attention module (`apply_ac`), projections
+#   included, which is none of the planner's selective policies, so it is planned with none or
+#   full recompute; its pipeline builds one stage a rank (`build_stage_module`), which runs
+#   1F1B or GPipe (its interleaved 1F1B asks for a list of stages no builder makes).
 _ONLY_DP = "is data-parallel only"
 _WHOLE_BLOCKS = "recomputes whole blocks only"
 
@@ -298,6 +305,11 @@ def _torchtitan(lay) -> Iterator[tuple[str, str]]:
 def _kempnerforge(lay) -> Iterator[tuple[str, str]]:
     if lay.dp_shard > 1 and lay.zero != 3:
         yield "zero", "shards its data-parallel ranks with FSDP2 only (ZeRO-3)"
+    if lay.recompute not in ("none", "full"):
+        yield "recompute", ("recomputes whole blocks or whole attention modules, and the second "
+                            "is none of the planner's selective modes; plan none or full")
+    if lay.pp > 1 and (lay.schedule not in ("1f1b", "gpipe") or lay.v > 1):
+        yield "schedule", "builds one pipeline stage a rank and runs it as 1F1B or GPipe"
 
 
 LAYOUT_RULES = {
