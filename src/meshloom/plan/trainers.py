@@ -155,8 +155,10 @@ from meshloom.plan import PlanError
 # lists `aten::_cudnn_attention_backward`); RoPE is real-valued and q, k, v are three linears.
 # Its tensor parallel is DTensor's with sequence parallel on the norms (`sp_copies=batch`), no
 # async TP, and a column-parallel head whose logits are gathered whole onto every tp rank,
-# each computing the whole loss, which the planner does not price (it splits the loss over
-# the vocabulary): its tp rows are planned optimistic by that much. Its pipeline
+# each computing the whole loss in eager passes; the planner prices PyTorch's `loss_parallel`
+# there (CE_BYTES_PER_LOGIT: 76 bytes a logit over 1/tp of the vocabulary against eager's 40
+# over all of it, as many at tp = 2, half at tp = 4) and not the all-gather of the logits, so
+# its tp plans are optimistic in the head. Its pipeline
 # (distributed/pipeline_parallel.py) gives each stage an even share of the blocks, the first ones
 # a block more (`pp_split=even`), and runs torch.distributed.pipelining's schedules over FSDP2
 # built with `reshard_after_forward=False` (`pp_fsdp=pytorch`, as torchtitan's).
