@@ -357,9 +357,12 @@ def test_rows_priced_with_an_older_attention_kernel_keep_the_flashattention2_err
     assert older and all(r["gpu"].startswith("a100") or r.get("attention_ratio_from") == "a100-80g"
                          for r in older)
     assert all(r["error_fa2_attention"] > r["error"] for r in older)
-    # NeMo's Llama 3.1 rows ran TransformerEngine's cuDNN attention, faster than FlashAttention-2
-    cudnn = [r for r in compared if "attention_kernel=cudnn" in r["fix"]]
-    assert cudnn and all(r["id"].startswith("nemo-h100-llama3.1") for r in cudnn)
+    # NeMo's Llama 3.1 rows ran TransformerEngine's cuDNN attention, faster than FlashAttention-2,
+    # and KempnerForge's SDPA ran cuDNN's too (PyTorch >= 2.9 picks it on an H200)
+    cudnn = [r for r in compared if "attention_kernel=cudnn" in r["fix"]
+             or "attention_kernel=sdpa" in r["fix"] and "cudnn, SDPA's pick" in r["rates"]]
+    assert cudnn and all(r["id"].startswith(("nemo-h100-llama3.1", "kempnerforge-h200"))
+                         for r in cudnn)
     assert all(r["error_fa2_attention"] < r["error"] for r in cudnn)
     assert len(older) + len(cudnn) == len(compared)
     foundry_h100 = [r for r in rows
