@@ -1248,3 +1248,29 @@ def test_kv_copied_to_every_head_is_what_the_attention_saves():
     assert saved(shape, True) - saved(shape, False) == s * b * 2 * (q - kv) * 2 / lay.tp
     mha = replace(shape, kv_heads=shape.heads)
     assert saved(mha, True) == saved(mha, False)
+
+
+def test_bf16_only_optimizer_state_halves_the_step_traffic():
+    """`optimizer_state=bf16` (bf16 weights updated in place, bf16 moments, no fp32 master:
+    KempnerForge) steps on 2-byte weights, gradients and moments: the fused AdamW's 28 bytes
+    a parameter become 14 and every gradient pass halves; fp32 and fp32_remainders state keep
+    the fp32 kernel's traffic. Through a plan only the optimizer term moves, and not at all for
+    meshloom's unsharded block, whose fp32 parameters are the masters."""
+    rates = _rates()
+    full = compute_mod.optimizer_seconds(1e9, 1e9, rates)
+    assert compute_mod.optimizer_seconds(1e9, 1e9, rates, state="bf16") == \
+        pytest.approx(full / 2) == pytest.approx(22e9 / 2000e9)
+    assert compute_mod.optimizer_seconds(1e9, 1e9, rates, state="fp32_remainders") == full
+    assert compute_mod.optimizer_seconds(1e9, 1e9, rates, optimizer_impl="foreach",
+                                         state="bf16") == pytest.approx(48e9 / 2000e9)
+    shape = PRESETS["llama3-8b"]
+    def step(lay, **impl):
+        return evaluate(shape, lay, make_cluster("h200", lay.dp), 4096, 8 * lay.dp,
+                        impl=Implementation(**impl)).timing
+
+    zero3 = Layout(dp=8, zero=3, micro_batch=2)
+    fp32, bf16 = step(zero3), step(zero3, optimizer_state="bf16")
+    assert bf16.optimizer < fp32.optimizer
+    assert bf16.step_time_s - fp32.step_time_s == pytest.approx(bf16.optimizer - fp32.optimizer)
+    alone = Layout(dp=1, micro_batch=2)
+    assert step(alone, optimizer_state="bf16").optimizer == step(alone).optimizer

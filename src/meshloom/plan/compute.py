@@ -105,6 +105,11 @@ UNFUSED_ADAMW_BYTES_PER_PARAM = 80.0
 NORM_BYTES_PER_PARAM = 4.0
 CLIP_BYTES_PER_PARAM = {"pass": 8.0, "in_optimizer": 4.0}
 ZERO_BYTES_PER_PARAM = 4.0
+# A trainer that keeps only bf16 state (`optimizer_state=bf16`: bf16 weights updated in place,
+# bf16 moments, no fp32 master, as KempnerForge's bf16 model under FSDP2 or alone) steps on bf16
+# weights, gradients and moments: every byte count above halves (14 a parameter fused, 40
+# unfused, the gradient passes at 2 bytes an element).
+STATE_BYTES_SCALE = {"fp32": 1.0, "fp32_remainders": 1.0, "bf16": 0.5}
 # A backward that finds a gradient already there adds into it in place (autograd's
 # AccumulateGrad: `variable_grad += new_grad`): read the new fp32 gradient, read the kept one,
 # write it, 12 bytes. A gradient found empty is taken over as it is (no pass). So a loop that
@@ -607,21 +612,25 @@ def casts_weights(lay: Layout, e: int, impl: Implementation) -> bool:
 
 
 def optimizer_seconds(params: float, grads: float, rates: Rates, *, clip_in_optimizer: bool = False,
-                      zeroed: bool = True, optimizer_impl: str = "fused") -> float:
+                      zeroed: bool = True, optimizer_impl: str = "fused",
+                      state: str = "fp32") -> float:
     """The optimizer step on `params` parameters, after the norm and clip of `grads` gradients
     (0: no clipping), which are then zeroed if `zeroed` (kept between steps). A fused AdamW
     kernel (with the clip it carries) runs at the table's measured optimizer rate where it has
     one; an unfused one (`optimizer_impl` foreach or for_loop: UNFUSED_ADAMW_BYTES_PER_PARAM),
-    the norm, a separate clip pass and the zeroing stream at the copy rate."""
+    the norm, a separate clip pass and the zeroing stream at the copy rate. `state` is the
+    `optimizer_state` key: bf16-only state moves half the bytes (STATE_BYTES_SCALE)."""
     fused = optimizer_impl == "fused"
+    scale = STATE_BYTES_SCALE[state]
     clip_in_optimizer = clip_in_optimizer and fused
     in_kernel = CLIP_BYTES_PER_PARAM["in_optimizer"] if clip_in_optimizer else 0.0
     passes = (NORM_BYTES_PER_PARAM + (0.0 if clip_in_optimizer else CLIP_BYTES_PER_PARAM["pass"])
               + (ZERO_BYTES_PER_PARAM if zeroed else 0.0))
     if not fused:
-        return rates.stream(params * UNFUSED_ADAMW_BYTES_PER_PARAM + grads * passes)
-    adam = (params * OPTIMIZER_BYTES_PER_PARAM + grads * in_kernel) / (rates.optimizer_gbps * GB)
-    return adam + rates.stream(grads * passes)
+        return rates.stream(scale * (params * UNFUSED_ADAMW_BYTES_PER_PARAM + grads * passes))
+    adam = scale * (params * OPTIMIZER_BYTES_PER_PARAM + grads * in_kernel) / (
+        rates.optimizer_gbps * GB)
+    return adam + rates.stream(scale * grads * passes)
 
 
 def accumulate_seconds(grads: float, additions: int, rates: Rates,

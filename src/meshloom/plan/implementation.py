@@ -185,8 +185,10 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   which NeMo's `distributed_fused_adam` sets for a bf16 model with fp32 state: the 16 low bits
   an fp32 master has beyond the bf16 parameter, and fp32 moments, 10) or `bf16` (bf16 moments
   and no master copy, the parameters updated in place: NeMo's `distributed_fused_adam` with
-  `optim.dtype: bf16`, 4). Memory only; a no-op in fp32 and for meshloom's unsharded block,
-  whose parameters are the fp32 masters.
+  `optim.dtype: bf16`, 4; KempnerForge's bf16 model). `bf16` also halves the optimizer
+  step's traffic (bf16 weights, gradients and moments: 14 bytes a parameter fused,
+  plan/compute.py `STATE_BYTES_SCALE`); the others change memory only. A no-op in fp32 and
+  for meshloom's unsharded block, whose parameters are the fp32 masters.
 - `op_sac`: selective recompute is torchtitan's per-op policy (`selective_ac_option = "op"`):
   of a block's matmuls, in the order they run, it keeps the outputs of the 1st, 3rd, 5th, ...
   and reruns the others (a Llama block keeps wq, wv, w1, w2 and reruns wk, wo, w3), keeps the
@@ -516,6 +518,14 @@ def autocast_weights(impl: Implementation, lay, dtype: str) -> bool:
     under `fp32_params`."""
     return (dtype == "bf16" and impl.meshloom_block and lay.zero == 0
             or fp32_working_params(impl, lay, dtype))
+
+
+def optimizer_state(impl: Implementation, lay, dtype: str) -> str:
+    """The optimizer state the step updates (`optimizer_state`), as memory counts it: fp32
+    where the parameters are themselves the fp32 masters (`autocast_weights`) or in fp32
+    training."""
+    return "fp32" if dtype != "bf16" or autocast_weights(impl, lay, dtype) \
+        else impl.optimizer_state
 
 
 def residual_stream(impl: Implementation, e: int) -> str:

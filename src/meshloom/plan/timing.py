@@ -58,6 +58,7 @@ from meshloom.plan.implementation import (
     float8_gathers,
     fp32_working_params,
     keeps_grads,
+    optimizer_state,
     pytorch_pipelined,
     reduce_bytes,
     whole_fp32_states,
@@ -376,7 +377,8 @@ def _after_backward(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str
     kept = keeps_grads(impl, lay)
     optimizer = optimizer_seconds(opt_params, clip_params if impl.grad_clip else 0.0, rates,
                                   clip_in_optimizer=impl.clip_in_optimizer, zeroed=kept,
-                                  optimizer_impl=impl.optimizer_impl)
+                                  optimizer_impl=impl.optimizer_impl,
+                                  state=optimizer_state(impl, lay, dtype))
     if whole_fp32_states(impl, lay, dtype):  # every micro-batch adds an fp32 copy of its grads
         accumulate = rates.stream(clip_params * ACCUMULATE_BF16_TO_FP32 * m)
     elif pytorch_pipelined(impl, lay):
