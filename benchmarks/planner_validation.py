@@ -138,8 +138,9 @@ def tensor_core_seconds(c) -> float:
 def _row(set_name: str, rid: str, gpu: str, gpus: int, shape, seq: int, batch: int,
          fixed: dict, published_tps: float, flash: bool = True, gpus_per_node: int = 8,
          extra: dict | None = None, memory_gb: float | None = None,
-         inter_gbps: float | None = None) -> dict:
-    cluster = make_cluster(gpu, gpus, gpus_per_node, memory_gb=memory_gb, inter_gbps=inter_gbps)
+         inter_gbps: float | None = None, nvlink_mesh: int = 0) -> dict:
+    cluster = make_cluster(gpu, gpus, gpus_per_node, memory_gb=memory_gb, inter_gbps=inter_gbps,
+                           nvlink_mesh=nvlink_mesh)
     best = search(shape, cluster, seq, batch, fixed, flash=flash, top=1)[0]
     got = best.tokens_per_s_per_gpu
     # Meshloom's own measured H100 table prices FlashAttention-2 and cuDNN only: a row on an
@@ -147,7 +148,7 @@ def _row(set_name: str, rid: str, gpu: str, gpus: int, shape, seq: int, batch: i
     older = fixed.get("attention_kernel") in ("fa1", "triton")
     if gpu == "h100" and MEASURED_H100.exists() and not older:
         measured = make_cluster(gpu, gpus, gpus_per_node, memory_gb=memory_gb,
-                                inter_gbps=inter_gbps,
+                                inter_gbps=inter_gbps, nvlink_mesh=nvlink_mesh,
                                 kernels=str(MEASURED_H100))
         alt = search(shape, measured, seq, batch, fixed, flash=flash, top=1)[0]
         extra = {**(extra or {}), "error_measured_kernels": round(
@@ -155,7 +156,7 @@ def _row(set_name: str, rid: str, gpu: str, gpus: int, shape, seq: int, batch: i
     if (full_clock := attention_full_clock_table(gpu)) is not None:
         # The other reading of the power limit: only the GEMMs slowed by it.
         cl = make_cluster(gpu, gpus, gpus_per_node, memory_gb=memory_gb, inter_gbps=inter_gbps,
-                          kernels=full_clock)
+                          nvlink_mesh=nvlink_mesh, kernels=full_clock)
         alt = search(shape, cl, seq, batch, fixed, flash=flash, top=1)[0]
         extra = {**(extra or {}), "error_attention_full_clock": round(
             alt.tokens_per_s_per_gpu / published_tps - 1, 4)}
@@ -163,7 +164,7 @@ def _row(set_name: str, rid: str, gpu: str, gpus: int, shape, seq: int, batch: i
         def priced(factor: float):
             kernels = scaled_h100_table(round(factor, 4))
             cl = make_cluster(gpu, gpus, gpus_per_node, memory_gb=memory_gb,
-                              inter_gbps=inter_gbps, kernels=kernels)
+                              inter_gbps=inter_gbps, nvlink_mesh=nvlink_mesh, kernels=kernels)
             return search(shape, cl, seq, batch, fixed, flash=flash, top=1)[0]
 
         hot = priced(sustained_ratio())
@@ -358,7 +359,8 @@ def _published_row(run: dict, shape, fixed: dict, extra: dict) -> dict:
                run["seq"], run["global_batch"], fixed, run["published"]["tokens_per_s_per_gpu"],
                flash=run.get("attention", "flash") == "flash",
                gpus_per_node=run.get("gpus_per_node", 8), extra=extra,
-               memory_gb=run.get("gpu_memory_gb"), inter_gbps=run.get("inter_gbps"))
+               memory_gb=run.get("gpu_memory_gb"), inter_gbps=run.get("inter_gbps"),
+               nvlink_mesh=run.get("nvlink_mesh", 0))
     reserved = run["published"].get("peak_memory_gib_reserved")
     if reserved:  # the caching allocator's peak reservation: allocated bytes and its free blocks
         row["published_reserved_gb"] = round(reserved * 2**30 / 1e9, 2)

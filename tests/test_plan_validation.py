@@ -606,26 +606,39 @@ def test_zero3_rows_carry_the_error_priced_the_other_way(validation_rows):
     assert titan_rows and all(r["error_fsdp_no_overlap"] < 0 for r in titan_rows)
 
 
-def test_kempnerforge_rows_are_one_node_without_tp_and_the_docs_quote_them(validation_rows):
-    """KempnerForge's H200 runs are taken only where the planner can price the hardware from
-    published facts: one node, no tensor parallelism (its four-GPU boards' NVLink wiring and
-    InfiniBand rate per GPU are not published). plan-validation.md quotes their errors, planned
-    step times and the one-GPU row's GEMM seconds from the committed rows."""
+def test_kempnerforge_rows_are_one_board_and_the_docs_quote_them(validation_rows):
+    """KempnerForge's H200 runs are taken where the planner prices the hardware from published
+    facts: one node of four SXM GPUs, wired GPU to GPU (`nvlink_mesh` 4: no NVSwitch on a
+    four-GPU board), not its multi-node rows (InfiniBand per GPU unstated). Its tensor-parallel
+    rows are priced with the board's pair links; plan-validation.md quotes every row's error,
+    the planned steps of the rows without tp and the one-GPU row's GEMM seconds."""
     pv = _validation()
-    rows = sorted((r for r in validation_rows if r.get("trainer") == "KempnerForge"),
-                  key=lambda r: r["gpus"])
-    assert [r["gpus"] for r in rows] == [1, 2, 4]
-    assert all(r["set"] == "published-h200" and r["layout"].startswith("tp1 pp1") for r in rows)
-    assert all("zero=3" in r["fix"] for r in rows[1:]) and "zero=0" in rows[0]["fix"]
+    runs = [r for r in json.loads(pv.RUNS.read_text())["runs"] if r["trainer"] == "KempnerForge"]
+    assert len(runs) == 6 and all(r["nvlink_mesh"] == 4 == r["gpus_per_node"] for r in runs)
+    assert all(r["gpus"] <= 4 for r in runs)
+    rows = {r["id"]: r for r in validation_rows if r.get("trainer") == "KempnerForge"}
+    assert set(rows) == {r["id"] for r in runs}
+    assert all(r["set"] == "published-h200" for r in rows.values())
     assert all("optimizer_state=bf16" in r["fix"] and "cross_entropy=eager" in r["fix"]
-               for r in rows)
+               for r in rows.values())
+    plain = [rows[f"kempnerforge-h200-7b-4096-{g}gpu"] for g in (1, 2, 4)]
+    tp = [rows[f"kempnerforge-h200-7b-4096-{i}"] for i in ("2gpu-tp2", "4gpu-tp4", "4gpu-tp2")]
+    assert [r["layout"].split()[0] for r in plain + tp] == ["tp1"] * 3 + ["tp2", "tp4", "tp2"]
+    # the pair's links cost the tp rows; the whole board's do not
+    for row in (tp[0], tp[2]):
+        run = next(r for r in runs if r["id"] == row["id"])
+        shape, (fixed, _) = pv.run_shape(run), pv.run_fixed(run)
+        switched = pv._published_row({**run, "nvlink_mesh": 0}, shape, fixed, {})
+        assert switched["error"] > row["error"]
 
     def pct(x: float) -> str:
         return f"{x * 100:+.1f}%".replace("-", "−")
 
     text = " ".join(pv.docs_text().split())
-    errors = [pct(r["error"]) for r in rows]
+    errors = [pct(r["error"]) for r in plain]
     assert f"{errors[0]}, {errors[1]} and {errors[2]}" in text
-    steps = [f"{r['step_s']:.2f}" for r in rows]
+    errors = [pct(r["error"]) for r in tp]
+    assert f"{errors[0]}, {errors[1]} and {errors[2]}" in text
+    steps = [f"{r['step_s']:.2f}" for r in plain]
     assert f"planned {steps[0]}, {steps[1]} and {steps[2]} s" in text
-    assert f"GEMMs are {rows[0]['compute_s']['gemm']:.2f} s of its planned step" in text
+    assert f"GEMMs are {plain[0]['compute_s']['gemm']:.2f} s of its planned step" in text

@@ -69,6 +69,10 @@ def add_parser(sub) -> None:
     c.add_argument("--peak-tflops", type=float, help="override the GPU's dense bf16 peak")
     c.add_argument("--gpu-memory-gb", type=float, help="override the GPU's memory")
     c.add_argument("--intra-node-gbps", type=float, help="override NVLink GB/s (one way)")
+    c.add_argument("--nvlink-mesh", type=int, default=0, metavar="N",
+                   help="the node's N GPUs are wired to each other with no NVSwitch (a 4-GPU "
+                        "SXM board): a pair gets 1/(N-1) of the NVLink rate; N = "
+                        "--gpus-per-node")
     c.add_argument("--inter-node-gbps", type=float, help="override network GB/s per GPU")
     c.add_argument("--hbm-gbps", type=float,
                    help="override the GPU's memory bandwidth, GB/s (the kernel table's "
@@ -158,7 +162,7 @@ def plan(args) -> tuple[ModelShape, list[Candidate], dict]:
                            peak_tflops=args.peak_tflops, memory_gb=args.gpu_memory_gb,
                            intra_gbps=args.intra_node_gbps, inter_gbps=args.inter_node_gbps,
                            hbm_gbps=args.hbm_gbps, action_cv=args.action_cv,
-                           kernels=args.kernels)
+                           kernels=args.kernels, nvlink_mesh=args.nvlink_mesh)
     batch = from_config.global_batch if from_config else args.global_batch or gpus
     if seq < 1 or batch < 1:
         raise PlanError(f"--seq={seq} and --global-batch={batch} must be positive")
@@ -181,7 +185,8 @@ def plan(args) -> tuple[ModelShape, list[Candidate], dict]:
                    try_once=own and "fsdp_no_sync" not in pinned)
     setup = {"model": shape.to_dict(), "cluster": {"gpu": cluster.gpu.__dict__,
                                                     "gpus": cluster.n_gpus,
-                                                    "gpus_per_node": cluster.gpus_per_node},
+                                                    "gpus_per_node": cluster.gpus_per_node,
+                                                    "nvlink_mesh": cluster.nvlink_mesh},
              "seq": seq, "global_batch": batch, "dtype": dtype,
              "attention": args.attention, "trainer": args.trainer, "fix": fixed,
              "rates": found[0].timing.detail.get("rates") if found else None,
@@ -288,6 +293,11 @@ def _write_config(path: str, shape: ModelShape, best: Candidate, setup: dict) ->
     os.replace(tmp, path)
 
 
+def _mesh_note(cl: dict) -> str:
+    mesh = cl.get("nvlink_mesh", 0)
+    return f", NVLink wired GPU to GPU on boards of {mesh}" if mesh else ""
+
+
 def format_table(shape: ModelShape, found: list[Candidate], setup: dict) -> str:
     cl = setup["cluster"]
     gb = 1e9
@@ -296,7 +306,7 @@ def format_table(shape: ModelShape, found: list[Candidate], setup: dict) -> str:
              f"({shape.arch}, "
              f"h={shape.hidden}, L={shape.layers}, heads={shape.heads}/{shape.kv_heads}, "
              f"vocab={shape.vocab});  {cl['gpus']} x {cl['gpu']['name']} "
-             f"({cl['gpus_per_node']} per node);  seq {setup['seq']}, global batch "
+             f"({cl['gpus_per_node']} per node{_mesh_note(cl)});  seq {setup['seq']}, global batch "
              f"{setup['global_batch']}, {setup['dtype']}, {setup['attention']} attention"]
     if found and not found[0].fits:
         lines.append("NOTHING FITS: the layouts below need the least memory.")

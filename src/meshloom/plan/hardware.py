@@ -93,6 +93,19 @@ class Cluster:
     # Kernel rates (plan/compute.py): None = the GPU's committed table (plan/kernels/), a path
     # = a table measured with `meshloom bench kernels`, "datasheet" = peak and bandwidth only.
     kernels: str | None = None
+    # NVLink wired GPU to GPU on a board of this many GPUs, with no NVSwitch (0: switched, every
+    # GPU reaching any other at its whole NVLink rate). A four-GPU SXM board is wired so: each
+    # GPU splits its links evenly over its three peers (NVSwitch platforms are the eight-GPU
+    # baseboards only, NVIDIA's Fabric Manager guide). A pair then gets 1/(n - 1) of a GPU's
+    # NVLink, and a ring over k of the board's GPUs (NCCL's rings over every pair's links) at
+    # most (k - 1)/(n - 1) of it.
+    nvlink_mesh: int = 0
+
+    def _intra_gbps(self, members: int) -> float:
+        """One-way NVLink GB/s a ring over `members` GPUs of one node gets per GPU."""
+        if self.nvlink_mesh > 1:
+            return self.gpu.intra_gbps * min(1.0, (members - 1) / (self.nvlink_mesh - 1))
+        return self.gpu.intra_gbps
 
     @property
     def nodes(self) -> int:
@@ -107,16 +120,16 @@ class Cluster:
         group in each node, k ports carry the inter-node hops at once, so the bus bandwidth is
         k x the per-GPU network rate, at most the intra-node link's."""
         if stride * size <= self.gpus_per_node:
-            return self.gpu.intra_gbps * GB * LINK_EFFICIENCY
+            return self._intra_gbps(size) * GB * LINK_EFFICIENCY
         per_node = max(1, min(size, self.gpus_per_node // stride))
-        gbps = min(self.gpu.intra_gbps, per_node * self.gpu.inter_gbps)
+        gbps = min(self._intra_gbps(max(2, per_node)), per_node * self.gpu.inter_gbps)
         return gbps * GB * LINK_EFFICIENCY
 
     def link_bandwidth(self, size: int, stride: int) -> float:
         """Bytes/s one GPU sends to another member of a group (point-to-point, all-to-all):
         NVLink inside a node, else its own network port."""
         inside = stride * size <= self.gpus_per_node
-        gbps = self.gpu.intra_gbps if inside else self.gpu.inter_gbps
+        gbps = self._intra_gbps(2) if inside else self.gpu.inter_gbps
         return gbps * GB * LINK_EFFICIENCY
 
     def crosses_nodes(self, size: int, stride: int) -> bool:
@@ -166,7 +179,7 @@ def make_cluster(gpu: str, n_gpus: int, gpus_per_node: int = 8, *,
                  peak_tflops: float | None = None, memory_gb: float | None = None,
                  intra_gbps: float | None = None, inter_gbps: float | None = None,
                  hbm_gbps: float | None = None, action_cv: float = 0.0,
-                 kernels: str | None = None) -> Cluster:
+                 kernels: str | None = None, nvlink_mesh: int = 0) -> Cluster:
     """A cluster from a GPU preset, with any figure overridden."""
     if gpu not in GPUS:
         import difflib
@@ -195,8 +208,12 @@ def make_cluster(gpu: str, n_gpus: int, gpus_per_node: int = 8, *,
             raise PlanError(f"{OVERRIDE_FLAGS[key]}={value} must be positive")
     if not 0.0 <= action_cv < 1.0:
         raise PlanError(f"--action-cv={action_cv} must be in [0, 1)")
+    if nvlink_mesh and (nvlink_mesh < 2 or nvlink_mesh != gpus_per_node):
+        raise PlanError(f"--nvlink-mesh={nvlink_mesh}: the GPUs wired to each other on one board, "
+                        f"at least 2, and a node is one board: it must equal --gpus-per-node "
+                        f"({gpus_per_node})")
     if kernels not in (None, "datasheet"):
         from meshloom.plan.kernel_table import load
         load(kernels)  # a bad file is a one-line error now, not mid-search
     return Cluster(replace(GPUS[gpu], **overrides), n_gpus, min(gpus_per_node, n_gpus),
-                   action_cv, kernels)
+                   action_cv, kernels, nvlink_mesh)
