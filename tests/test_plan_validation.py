@@ -624,12 +624,18 @@ def test_kempnerforge_rows_are_one_board_and_the_docs_quote_them(validation_rows
     plain = [rows[f"kempnerforge-h200-7b-4096-{g}gpu"] for g in (1, 2, 4)]
     tp = [rows[f"kempnerforge-h200-7b-4096-{i}"] for i in ("2gpu-tp2", "4gpu-tp4", "4gpu-tp2")]
     assert [r["layout"].split()[0] for r in plain + tp] == ["tp1"] * 3 + ["tp2", "tp4", "tp2"]
-    # the pair's links cost the tp rows; the whole board's do not
-    for row in (tp[0], tp[2]):
-        run = next(r for r in runs if r["id"] == row["id"])
-        shape, (fixed, _) = pv.run_shape(run), pv.run_fixed(run)
-        switched = pv._published_row({**run, "nvlink_mesh": 0}, shape, fixed, {})
-        assert switched["error"] > row["error"]
+    # each row keeps its error with the node priced as switched NVLink: the pair's links cost
+    # the rows whose tp or FSDP group is a pair, the whole board's cost nothing
+    for row in validation_rows:
+        assert ("error_switched_nvlink" in row) == (row.get("trainer") == "KempnerForge")
+    for row in (tp[0], tp[2], plain[1]):
+        assert row["error_switched_nvlink"] > row["error"]
+    for row in (plain[0], plain[2], tp[1]):
+        assert row["error_switched_nvlink"] == pytest.approx(row["error"], abs=2e-4)
+    run = next(r for r in runs if r["id"] == tp[0]["id"])
+    shape, (fixed, _) = pv.run_shape(run), pv.run_fixed(run)
+    switched = pv._published_row({**run, "nvlink_mesh": 0}, shape, fixed, {})
+    assert switched["error"] == tp[0]["error_switched_nvlink"]
 
     def pct(x: float) -> str:
         return f"{x * 100:+.1f}%".replace("-", "−")
@@ -639,6 +645,8 @@ def test_kempnerforge_rows_are_one_board_and_the_docs_quote_them(validation_rows
     assert f"{errors[0]}, {errors[1]} and {errors[2]}" in text
     errors = [pct(r["error"]) for r in tp]
     assert f"{errors[0]}, {errors[1]} and {errors[2]}" in text
+    switched = [f"{100 * r['error_switched_nvlink']:+.0f}%" for r in tp]
+    assert f"at {switched[0]}, {switched[1]} and {switched[2]} with the node" in text
     steps = [f"{r['step_s']:.2f}" for r in plain]
     assert f"planned {steps[0]}, {steps[1]} and {steps[2]} s" in text
     assert f"GEMMs are {plain[0]['compute_s']['gemm']:.2f} s of its planned step" in text
