@@ -95,8 +95,9 @@ class Cluster:
     kernels: str | None = None
     # NVLink wired GPU to GPU on a board of this many GPUs, with no NVSwitch (0: switched, every
     # GPU reaching any other at its whole NVLink rate). A four-GPU SXM board is wired so: each
-    # GPU splits its links evenly over its three peers (NVSwitch platforms are the eight-GPU
-    # baseboards only, NVIDIA's Fabric Manager guide). A pair then gets 1/(n - 1) of a GPU's
+    # GPU splits its links evenly over its three peers (NVIDIA lists its NVSwitch platforms as
+    # the eight-GPU HGX baseboards: the NVSwitch page of its AI Enterprise vGPU documentation;
+    # the even split is the wiring that uses all 18 links). A pair then gets 1/(n - 1) of a GPU's
     # NVLink, and a ring over k of the board's GPUs (NCCL's rings over every pair's links) at
     # most (k - 1)/(n - 1) of it.
     nvlink_mesh: int = 0

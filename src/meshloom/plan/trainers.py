@@ -146,8 +146,8 @@ from meshloom.plan import PlanError
 # the root over the embedding, final norm and head: `fsdp_root=outer`), whose default policy
 # reduces in fp32 (`param_dtype=param_dtype, reduce_dtype=torch.float32`, parallel.py): no fp32
 # master copy, so AdamW's moments are bf16 too (`optimizer_state=bf16`; `--optimizer.fused`
-# in its benchmark script: `optimizer_impl=fused`, priced at fp32 state's 28 bytes a
-# parameter). Earlier micro-batches of a step run under `set_requires_gradient_sync(False)`
+# in its benchmark script: `optimizer_impl=fused`, 14 bytes a parameter on bf16 state).
+# Earlier micro-batches of a step run under `set_requires_gradient_sync(False)`
 # (training/grad.py: `fsdp_no_sync`). It compiles the whole model (`torch.compile(model)` after
 # activation checkpointing and FSDP) and takes the loss outside it, `F.cross_entropy` on the
 # bf16 logits (scripts/train.py: `cross_entropy=eager`); attention is SDPA with the kv heads
