@@ -139,33 +139,30 @@ def _row(set_name: str, rid: str, gpu: str, gpus: int, shape, seq: int, batch: i
          fixed: dict, published_tps: float, flash: bool = True, gpus_per_node: int = 8,
          extra: dict | None = None, memory_gb: float | None = None,
          inter_gbps: float | None = None, nvlink_mesh: int = 0) -> dict:
-    cluster = make_cluster(gpu, gpus, gpus_per_node, memory_gb=memory_gb, inter_gbps=inter_gbps,
-                           nvlink_mesh=nvlink_mesh)
-    best = search(shape, cluster, seq, batch, fixed, flash=flash, top=1)[0]
+    def best_on(kernels: str | None = None):
+        """The best layout on this row's cluster, priced from `kernels` (None: the GPU's
+        committed table)."""
+        cluster = make_cluster(gpu, gpus, gpus_per_node, memory_gb=memory_gb,
+                               inter_gbps=inter_gbps, nvlink_mesh=nvlink_mesh, kernels=kernels)
+        return search(shape, cluster, seq, batch, fixed, flash=flash, top=1)[0]
+
+    best = best_on()
     got = best.tokens_per_s_per_gpu
     # Meshloom's own measured H100 table prices FlashAttention-2 and cuDNN only: a row on an
     # older kernel (priced through the committed table's borrowed ratio) has no such error.
     older = fixed.get("attention_kernel") in ("fa1", "triton")
     if gpu == "h100" and MEASURED_H100.exists() and not older:
-        measured = make_cluster(gpu, gpus, gpus_per_node, memory_gb=memory_gb,
-                                inter_gbps=inter_gbps, nvlink_mesh=nvlink_mesh,
-                                kernels=str(MEASURED_H100))
-        alt = search(shape, measured, seq, batch, fixed, flash=flash, top=1)[0]
+        alt = best_on(str(MEASURED_H100))
         extra = {**(extra or {}), "error_measured_kernels": round(
             alt.tokens_per_s_per_gpu / published_tps - 1, 4)}
     if (full_clock := attention_full_clock_table(gpu)) is not None:
         # The other reading of the power limit: only the GEMMs slowed by it.
-        cl = make_cluster(gpu, gpus, gpus_per_node, memory_gb=memory_gb, inter_gbps=inter_gbps,
-                          nvlink_mesh=nvlink_mesh, kernels=full_clock)
-        alt = search(shape, cl, seq, batch, fixed, flash=flash, top=1)[0]
+        alt = best_on(full_clock)
         extra = {**(extra or {}), "error_attention_full_clock": round(
             alt.tokens_per_s_per_gpu / published_tps - 1, 4)}
     if gpu == "h100" and GEMM_SUSTAINED.exists():
         def priced(factor: float):
-            kernels = scaled_h100_table(round(factor, 4))
-            cl = make_cluster(gpu, gpus, gpus_per_node, memory_gb=memory_gb,
-                              inter_gbps=inter_gbps, nvlink_mesh=nvlink_mesh, kernels=kernels)
-            return search(shape, cl, seq, batch, fixed, flash=flash, top=1)[0]
+            return best_on(scaled_h100_table(round(factor, 4)))
 
         hot = priced(sustained_ratio())
         extra = {**(extra or {}), "error_sustained_gemm": round(

@@ -1264,6 +1264,7 @@ def test_bf16_only_optimizer_state_halves_the_step_traffic():
     assert compute_mod.optimizer_seconds(1e9, 1e9, rates, optimizer_impl="foreach",
                                          state="bf16") == pytest.approx(48e9 / 2000e9)
     shape = PRESETS["llama3-8b"]
+
     def step(lay, **impl):
         return evaluate(shape, lay, make_cluster("h200", lay.dp), 4096, 8 * lay.dp,
                         impl=Implementation(**impl)).timing
