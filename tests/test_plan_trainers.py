@@ -108,11 +108,14 @@ def test_every_published_layout_is_one_its_trainer_runs():
     ("torchtitan", dict(pp=2, dp=4, zero=2), "zero", "held gathered for the step"),
     ("torchtitan", dict(dp=8, zero=2), "zero", "shards with FSDP2: ZeRO-3"),
     ("kempnerforge", dict(dp=8, zero=1), "zero", "FSDP2 only"),
-    ("kempnerforge", dict(tp=2, dp=4, zero=0), "zero", "FSDP2 only"),
+    ("kempnerforge", dict(tp=2, dp=4, zero=0, sp=True), "zero", "FSDP2 only"),
     ("kempnerforge", dict(dp=8, zero=3, recompute="selective"), "recompute",
      "whole attention modules"),
     ("kempnerforge", dict(pp=2, dp=4, zero=3, schedule="interleaved_1f1b", v=2), "schedule",
      "one pipeline stage a rank"),
+    ("kempnerforge", dict(tp=4, dp=2, zero=3), "sp", "sequence parallel outside a pipeline"),
+    ("kempnerforge", dict(tp=2, pp=2, dp=2, zero=3, sp=True, schedule="1f1b"), "sp",
+     "without it inside one"),
 ])
 def test_layout_rules_refuse_what_the_trainer_cannot_run(trainer, layout, key, why):
     from meshloom.plan.trainers import layout_problem
@@ -129,7 +132,8 @@ def test_rules_accept_what_the_trainer_runs_and_a_pinned_key_hides_no_other_prob
           ("torchtitan", dict(pp=2, dp=4, zero=3)), ("torchtitan", dict(dp=8, zero=0)),
           ("torchtitan", dict(tp=8, zero=1)),  # one data-parallel rank: no sharding at all
           ("llm-foundry", dict(dp=8, zero=3, recompute="full")),
-          ("kempnerforge", dict(tp=4, dp=2, zero=3)), ("kempnerforge", dict(dp=1)),
+          ("kempnerforge", dict(tp=4, dp=2, zero=3, sp=True)), ("kempnerforge", dict(dp=1)),
+          ("kempnerforge", dict(tp=2, pp=2, dp=2, zero=3, schedule="1f1b")),
           ("kempnerforge", dict(pp=2, dp=4, zero=3, schedule="gpipe", recompute="full")),
           ("meshloom", dict(tp=2, pp=2, dp=2, zero=1))]
     for trainer, layout in ok:

@@ -31,9 +31,13 @@ from meshloom.plan.implementation import (
     TRAIN_METRIC_PASSES,
     Implementation,
     autocast_weights,
+    ends_split,
     float8_gathers,
+    head_tp,
     loss_kind,
+    loss_vocab_share,
     residual_stream,
+    table_tp,
 )
 from meshloom.plan.kernel_table import KernelTable, attention_flops, for_gpu, load, sdpa_kernel
 from meshloom.plan.layout import Layout
@@ -82,11 +86,17 @@ from meshloom.plan.step_kernels import (
 # (4) and subtracts the log-sum (4, 4); backward writes zeros and the targets' -1 (4),
 # exponentiates the kept log-softmax (4, 4), adds (4 + 4, 4), multiplies by the gradient
 # (4, 4) and down-casts (4, 2).
-CE_BYTES_PER_LOGIT = {"fused": (2.0, 4.0), "eager": (18.0, 22.0), "megatron": (38.0, 14.0),
-                      "megatron_fused": (22.0, 6.0), "xentropy": (4.0, 4.0),
-                      "vocab_parallel": (38.0, 6.0), "loss_parallel": (38.0, 38.0)}
-CE_KERNELS = {"fused": (1, 1), "eager": (4, 5), "megatron": (6, 2), "megatron_fused": (3, 1),
-              "xentropy": (1, 1), "vocab_parallel": (6, 1), "loss_parallel": (6, 5)}
+# `F.cross_entropy` on bf16 logits with no autocast (`eager_bf16`, a bf16 model's loss: log_softmax
+# keeps its input's dtype) runs eager's passes without the casts, at 2 bytes: forward two
+# reads and a write (6); backward the NLL's gradient (2) and log-softmax's backward (read 2
+# twice, write 2): 8.
+CE_BYTES_PER_LOGIT = {"fused": (2.0, 4.0), "eager": (18.0, 22.0), "eager_bf16": (6.0, 8.0),
+                      "megatron": (38.0, 14.0), "megatron_fused": (22.0, 6.0),
+                      "xentropy": (4.0, 4.0), "vocab_parallel": (38.0, 6.0),
+                      "loss_parallel": (38.0, 38.0)}
+CE_KERNELS = {"fused": (1, 1), "eager": (4, 5), "eager_bf16": (3, 4), "megatron": (6, 2),
+              "megatron_fused": (3, 1), "xentropy": (1, 1), "vocab_parallel": (6, 1),
+              "loss_parallel": (6, 5)}
 # AdamW (fused, fp32 state) reads and writes the master weight, m and v and reads the gradient
 # (28 bytes). A training loop's gradient bookkeeping (Implementation.grad_clip): the global
 # norm reads every gradient (4 bytes) and clipping scales it in place (read, write: 8), or,
@@ -517,15 +527,21 @@ def sp_copy_seconds(rates: Rates, tokens: int, hidden: int, e: float) -> float:
 def head_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int,
               impl: Implementation, e: int = 2) -> tuple[float, float]:
     """(forward, backward) seconds of the output head and the cross entropy on the last stage,
-    vocabulary-parallel over tp; the backward's share carries the training metrics the loop
-    computes over the logits after it (`train_metrics`)."""
+    vocabulary-parallel over tp (or as `tp_ends` runs it); the backward's share carries the
+    training metrics the loop computes over the logits after it (`train_metrics`). A gathered
+    head (`tp_ends`) also lays the gathered pieces side by side (a read and a write of the
+    whole logits; the gather itself is timing.py's) and copies out its slice of their
+    gradient."""
     tokens = lay.micro_batch * (seq // lay.cp)
-    g = head_gemm(shape, tokens, lay.tp)
-    logits = tokens * shape.vocab / lay.tp
+    g = head_gemm(shape, tokens, head_tp(impl, lay))
+    logits = tokens * shape.vocab / loss_vocab_share(impl, lay)
     kind = loss_kind(impl, lay)
     (ce_f, ce_b), (k_f, k_b) = CE_BYTES_PER_LOGIT[kind], CE_KERNELS[kind]
     fwd = rates.gemm(g) + rates.stream(ce_f * logits, k_f)
     bwd = sum(rates.gemm(b) for b in g.backward()) + rates.stream(ce_b * logits, k_b)
+    if ends_split(impl, lay) == "gathered":
+        fwd += rates.stream(2 * e * logits, 1)
+        bwd += rates.stream(2 * e * logits / lay.tp, 1)
     casts = casts_weights(lay, e, impl)
     if casts:
         cast = rates.stream(g.n * g.k * (4 + e))
@@ -552,15 +568,16 @@ def tied_gradient_add(shape: ModelShape, lay: Layout, rates: Rates, impl: Implem
     (`fused_grad_accumulation`)."""
     if not shape.tied or lay.pp > 1 or impl.fused_grad_accumulation:
         return 0.0
-    return rates.stream(3 * grad_bytes * shape.vocab / lay.tp * shape.hidden, 1)
+    return rates.stream(3 * grad_bytes * shape.vocab / head_tp(impl, lay) * shape.hidden, 1)
 
 
 def embedding_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, impl: Implementation,
                    e: int = 2) -> tuple[float, float]:
     """(forward, backward) seconds of the token-table lookup on the first stage, one
-    micro-batch, vocabulary-parallel over tp (its collectives are timing.py's `end_collectives`).
-    Forward: the lookup reads each token's row and writes it (`EMBED_FWD_PASSES`); over tp > 1
-    the rows of ids outside the rank's slice are then zeroed (read, write); a learned position
+    micro-batch, vocabulary-parallel over tp unless the table is whole on every rank
+    (`tp_ends`; its collectives are timing.py's `end_collectives`).
+    Forward: the lookup reads each token's row and writes it (`EMBED_FWD_PASSES`); over a split
+    table the rows of ids outside the rank's slice are then zeroed (read, write); a learned position
     table's rows are added (read, write). Backward (`embedding_dense_backward`): the table's
     gradient is zero-filled whole, then the incoming rows are sorted by id, summed per id into
     partial sums and scattered (`EMBED_BWD_PASSES`); with a position table the batch's rows are
@@ -571,9 +588,9 @@ def embedding_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, impl:
     tokens = lay.micro_batch * (seq // lay.cp)
     w = 4 if casts_weights(lay, e, impl) else e  # the table's dtype: fp32 where the masters are
     rows = tokens * shape.hidden * w
-    table = shape.vocab / lay.tp * shape.hidden
+    table = shape.vocab / table_tp(impl, lay) * shape.hidden
     fwd_passes, fwd_kernels = EMBED_FWD_PASSES, 1
-    if lay.tp > 1:
+    if table_tp(impl, lay) > 1:
         fwd_passes, fwd_kernels = fwd_passes + 2, fwd_kernels + 1
     bwd_bytes, bwd_kernels = table * w + EMBED_BWD_PASSES * rows, EMBED_BWD_KERNELS
     if shape.positions:
@@ -581,8 +598,11 @@ def embedding_cost(shape: ModelShape, lay: Layout, rates: Rates, seq: int, impl:
         bwd_bytes, bwd_kernels = bwd_bytes + rows, bwd_kernels + 1
     if impl.fused_grad_accumulation:
         bwd_bytes, bwd_kernels = bwd_bytes + table * (w + 8), bwd_kernels + 1
-    # the reduce-scatter of the lookup's output and the gather of its gradient (SP)
+    # the reduce-scatter of the lookup's output and the gather of its gradient (SP); a whole
+    # table's lookup is sliced instead, DTensor cloning the rank's 1/tp of the rows
     copy_f, copy_b = end_sp_copies(lay, impl, fused_forward=False)
+    if ends_split(impl, lay) == "gathered":
+        copy_f = 1 / lay.tp
     one = sp_copy_seconds(rates, tokens, shape.hidden, e) if copy_f or copy_b else 0.0
     return (rates.stream(fwd_passes * rows, fwd_kernels) + copy_f * one,
             rates.stream(bwd_bytes, bwd_kernels) + copy_b * one)

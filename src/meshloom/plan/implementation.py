@@ -257,7 +257,21 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   backward; Megatron-LM's and Megatron-Core's default, which NeMo keeps unless its config sets
   `cross_entropy_loss_fusion`) or `megatron_fused` (Megatron-Core with
   `cross_entropy_loss_fusion`: the same steps in three jit-fused passes forward and one
-  backward, still on an fp32 copy).
+  backward, still on an fp32 copy) or `eager_bf16` (`F.cross_entropy` on bf16 logits with no
+  autocast around it, as a trainer with a bf16 model runs it: the log-softmax and both
+  gradients stay bf16, no up-cast or down-cast; KempnerForge).
+- `tp_ends`: how the token table and the output head run under tp > 1. `split` (meshloom,
+  Megatron, torchtitan): the table is vocabulary-parallel, the head column-parallel and the
+  loss runs on each rank's vocabulary slice (`loss_kind`). `gathered` (KempnerForge): where the
+  layout runs sequence parallel, every tp rank holds the whole token table and looks up every
+  token, keeping its sequence slice (no collective forward; backward all-gathers the slices'
+  gradients), and the column-parallel head's logits are all-gathered whole onto every rank
+  (DTensor's `ColwiseParallel(output_layouts=Replicate())`), which lays the pieces side by
+  side along the vocabulary (a copy of the whole logits) and runs the loss over all of them;
+  backward takes the rank's slice of the gradient (a copy). Without sequence parallel
+  (KempnerForge's pipeline stages) neither end is split: every tp rank holds both whole, runs
+  the whole head's GEMMs and the loss over all the logits, and neither end has a collective.
+  A no-op with tp = 1.
 - `train_metrics`: what the loop computes over the logits after each micro-batch's backward,
   beside the loss: `none` (meshloom, Megatron, NeMo, torchtitan: the loss only) or `composer`
   (Composer's trainer evaluates the model's training metrics on every micro-batch,
@@ -402,6 +416,7 @@ class Implementation:
     sp_copies: str = "batch"
     float8: str = "none"
     float8_all_gather: bool = False
+    tp_ends: str = "split"
 
     @property
     def elementwise(self) -> str:
@@ -465,16 +480,45 @@ def zero3_no_sync(impl: Implementation, lay, m: int) -> bool:
     return fsdp and (impl.fsdp_no_sync and m > 1 or pytorch_pipelined(impl, lay))
 
 
+def ends_split(impl: Implementation, lay) -> str:
+    """How the token table and the head run over the tp ranks (`tp_ends`): `split`
+    (vocabulary-parallel, the loss on the rank's slice), `gathered` (the table whole, the
+    head column-parallel with its logits gathered whole to every rank) or `whole` (neither
+    split). `split` at tp = 1."""
+    if lay.tp == 1 or impl.tp_ends == "split":
+        return "split"
+    return "gathered" if lay.sp else "whole"
+
+
+def head_tp(impl: Implementation | None, lay) -> int:
+    """Over how many ranks the head's weight and GEMMs are split: tp, or 1 for a whole head."""
+    return 1 if impl is not None and ends_split(impl, lay) == "whole" else lay.tp
+
+
+def table_tp(impl: Implementation | None, lay) -> int:
+    """Over how many ranks the token table is split: tp where the ends are `split`, else 1."""
+    return lay.tp if impl is None or ends_split(impl, lay) == "split" else 1
+
+
+def loss_vocab_share(impl: Implementation, lay) -> int:
+    """The divisor of the vocabulary the loss runs over on each rank: tp for a loss on the
+    rank's slice, 1 where every rank runs it over all the logits (`tp_ends`)."""
+    return lay.tp if ends_split(impl, lay) == "split" else 1
+
+
 def loss_kind(impl: Implementation, lay) -> str:
     """The cross entropy the step runs (a key of compute.CE_BYTES_PER_LOGIT): meshloom under
     tp > 1 runs its own vocabulary-parallel loss whatever `compile` says (`vocab_parallel`,
     parallel/tensor.py's `vocab_parallel_cross_entropy`); an eager `F.cross_entropy` over
     vocabulary-split logits is PyTorch's `loss_parallel` (torchtitan's TP), whose DTensor
     handlers run the log-softmax and the NLL's backward as separate passes
-    (`loss_parallel`); otherwise `impl.loss`."""
+    (`loss_parallel`); otherwise, and wherever every rank holds all the logits (`tp_ends`),
+    `impl.loss`."""
+    if loss_vocab_share(impl, lay) == 1:
+        return impl.loss
     if impl.cross_entropy == "auto" and impl.meshloom_block and lay.tp > 1:
         return "vocab_parallel"
-    if impl.loss == "eager" and lay.tp > 1:
+    if impl.loss in ("eager", "eager_bf16") and lay.tp > 1:
         return "loss_parallel"
     return impl.loss
 
@@ -560,7 +604,7 @@ def parse_bool(key: str, value: str) -> bool:
 STR_IMPL_KEYS = ("attention_kernel", "pp_split", "optimizer_state", "optimizer_impl",
                  "grad_reduce_dtype", "dp_buckets", "cross_entropy", "train_metrics", "cp_ring",
                  "nccl_protocols", "sp_copies", "residual_stream", "fsdp_root", "pp_fsdp",
-                 "pp_w_order", "float8")
+                 "pp_w_order", "float8", "tp_ends")
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 OPTIMIZER_IMPLS = ("fused", "foreach", "for_loop")
 # Bytes per parameter beside the bf16 parameter and gradient: (master copy, Adam moments).
@@ -572,7 +616,9 @@ RESIDUAL_STREAMS = ("16bit", "fp32", "fp32_cast")
 FSDP_ROOTS = ("head", "outer")
 PP_FSDP = ("meshloom", "pytorch")
 FLOAT8_RECIPES = ("none", "tensorwise")
-CROSS_ENTROPY = ("auto", "fused", "eager", "xentropy", "megatron", "megatron_fused")
+CROSS_ENTROPY = ("auto", "fused", "eager", "eager_bf16", "xentropy", "megatron",
+                 "megatron_fused")
+TP_ENDS = ("split", "gathered")
 # Eager cross-entropy forwards over the logits a loop's training metrics run per micro-batch.
 TRAIN_METRIC_PASSES = {"none": 0, "composer": 2}
 # meshloom's parallel.ddp_bucket_mb default, which is PyTorch DDP's bucket_cap_mb (25 MiB)

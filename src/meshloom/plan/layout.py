@@ -22,6 +22,7 @@ from meshloom.plan.implementation import (
     RESIDUAL_STREAMS,
     SP_COPIES,
     STR_IMPL_KEYS,
+    TP_ENDS,
     TRAIN_METRIC_PASSES,
     parse_bool,
 )
@@ -120,7 +121,8 @@ def parse_fix(text: str) -> dict:
                        "fsdp_root": FSDP_ROOTS,
                        "pp_fsdp": PP_FSDP,
                        "pp_w_order": W_ORDERS,
-                       "float8": FLOAT8_RECIPES}.get(key, SCHEDULES)
+                       "float8": FLOAT8_RECIPES,
+                       "tp_ends": TP_ENDS}.get(key, SCHEDULES)
             if value not in options:
                 raise PlanError(f"--fix: {key}={value} must be one of {', '.join(options)}")
             out[key] = value

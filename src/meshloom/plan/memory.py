@@ -35,9 +35,12 @@ from meshloom.plan.implementation import (
     autocast_weights,
     fp32_gradient_shards,
     fp32_working_params,
+    head_tp,
     keeps_grads,
     loss_kind,
+    loss_vocab_share,
     residual_stream,
+    table_tp,
     whole_fp32_states,
     whole_grad_bytes,
     zero3_no_sync,
@@ -90,36 +93,40 @@ def layers_on_rank(shape: ModelShape, pp: int) -> int:
     return -(-shape.layers // pp)
 
 
-def rank_params(shape: ModelShape, lay: Layout, rank: int) -> float:
+def rank_params(shape: ModelShape, lay: Layout, rank: int,
+                impl: Implementation | None = None) -> float:
     """Parameters one GPU of pipeline rank `rank` holds before ZeRO sharding: its layers' matrices
     split over tp (norms and biases kept whole), the vocabulary-parallel embedding on the first
     rank, the head (or, tied across pp > 1, a copy of the embedding) and final norm on the last;
-    with experts, its ep share of each block's routed experts."""
-    dense, experts = rank_param_split(shape, lay, rank)
+    with experts, its ep share of each block's routed experts; the ends whole where `impl`
+    runs them so (`tp_ends`)."""
+    dense, experts = rank_param_split(shape, lay, rank, impl=impl)
     return dense + experts
 
 
 def rank_param_split(shape: ModelShape, lay: Layout, rank: int, layers: int | None = None,
-                     etp: int = 1) -> tuple[float, float]:
+                     etp: int = 1, impl: Implementation | None = None) -> tuple[float, float]:
     """`rank_params` as (dense, routed experts): the first part ZeRO shards over dp_shard, the
     second over the expert shard degree (moe.expert_shard); 0 experts for a dense model.
     `layers`: the blocks this rank holds (plan/stages.py); by default the even split's most."""
     split = shape.tp_split_params
     small = shape.layer_params - split - shape.expert_layer_params
     layers = layers_on_rank(shape, lay.pp) if layers is None else layers
-    n = layers * (split / lay.tp + small) + outer_params(shape, lay, rank)
+    n = layers * (split / lay.tp + small) + outer_params(shape, lay, rank, impl)
     return n, layers * shape.expert_layer_params / (lay.ep * etp)
 
 
-def outer_params(shape: ModelShape, lay: Layout, rank: int) -> float:
+def outer_params(shape: ModelShape, lay: Layout, rank: int,
+                 impl: Implementation | None = None) -> float:
     """A GPU's parameters outside its blocks: the vocabulary-parallel embedding (and learned
     positions) on the first pipeline rank, the final norm and the head (or, tied across
-    pp > 1, a copy of the token table) on the last."""
-    n = shape.embedding_params / lay.tp if rank == 0 else 0.0
+    pp > 1, a copy of the token table) on the last; either whole on every tp rank where `impl`
+    runs it so (`tp_ends`)."""
+    n = shape.embedding_params / table_tp(impl, lay) if rank == 0 else 0.0
     if rank == lay.pp - 1:
         n += shape.final_norm_params
         if not shape.tied or lay.pp > 1:
-            n += shape.vocab * shape.hidden / lay.tp
+            n += shape.vocab * shape.hidden / head_tp(impl, lay)
     return n
 
 
@@ -140,10 +147,10 @@ def zero3_root_params(shape: ModelShape, lay: Layout, rank: int,
     if lay.zero != 3 or lay.dp_shard <= 1:
         return 0.0
     if impl.fsdp_root == "outer":
-        return outer_params(shape, lay, rank)
+        return outer_params(shape, lay, rank, impl)
     if rank != lay.pp - 1:
         return 0.0
-    return shape.final_norm_params + shape.vocab * shape.hidden / lay.tp
+    return shape.final_norm_params + shape.vocab * shape.hidden / head_tp(impl, lay)
 
 
 def zero3_gathered_params(shape: ModelShape, lay: Layout, rank: int, impl: Implementation,
@@ -154,7 +161,7 @@ def zero3_gathered_params(shape: ModelShape, lay: Layout, rank: int, impl: Imple
     the dense ones (sharded over dp_shard) and the experts (over their shard degree)."""
     if zero3_resharded(impl, lay):
         return zero3_root_params(shape, lay, rank, impl)
-    dense, experts = rank_param_split(shape, lay, rank, layers, etp)
+    dense, experts = rank_param_split(shape, lay, rank, layers, etp, impl)
     return ((dense if lay.dp_shard > 1 else 0.0)
             + (experts if experts and expert_shard(lay) > 1 else 0.0))
 
@@ -167,15 +174,16 @@ def zero3_first_outer_params(shape: ModelShape, lay: Layout, rank: int,
     root holds the token table the embedding reads (tied, pp = 1): otherwise the last block's
     forward hides the root's gather as its prefetch (parallel/fsdp.py)."""
     if impl.fsdp_root == "outer" or (shape.tied and lay.pp == 1):
-        return outer_params(shape, lay, rank)
-    return shape.embedding_params / lay.tp if rank == 0 else 0.0
+        return outer_params(shape, lay, rank, impl)
+    return shape.embedding_params / table_tp(impl, lay) if rank == 0 else 0.0
 
 
 def rank_model_states(shape: ModelShape, lay: Layout, rank: int, prec,
                       layers: int | None = None, etp: int = 1,
                       whole_fp32: bool = False, whole_grads: bool = False,
                       fp32_grad_shards: bool = False,
-                      whole_grad_bytes: int | None = None) -> dict[str, float]:
+                      whole_grad_bytes: int | None = None,
+                      impl: Implementation | None = None) -> dict[str, float]:
     """Per-GPU bytes of params, grads and optimizer state: the dense part sharded by ZeRO over
     dp_shard, the routed experts (already split over ep) over the expert shard degree.
     `whole_fp32` (DeepSpeed's BF16_Optimizer, implementation.whole_fp32_states): every rank
@@ -188,8 +196,8 @@ def rank_model_states(shape: ModelShape, lay: Layout, rank: int, prec,
     unit by unit (meshloom's `parallel.reduce_once`; FSDP1's `_saved_grad_shard` is None then;
     FSDP2 assigns a None `.grad`), so the peak holds the larger of the two. `fp32_grad_shards`
     (FSDP1's SHARD_GRAD_OP, `fp32_gradient_shards`): the gradient shards are fp32 whatever
-    the compute dtype."""
-    dense, experts = rank_param_split(shape, lay, rank, layers, etp)
+    the compute dtype. `impl`: the ends' split (`tp_ends`)."""
+    dense, experts = rank_param_split(shape, lay, rank, layers, etp, impl)
     states = model_state_bytes(dense, lay.dp_shard, lay.zero, prec)
     if experts:
         more = model_state_bytes(experts, expert_shard(lay), lay.zero, prec)
@@ -521,6 +529,10 @@ EAGER_CE_PEAK_BYTES = 12
 # The same under PyTorch's `loss_parallel` on a vocabulary slice: the saved log-softmax, the
 # zeros with the targets' -1, its exponential, their sum and its product with the gradient.
 LOSS_PARALLEL_PEAK_BYTES = 20
+# F.cross_entropy on bf16 logits without autocast (`eager_bf16`): the logits themselves, which
+# such a loop still holds (KempnerForge's `logits` lives through `backward()`), the saved
+# log-softmax, the NLL's gradient and log-softmax's, each at the logits' dtype.
+EAGER_BF16_PEAK_ELEMS = 4
 
 
 def logits_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype: str,
@@ -541,12 +553,17 @@ def logits_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype: str,
       or equal). Under tp > 1 (`loss_parallel`, torchtitan's TP) DTensor's handlers run the
       NLL's backward as `(zeros with the targets' -1 + exp(log-softmax)) * gradient`, holding
       five such tensors, `LOSS_PARALLEL_PEAK_BYTES`. tests/test_plan_loss_memory.py measures
-      both on CPU."""
+      both on CPU;
+    - the same on bf16 logits with no autocast (`eager_bf16`), every tensor at e bytes and
+      the logits still held: `EAGER_BF16_PEAK_ELEMS` x e.
+    Where every tp rank runs the loss over all the logits (`tp_ends`), per logit of the whole
+    vocabulary."""
     e = act_elem_bytes(dtype)
     kind = loss_kind(impl, lay) if impl is not None else "megatron"
     per = {"fused": 2 * e, "xentropy": 2 * e, "eager": EAGER_CE_PEAK_BYTES,
-           "loss_parallel": LOSS_PARALLEL_PEAK_BYTES}.get(kind, e + 4)
-    return s * b * shape.vocab / lay.tp * per
+           "loss_parallel": LOSS_PARALLEL_PEAK_BYTES,
+           "eager_bf16": EAGER_BF16_PEAK_ELEMS * e}.get(kind, e + 4)
+    return s * b * shape.vocab / (lay.tp if impl is None else loss_vocab_share(impl, lay)) * per
 
 
 def final_norm_bytes(shape: ModelShape, s: int, b: int, lay: Layout, dtype: str,
@@ -578,7 +595,7 @@ def weight_copy_bytes(shape: ModelShape, lay: Layout, rank: int, dtype: str,
     if shape.is_moe:  # the router, shared expert and this rank's experts (whole on every tp rank)
         n += layers * (shape.moe_dense_ffn_params + shape.expert_layer_params / lay.ep)
     if rank == lay.pp - 1:
-        n += shape.vocab * shape.hidden / lay.tp
+        n += shape.vocab * shape.hidden / head_tp(impl, lay)
     return 2 * n
 
 
@@ -727,7 +744,7 @@ def memory_per_gpu(shape: ModelShape, lay: Layout, seq: int, global_batch: int,
         states = rank_model_states(shape, lay, rank, prec, held[rank], expert_tp(lay, impl),
                                    whole_fp32_states(impl, lay, dtype), zero3_no_sync(impl, lay, m),
                                    fp32_gradient_shards(impl, lay),
-                                   whole_grad_bytes(impl, lay, dtype))
+                                   whole_grad_bytes(impl, lay, dtype), impl)
         acts = alive[rank] * per_layer
         if rank == 0 and shape.has_dropout:  # the embedding dropout's 1-byte mask; the
             # embedding's output itself is the first block's input, counted there (SP: a slice)

@@ -225,7 +225,7 @@ def evaluate(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global_
     if shape.is_moe:
         held = rank_layers(stage_layers(shape, lay.pp, lay.v, seq, impl.pp_split), lay.pp)
         dense, experts = rank_param_split(shape, lay, lay.pp - 1, held[-1],
-                                          expert_tp(lay, impl))
+                                          expert_tp(lay, impl), impl)
         moe = moe_summary(shape, lay, cluster, seq, lay.microbatches(global_batch),
                           act_elem_bytes(dtype), dense, experts,
                           tim.detail["comm_s"]["ep"].get("ops", {}).get("all_to_all", 0.0),

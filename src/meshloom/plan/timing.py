@@ -55,8 +55,10 @@ from meshloom.plan.implementation import (
     MESHLOOM,
     Implementation,
     dp_calls,
+    ends_split,
     float8_gathers,
     fp32_working_params,
+    head_tp,
     keeps_grads,
     optimizer_state,
     pytorch_pipelined,
@@ -235,9 +237,11 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     held = rank_layers(stages, p)
     head_f, head_b = head_cost(shape, lay, rates, seq, impl, e)
     emb_f, emb_b = embedding_cost(shape, lay, rates, seq, impl, e)
-    head_wgrad = head_gemm(shape, tokens, t).backward()[1]
+    head_wgrad = head_gemm(shape, tokens, head_tp(impl, lay)).backward()[1]
+    logits = (cluster.collective("all_gather", tokens * shape.vocab * e, t, 1, proto)
+              if ends_split(impl, lay) == "gathered" else None)
     ends = end_collectives(lay, end_one, tp_start / (2 if lay.sp else 1), rates.gemm(head_wgrad),
-                           impl)
+                           impl, logits)
     n_stages = p * v
 
     def cost(a: Action, comm: bool = True) -> float:
@@ -369,7 +373,7 @@ def _after_backward(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str
     """Pipeline rank `rank`'s data-parallel communication (`_dp_time`), and its optimizer step
     with the gradient accumulation passes (seconds; the second includes the third)."""
     dp = _dp_time(shape, lay, cluster, dtype, m, f_mb, b_mb, impl, rank, layers, rates)
-    dense, experts = rank_param_split(shape, lay, rank, layers, expert_tp(lay, impl))
+    dense, experts = rank_param_split(shape, lay, rank, layers, expert_tp(lay, impl), impl)
     opt_params = dense / (lay.dp_shard if lay.zero else 1)
     if experts:
         opt_params += experts / (expert_shard(lay) if lay.zero else 1)
@@ -465,7 +469,7 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     ranks apart) and all-reduces the shard over dp_replicate; cp is inside edp_shard, so no cp
     average."""
     none = {"exposed": 0.0, "total": 0.0, "ops": {}, "calls": {}}
-    dense, experts = rank_param_split(shape, lay, rank, layers, expert_tp(lay, impl))
+    dense, experts = rank_param_split(shape, lay, rank, layers, expert_tp(lay, impl), impl)
     if lay.ep == 1:  # no expert groups: the experts are ordinary parameters
         dense, experts = dense + experts, 0.0
     if lay.dp <= 1 and not experts:
@@ -479,7 +483,7 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     grad_bytes = _grad_bytes(impl, lay, dtype)
     grad_b, param_b = dense * wire, dense * param_bytes
     if float8_gathers(impl, lay):  # the blocks' linear weights travel in fp8, a byte each
-        blocks = dense - outer_params(shape, lay, rank)
+        blocks = dense - outer_params(shape, lay, rank, impl)
         param_b -= (blocks * shape.layer_matmul_params / shape.layer_params
                     * (param_bytes - FP8_BYTES))
     if lay.dp <= 1:  # only expert groups to reduce (ep < cp); the dense part as before: none
@@ -568,7 +572,7 @@ def _dp_time(shape: ModelShape, lay: Layout, cluster: Cluster, dtype: str, m: in
     # norm, head) once a micro-batch: the root (`fsdp_root=outer`) or the embedding before
     # anything runs, meshloom's untied root behind the last block (`zero3_first_outer_params`).
     sharded_outer = lay.zero == 3 and param_b
-    outer = outer_params(shape, lay, rank) * param_bytes if sharded_outer else 0.0
+    outer = outer_params(shape, lay, rank, impl) * param_bytes if sharded_outer else 0.0
     lead = (zero3_first_outer_params(shape, lay, rank, impl) * param_bytes if sharded_outer
             else 0.0)
     ag = coll("all_gather", "all_gather", param_b - outer, n, stride,
@@ -718,14 +722,19 @@ class EndCollectives:
     reduce-scattered backward. Each end is one all-reduce's worth either way, on the step's
     critical path, except the head's backward collective, which Megatron-style
     implementations (`tp_overlap`) issue beside the head's weight-gradient GEMM: only what
-    outlasts that GEMM waits."""
+    outlasts that GEMM waits. Ends run as `tp_ends=gathered` differ: a whole table's lookup is
+    sliced, so only its gradient is all-gathered (half an all-reduce, backward), and the
+    head's logits are also all-gathered whole forward (`logits`, one call, exposed: the loss
+    waits for it); ends split over no rank (`whole`) have no collective."""
     emb_f: float = 0.0
     emb_b: float = 0.0
     head_f: float = 0.0
     head_b: float = 0.0
     head_b_all: float = 0.0
     start: float = 0.0  # one call's start
-    sp: bool = False
+    emb_calls: int = 0  # per micro-batch
+    head_calls: int = 0
+    logits_start: float = 0.0  # the logits gather's start, inside head_f
 
     def hidden(self, last: bool) -> float:
         return self.head_b_all - self.head_b if last else 0.0
@@ -733,27 +742,38 @@ class EndCollectives:
     def calls(self, m: int, first: bool, last: bool) -> tuple[float, int, float]:
         """(seconds, calls, their starts) in a step of `m` micro-batches on a rank holding the
         first stage, the last, or both."""
-        per_end = 2 if self.sp else 1
-        n = m * per_end * (first + last)
+        n = m * (self.emb_calls * first + self.head_calls * last)
         secs = m * ((self.emb_f + self.emb_b if first else 0.0)
                     + (self.head_f + self.head_b_all if last else 0.0))
-        return secs, n, n * self.start
+        fixed = n * self.start + (m * (self.logits_start - self.start) if last
+                                  and self.logits_start else 0.0)
+        return secs, n, fixed
 
 
 def end_collectives(lay: Layout, tp_one: float, start: float, head_wgrad_s: float,
-                    impl: Implementation) -> EndCollectives:
+                    impl: Implementation, logits: nccl.Call | None = None) -> EndCollectives:
     """The embedding's and the head's tp collectives for one micro-batch (`EndCollectives`);
     none without tp. `tp_one`: one all-reduce's worth of the micro-batch's activations;
-    `start`: one call's start; `head_wgrad_s`: the head's weight-gradient GEMM."""
-    if lay.tp == 1 or not tp_one:
+    `start`: one call's start; `head_wgrad_s`: the head's weight-gradient GEMM; `logits`: the
+    gather of the whole logits a gathered head (`tp_ends`) makes."""
+    ends = ends_split(impl, lay)
+    if lay.tp == 1 or not tp_one or ends == "whole":
         return EndCollectives()
     if lay.sp:  # each end an all-gather and a reduce-scatter, half an all-reduce each
         emb_f = emb_b = head_f = head_b = tp_one / 2
     else:
         emb_f, emb_b, head_f, head_b = tp_one, 0.0, 0.0, tp_one
+    pieces = 2 if lay.sp else 1
+    emb_calls = head_calls = pieces
+    logits_s = logits_start = 0.0
+    if ends == "gathered":  # the table's slice taken, not reduce-scattered
+        emb_f, emb_calls = 0.0, 1
+        if logits is not None:
+            logits_s, logits_start, head_calls = logits.seconds, logits.start, pieces + 1
     overlapped = impl.tp_overlap and impl.tp_overlap_backward
     exposed_b = _exposed(head_b, head_wgrad_s) if overlapped else head_b
-    return EndCollectives(emb_f, emb_b, head_f, exposed_b, head_b, start, lay.sp)
+    return EndCollectives(emb_f, emb_b, head_f + logits_s, exposed_b, head_b, start, emb_calls,
+                          head_calls, logits_start)
 
 
 def _pp_sends(m: int, rank: int, p: int, n_stages: int, hop: float, start: float) -> dict:

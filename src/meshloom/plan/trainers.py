@@ -150,15 +150,17 @@ from meshloom.plan import PlanError
 # Earlier micro-batches of a step run under `set_requires_gradient_sync(False)`
 # (training/grad.py: `fsdp_no_sync`). It compiles the whole model (`torch.compile(model)` after
 # activation checkpointing and FSDP) and takes the loss outside it, `F.cross_entropy` on the
-# bf16 logits (scripts/train.py: `cross_entropy=eager`); attention is SDPA with the kv heads
+# bf16 logits of its bf16 model with no autocast, so the log-softmax and its gradients stay
+# bf16 (scripts/train.py, model/embedding.py's plain `nn.Linear` head:
+# `cross_entropy=eager_bf16`); attention is SDPA with the kv heads
 # repeated (`repeat_interleave`: `expand_kv`), cuDNN's kernel on its H200s (its 13B profile
 # lists `aten::_cudnn_attention_backward`); RoPE is real-valued and q, k, v are three linears.
-# Its tensor parallel is DTensor's with sequence parallel on the norms (`sp_copies=batch`), no
-# async TP, and a column-parallel head whose logits are gathered whole onto every tp rank,
-# each computing the whole loss in eager passes; the planner prices PyTorch's `loss_parallel`
-# there (CE_BYTES_PER_LOGIT: 76 bytes a logit over 1/tp of the vocabulary against eager's 40
-# over all of it, as many at tp = 2, half at tp = 4) and not the all-gather of the logits, so
-# its tp plans are optimistic in the head. Its pipeline
+# Its tensor parallel (distributed/tensor_parallel.py) is DTensor's with sequence parallel on
+# the norms (`sp_copies=batch`) and no async TP; the token table stays whole on every tp rank,
+# its output sliced to the sequence shard by the first norm, and the head is column-parallel
+# with `output_layouts=Replicate()`, its logits gathered whole onto every tp rank, each rank
+# computing the whole loss (`tp_ends=gathered`). Pipeline stages run plain TP, no sequence
+# parallel, and leave both ends unsplit. Its pipeline
 # (distributed/pipeline_parallel.py) gives each stage an even share of the blocks, the first ones
 # a block more (`pp_split=even`), and runs torch.distributed.pipelining's schedules over FSDP2
 # built with `reshard_after_forward=False` (`pp_fsdp=pytorch`, as torchtitan's).
@@ -199,7 +201,8 @@ TRAINERS: dict[str, dict] = {
                     "grad_reduce_dtype": "bf16", "fsdp_flat_param": True,
                     "train_metrics": "composer", "fsdp_prefetch": False,
                     "fsdp_root": "outer"},
-    "kempnerforge": {"compile": True, "cross_entropy": "eager", "optimizer_impl": "fused",
+    "kempnerforge": {"compile": True, "cross_entropy": "eager_bf16", "tp_ends": "gathered",
+                     "optimizer_impl": "fused",
                      "optimizer_state": "bf16", "fsdp_copy_out": True, "grad_reduce_dtype": "fp32",
                      "fsdp_no_sync": True, "fsdp_root": "outer", "sp_copies": "batch",
                      "attention_kernel": "sdpa", "pp_split": "even", "pp_fsdp": "pytorch"},
@@ -259,7 +262,9 @@ def trainer_impl(trainer: str) -> dict:
 #   "selective" checkpointing wraps each whole Attention module (`apply_ac`), projections
 #   included, which is none of the planner's selective policies, so it is planned with none or
 #   full recompute; its pipeline builds one stage a rank (`build_stage_module`), which runs
-#   1F1B or GPipe (its interleaved 1F1B asks for a list of stages no builder makes).
+#   1F1B or GPipe (its interleaved 1F1B asks for a list of stages no builder makes). Its tensor
+#   parallel runs sequence parallel outside a pipeline and never inside one (`seq_parallel =
+#   not is_pp_stage and not tie and not is_moe`: the rules are for its untied dense models).
 _ONLY_DP = "is data-parallel only"
 _WHOLE_BLOCKS = "recomputes whole blocks only"
 
@@ -312,6 +317,9 @@ def _kempnerforge(lay) -> Iterator[tuple[str, str]]:
                             "is none of the planner's selective modes; plan none or full")
     if lay.pp > 1 and (lay.schedule not in ("1f1b", "gpipe") or lay.v > 1):
         yield "schedule", "builds one pipeline stage a rank and runs it as 1F1B or GPipe"
+    if lay.tp > 1 and lay.sp != (lay.pp == 1):
+        yield "sp", ("runs tensor parallel with sequence parallel outside a pipeline and "
+                     "without it inside one")
 
 
 LAYOUT_RULES = {
