@@ -619,7 +619,8 @@ def test_kempnerforge_rows_are_one_board_and_the_docs_quote_them(validation_rows
     rows = {r["id"]: r for r in validation_rows if r.get("trainer") == "KempnerForge"}
     assert set(rows) == {r["id"] for r in runs}
     assert all(r["set"] == "published-h200" for r in rows.values())
-    assert all("optimizer_state=bf16" in r["fix"] and "cross_entropy=eager" in r["fix"]
+    assert all("optimizer_state=bf16" in r["fix"] and "cross_entropy=eager_bf16" in r["fix"]
+               and "tp_ends=gathered" in r["fix"]
                for r in rows.values())
     plain = [rows[f"kempnerforge-h200-7b-4096-{g}gpu"] for g in (1, 2, 4)]
     tp = [rows[f"kempnerforge-h200-7b-4096-{i}"] for i in ("2gpu-tp2", "4gpu-tp4", "4gpu-tp2")]
