@@ -572,7 +572,7 @@ def test_megatrons_unfused_vocab_parallel_loss_is_priced_pass_by_pass():
     assert parse_fix("cross_entropy=megatron") == {"cross_entropy": "megatron"}
     assert split_fix({"cross_entropy": "megatron"})[1].short() == "cross_entropy=megatron"
     with pytest.raises(PlanError, match="cross_entropy=apex must be one of auto, fused, "
-                                        "eager, xentropy, megatron, megatron_fused"):
+                                        "eager, eager_bf16, xentropy, megatron, megatron_fused"):
         parse_fix("cross_entropy=apex")
 
 
