@@ -122,3 +122,19 @@ def test_the_keys_parse_and_bad_values_are_one_line_errors():
         "tp_ends": "gathered", "cross_entropy": "eager_bf16"}
     with pytest.raises(PlanError, match=r"^--fix: tp_ends=both must be one of split, gathered$"):
         parse_fix("tp_ends=both")
+
+
+def test_a_whole_tied_table_is_summed_whole_across_the_pipeline():
+    """A tied table on the first and the last stage: their gradients meet in an all-reduce,
+    of V/t x h for a split table and of all of it for one whole on every tp rank."""
+    from meshloom.plan.timing import tied_table_sync
+    tied = PRESETS["gpt2"]
+    assert tied.tied
+    cluster, lay = make_cluster("h100", 16, 8), Layout(tp=2, pp=2, dp=4, schedule="1f1b")
+    split = tied_table_sync(tied, lay, cluster, "bf16", impl=SPLIT)
+    whole = tied_table_sync(tied, lay, cluster, "bf16", impl=KF)
+    far = 1 * 4 * 2  # the last stage's rank, (p - 1) x dp x cp x tp ranks from the first
+    assert split == tied_table_sync(tied, lay, cluster, "bf16") == cluster.collective(
+        "all_reduce", tied.vocab / 2 * tied.hidden * 2, 2, far)
+    assert whole == cluster.collective("all_reduce", tied.vocab * tied.hidden * 2, 2, far)
+    assert whole.seconds > split.seconds

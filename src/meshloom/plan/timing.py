@@ -63,6 +63,7 @@ from meshloom.plan.implementation import (
     optimizer_state,
     pytorch_pipelined,
     reduce_bytes,
+    table_tp,
     whole_fp32_states,
     zero3_held_step,
     zero3_no_sync,
@@ -325,7 +326,7 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
         key=lambda d: d[0]["exposed"] + d[1])
 
     tied = tied_table_sync(shape, lay, cluster, dtype, proto,
-                           4 if whole_fp32_states(impl, lay, dtype) else None)
+                           4 if whole_fp32_states(impl, lay, dtype) else None, impl)
     tied_s = tied.seconds
     total = span + dp["exposed"] + optimizer + tied_s
     mf = model_flops(shape, seq, global_batch)
@@ -789,19 +790,21 @@ def _pp_sends(m: int, rank: int, p: int, n_stages: int, hop: float, start: float
 
 
 def tied_table_sync(shape: ModelShape, lay: Layout, cluster: Cluster,
-                    dtype: str, protocols: str = "auto", grad_bytes: int | None = None
-                    ) -> nccl.Call:
+                    dtype: str, protocols: str = "auto", grad_bytes: int | None = None,
+                    impl: Implementation | None = None) -> nccl.Call:
     """Summing a tied token table's two gradients when the first and the last pipeline stage
     hold one copy each: after the backward, one all-reduce of the table's V/t x h gradient
     between those two ranks, (p - 1) stages apart, on the step's critical path (meshloom's
     parallel/pipeline.py `_sum_tied` over its "pp_ends" group; Megatron-Core's
     `_allreduce_embedding_grads` in finalize_model_grads), in the gradients' dtype unless
-    `grad_bytes` says otherwise (DeepSpeed's BF16_Optimizer sums the fp32 copy, `_hp_grad`).
-    No call (0 s) otherwise."""
+    `grad_bytes` says otherwise (DeepSpeed's BF16_Optimizer sums the fp32 copy, `_hp_grad`);
+    the whole V x h where `impl` keeps the table whole on every tp rank (`tp_ends`). No call
+    (0 s) otherwise."""
     if not shape.tied or lay.pp == 1:
         return nccl.Call(0.0, 0.0, "ring", "Simple")
     far = (lay.pp - 1) * lay.dp * lay.cp * lay.tp
-    grad = shape.vocab / lay.tp * shape.hidden * (grad_bytes or precision(dtype).grad_bytes)
+    grad = shape.vocab / table_tp(impl, lay) * shape.hidden * (
+        grad_bytes or precision(dtype).grad_bytes)
     return cluster.collective("all_reduce", grad, 2, far, protocols)
 
 
