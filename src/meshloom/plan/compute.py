@@ -48,7 +48,7 @@ from meshloom.plan.moe import (
     ffn_tokens,
     load_factor,
 )
-from meshloom.plan.reruns import tp_reruns
+from meshloom.plan.reruns import tp_pass_worths
 from meshloom.plan.step_kernels import (
     Gemm,
     block_gemms,
@@ -487,10 +487,10 @@ def sp_copies(shape: ModelShape, lay: Layout, impl: Implementation) -> tuple[flo
     async TP), which it does in the forward only (`tp_overlap_backward` off)."""
     if not _sp_copying(lay, impl):
         return 0.0, 0.0
-    pairs_b = 2 + tp_reruns(shape, lay, impl)
+    pairs_f, pairs_b = tp_pass_worths(shape, lay, impl)
     if _fused_into_gemms(impl):  # the forward's, or every pass's
         return 0.0, (0.0 if impl.tp_overlap_backward else pairs_b * SP_COLLECTIVES_PER_PAIR)
-    return 2.0 * SP_COLLECTIVES_PER_PAIR, pairs_b * SP_COLLECTIVES_PER_PAIR
+    return pairs_f * SP_COLLECTIVES_PER_PAIR, pairs_b * SP_COLLECTIVES_PER_PAIR
 
 
 def end_sp_copies(lay: Layout, impl: Implementation, fused_forward: bool) -> tuple[float, float]:

@@ -272,6 +272,15 @@ published runs use, selectable with `meshloom plan --fix KEY=true|false`.
   (KempnerForge's pipeline stages) neither end is split: every tp rank holds both whole, runs
   the whole head's GEMMs and the loss over all the logits, and neither end has a collective.
   A no-op with tp = 1.
+- `tp_input_gathers`: under tp, how the column-parallel projections that read one norm's output
+  get their input (plan/reruns.py `tp_pass_worths`). `shared` (meshloom, Megatron, torchtitan's
+  `PrepareModuleInput` on the attention and the feed-forward): one all-gather (with SP) feeds
+  them all, and their input gradients are summed before one reduce-scatter. `per_linear`
+  (KempnerForge: DTensor's `ColwiseParallel(input_layouts=Shard(1))` on q, k, v, gate and up
+  each): every projection gathers its own copy forward and reduce-scatters its own input
+  gradient backward (without SP, all-reduces it), five of each in a Llama block where
+  `shared` makes two; torch.compile keeps them all (tests/test_plan_tp_gathers.py counts
+  them in PyTorch's own graph). A no-op with tp = 1.
 - `train_metrics`: what the loop computes over the logits after each micro-batch's backward,
   beside the loss: `none` (meshloom, Megatron, NeMo, torchtitan: the loss only) or `composer`
   (Composer's trainer evaluates the model's training metrics on every micro-batch,
@@ -417,6 +426,7 @@ class Implementation:
     float8: str = "none"
     float8_all_gather: bool = False
     tp_ends: str = "split"
+    tp_input_gathers: str = "shared"
 
     @property
     def elementwise(self) -> str:
@@ -604,7 +614,8 @@ def parse_bool(key: str, value: str) -> bool:
 STR_IMPL_KEYS = ("attention_kernel", "pp_split", "optimizer_state", "optimizer_impl",
                  "grad_reduce_dtype", "dp_buckets", "cross_entropy", "train_metrics", "cp_ring",
                  "nccl_protocols", "sp_copies", "residual_stream", "fsdp_root", "pp_fsdp",
-                 "pp_w_order", "float8", "tp_ends")
+                 "pp_w_order", "float8", "tp_ends",
+                 "tp_input_gathers")
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 OPTIMIZER_IMPLS = ("fused", "foreach", "for_loop")
 # Bytes per parameter beside the bf16 parameter and gradient: (master copy, Adam moments).
@@ -619,6 +630,7 @@ FLOAT8_RECIPES = ("none", "tensorwise")
 CROSS_ENTROPY = ("auto", "fused", "eager", "eager_bf16", "xentropy", "megatron",
                  "megatron_fused")
 TP_ENDS = ("split", "gathered")
+TP_INPUT_GATHERS = ("shared", "per_linear")
 # Eager cross-entropy forwards over the logits a loop's training metrics run per micro-batch.
 TRAIN_METRIC_PASSES = {"none": 0, "composer": 2}
 # meshloom's parallel.ddp_bucket_mb default, which is PyTorch DDP's bucket_cap_mb (25 MiB)

@@ -23,6 +23,7 @@ from meshloom.plan.implementation import (
     SP_COPIES,
     STR_IMPL_KEYS,
     TP_ENDS,
+    TP_INPUT_GATHERS,
     TRAIN_METRIC_PASSES,
     parse_bool,
 )
@@ -122,7 +123,8 @@ def parse_fix(text: str) -> dict:
                        "pp_fsdp": PP_FSDP,
                        "pp_w_order": W_ORDERS,
                        "float8": FLOAT8_RECIPES,
-                       "tp_ends": TP_ENDS}.get(key, SCHEDULES)
+                       "tp_ends": TP_ENDS,
+                       "tp_input_gathers": TP_INPUT_GATHERS}.get(key, SCHEDULES)
             if value not in options:
                 raise PlanError(f"--fix: {key}={value} must be one of {', '.join(options)}")
             out[key] = value

@@ -29,6 +29,13 @@ issues. How much depends on the implementation, not only on the mode:
   (the rerun repeats the routing and the dispatch rather than keep the received rows), where
   Megatron's selective, attention only, does not.
 tests/test_plan_reruns.py counts each of meshloom's cases with the comm counter.
+
+How many collectives a block's pass issues in the first place (`tp_pass_worths`): two
+all-gathers and two reduce-scatters (with SP; else two all-reduces), the column-parallel
+projections that read a norm's output all reading the one gathered input
+(`tp_input_gathers=shared`), or, as DTensor's `ColwiseParallel(input_layouts=Shard(1))` on each
+projection runs it (`per_linear`, KempnerForge), each projection gathering its own copy
+forward and reduce-scattering its own input gradient backward (without SP, all-reducing it).
 """
 
 from __future__ import annotations
@@ -71,3 +78,35 @@ def dispatch_reruns(lay: Layout, impl: Implementation) -> bool:
     if lay.recompute == "full":
         return True
     return lay.recompute == "selective" and impl.meshloom_block
+
+
+def tp_extra_readers(shape: ModelShape, impl: Implementation) -> int:
+    """Column-parallel projections beyond the first reading each gathered norm output: q, k and
+    v read the attention's (one projection under `fused_qkv`, and in GPT blocks), a SwiGLU's
+    gate and up the feed-forward's (GPT's fc1 alone; an MoE feed-forward is not split over
+    tp)."""
+    attention = 0 if impl.fused_qkv or shape.arch == "gpt" else 2
+    return attention + (1 if shape.arch == "llama" and not shape.is_moe else 0)
+
+
+def tp_pass_worths(shape: ModelShape, lay: Layout, impl: Implementation) -> tuple[float, float]:
+    """A block's tensor-parallel collectives per micro-batch, (forward, backward with what
+    recompute reruns), in all-reduces' worth (an all-gather or a reduce-scatter is half of one):
+    2 and 2 + `tp_reruns` with shared gathers (`tp_input_gathers`). Per linear, each extra
+    projection reading a norm adds an all-gather forward and a reduce-scatter backward (half
+    each), or without SP an all-reduce backward; full recompute reruns the whole forward and
+    torchtitan's per-op policy every all-gather."""
+    if lay.tp == 1:
+        return 0.0, 0.0
+    reruns = tp_reruns(shape, lay, impl)
+    if impl.tp_input_gathers == "shared":
+        return 2.0, 2.0 + reruns
+    extra = tp_extra_readers(shape, impl)
+    if not lay.sp:  # the forward's all-reduces are the row-parallel ones, as shared
+        return 2.0, 2.0 + extra + reruns
+    fwd = 2.0 + extra / 2
+    if lay.recompute == "full":
+        reruns = fwd
+    elif reruns and impl.op_sac:  # every all-gather again
+        reruns += extra / 2
+    return fwd, 2.0 + extra / 2 + reruns

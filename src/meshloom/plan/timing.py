@@ -91,7 +91,7 @@ from meshloom.plan.moe import (
     ffn_tokens,
     load_factor,
 )
-from meshloom.plan.reruns import dispatch_reruns, ring_reruns, tp_reruns
+from meshloom.plan.reruns import dispatch_reruns, ring_reruns, tp_pass_worths
 from meshloom.plan.stages import rank_layers, stage_layers
 from meshloom.plan.step_kernels import head_gemm
 
@@ -188,7 +188,8 @@ def step_time(shape: ModelShape, lay: Layout, cluster: Cluster, seq: int, global
     end_one = sum(c.seconds for c in pair(e)) if impl.float8 != "none" else tp_one
     tp_start = sum(c.start for c in tp_calls)
     tp_pairs = ", ".join(sorted({c.name for c in tp_calls}))
-    tp_f_all, tp_b_all = 2 * tp_one, (2 + tp_reruns(shape, lay, impl)) * tp_one
+    worth_f, worth_b = tp_pass_worths(shape, lay, impl)
+    tp_f_all, tp_b_all = worth_f * tp_one, worth_b * tp_one
     if impl.tp_overlap:  # the hidden part still slows the GEMMs it runs beside
         tp_f, tp_b = _exposed(tp_f_all, blk.fwd.gemm), _exposed(tp_b_all, blk.bwd.gemm)
         if not impl.tp_overlap_backward:  # only the forward's run under its GEMMs

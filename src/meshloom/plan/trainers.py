@@ -159,8 +159,11 @@ from meshloom.plan import PlanError
 # the norms (`sp_copies=batch`) and no async TP; the token table stays whole on every tp rank,
 # its output sliced to the sequence shard by the first norm, and the head is column-parallel
 # with `output_layouts=Replicate()`, its logits gathered whole onto every tp rank, each rank
-# computing the whole loss (`tp_ends=gathered`). Pipeline stages run plain TP, no sequence
-# parallel, and leave both ends unsplit. Its pipeline
+# computing the whole loss (`tp_ends=gathered`). Its plan puts `ColwiseParallel(input_layouts=
+# Shard(1))` on q, k, v, gate and up each, with no `PrepareModuleInput` on the attention or the
+# feed-forward, so each of the five gathers the norm's output itself and reduce-scatters its
+# own input gradient (`tp_input_gathers=per_linear`). Pipeline stages run plain TP, no
+# sequence parallel, and leave both ends unsplit. Its pipeline
 # (distributed/pipeline_parallel.py) gives each stage an even share of the blocks, the first ones
 # a block more (`pp_split=even`), and runs torch.distributed.pipelining's schedules over FSDP2
 # built with `reshard_after_forward=False` (`pp_fsdp=pytorch`, as torchtitan's).
@@ -202,6 +205,7 @@ TRAINERS: dict[str, dict] = {
                     "train_metrics": "composer", "fsdp_prefetch": False,
                     "fsdp_root": "outer"},
     "kempnerforge": {"compile": True, "cross_entropy": "eager_bf16", "tp_ends": "gathered",
+                     "tp_input_gathers": "per_linear",
                      "optimizer_impl": "fused",
                      "optimizer_state": "bf16", "fsdp_copy_out": True, "grad_reduce_dtype": "fp32",
                      "fsdp_no_sync": True, "fsdp_root": "outer", "sp_copies": "batch",
