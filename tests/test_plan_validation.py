@@ -646,8 +646,10 @@ def test_kempnerforge_rows_are_one_board_and_the_docs_quote_them(validation_rows
     assert f"{errors[0]}, {errors[1]} and {errors[2]}" in text
     errors = [pct(r["error"]) for r in tp]
     assert f"{errors[0]}, {errors[1]} and {errors[2]}" in text
-    switched = [f"{100 * r['error_switched_nvlink']:+.0f}%" for r in tp]
+    switched = [f"{100 * r['error_switched_nvlink']:+.0f}%".replace("-", "−") for r in tp]
     assert f"at {switched[0]}, {switched[1]} and {switched[2]} with the node" in text
     steps = [f"{r['step_s']:.2f}" for r in plain]
     assert f"planned {steps[0]}, {steps[1]} and {steps[2]} s" in text
     assert f"GEMMs are {plain[0]['compute_s']['gemm']:.2f} s of its planned step" in text
+    steps = [f"{r['step_s']:.2f}" for r in tp]
+    assert f"planned {steps[0]}, {steps[1]} and {steps[2]} s a step" in text
