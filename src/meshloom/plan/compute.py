@@ -470,7 +470,8 @@ def float8_cast_bytes(gemms: list[Gemm], impl: Implementation, lay: Layout
 
 
 # Under SP each all-reduce's worth of a block's tp traffic is an all-gather and a
-# reduce-scatter (timing.step_time counts 2 forward and 2 + tp_reruns backward).
+# reduce-scatter (reruns.tp_pass_worths: 2 forward and 2 + tp_reruns backward with shared
+# gathers, more per projection).
 SP_COLLECTIVES_PER_PAIR = 2
 
 
