@@ -43,6 +43,7 @@ from __future__ import annotations
 from meshloom.plan.implementation import Implementation
 from meshloom.plan.layout import Layout
 from meshloom.plan.models import ModelShape
+from meshloom.plan.step_kernels import norm_casts
 
 
 def tp_reruns(shape: ModelShape, lay: Layout, impl: Implementation) -> float:
@@ -81,12 +82,12 @@ def dispatch_reruns(lay: Layout, impl: Implementation) -> bool:
 
 
 def tp_extra_readers(shape: ModelShape, impl: Implementation) -> int:
-    """Column-parallel projections beyond the first reading each gathered norm output: q, k and
-    v read the attention's (one projection under `fused_qkv`, and in GPT blocks), a SwiGLU's
-    gate and up the feed-forward's (GPT's fc1 alone; an MoE feed-forward is not split over
-    tp)."""
-    attention = 0 if impl.fused_qkv or shape.arch == "gpt" else 2
-    return attention + (1 if shape.arch == "llama" and not shape.is_moe else 0)
+    """Column-parallel projections beyond the first reading each gathered norm output: the
+    norms' readers (step_kernels.norm_casts: q, k and v, one under `fused_qkv` and in GPT
+    blocks; a SwiGLU's gate and up, GPT's fc1) less one per norm; an MoE block's router and
+    dispatch read the second norm's output outside the tp group."""
+    readers = norm_casts(shape, impl.fused_qkv, impl.fused_swiglu)
+    return readers - (3 if shape.is_moe else 2)
 
 
 def tp_pass_worths(shape: ModelShape, lay: Layout, impl: Implementation) -> tuple[float, float]:

@@ -735,8 +735,9 @@ class EndCollectives:
     head_b_all: float = 0.0
     start: float = 0.0  # one call's start
     emb_calls: int = 0  # per micro-batch
-    head_calls: int = 0
-    logits_start: float = 0.0  # the logits gather's start, inside head_f
+    head_calls: int = 0  # besides the logits' gather
+    logits_calls: int = 0  # 1 for a gathered head (its seconds inside head_f)
+    logits_start: float = 0.0
 
     def hidden(self, last: bool) -> float:
         return self.head_b_all - self.head_b if last else 0.0
@@ -745,11 +746,10 @@ class EndCollectives:
         """(seconds, calls, their starts) in a step of `m` micro-batches on a rank holding the
         first stage, the last, or both."""
         n = m * (self.emb_calls * first + self.head_calls * last)
+        logits = m * self.logits_calls * last
         secs = m * ((self.emb_f + self.emb_b if first else 0.0)
                     + (self.head_f + self.head_b_all if last else 0.0))
-        fixed = n * self.start + (m * (self.logits_start - self.start) if last
-                                  and self.logits_start else 0.0)
-        return secs, n, fixed
+        return secs, n + logits, n * self.start + logits * self.logits_start
 
 
 def end_collectives(lay: Layout, tp_one: float, start: float, head_wgrad_s: float,
@@ -765,17 +765,15 @@ def end_collectives(lay: Layout, tp_one: float, start: float, head_wgrad_s: floa
         emb_f = emb_b = head_f = head_b = tp_one / 2
     else:
         emb_f, emb_b, head_f, head_b = tp_one, 0.0, 0.0, tp_one
-    pieces = 2 if lay.sp else 1
-    emb_calls = head_calls = pieces
-    logits_s = logits_start = 0.0
+    emb_calls = head_calls = 2 if lay.sp else 1
     if ends == "gathered":  # the table's slice taken, not reduce-scattered
         emb_f, emb_calls = 0.0, 1
-        if logits is not None:
-            logits_s, logits_start, head_calls = logits.seconds, logits.start, pieces + 1
+    gathered = ends == "gathered" and logits is not None
     overlapped = impl.tp_overlap and impl.tp_overlap_backward
     exposed_b = _exposed(head_b, head_wgrad_s) if overlapped else head_b
-    return EndCollectives(emb_f, emb_b, head_f + logits_s, exposed_b, head_b, start, emb_calls,
-                          head_calls, logits_start)
+    return EndCollectives(emb_f, emb_b, head_f + (logits.seconds if gathered else 0.0),
+                          exposed_b, head_b, start, emb_calls, head_calls, int(gathered),
+                          logits.start if gathered else 0.0)
 
 
 def _pp_sends(m: int, rank: int, p: int, n_stages: int, hop: float, start: float) -> dict:
